@@ -1,0 +1,444 @@
+"""Typed configuration: the dataclass schemas behind `conf/` and their validation.
+
+Every key a user can set is a field here with a docstring-comment; a bad value fails before any
+process group or run directory exists, with one line naming the key, the value and how to fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
+from hydra.utils import get_object
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from mgpu import dist
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key, the value and the fix."""
+
+    def __init__(self, key: str, value: Any, why: str):
+        super().__init__(f"{key}={value!r}: {why}")
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, why)
+
+
+def _positive(key: str, value: float, example: str) -> None:
+    _require(value > 0, key, value, f"must be > 0, e.g. {key}={example}")
+
+
+def _non_negative(key: str, value: float, example: str) -> None:
+    _require(value >= 0, key, value, f"must be >= 0, e.g. {key}={example}")
+
+
+# Enum member names are what users type (`trainer.precision=bf16`); OmegaConf rejects any other
+# value at composition time with the allowed list.
+class Precision(Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Engine(Enum):
+    torch_ddp = "torch_ddp"
+    none = "none"
+
+
+class Backend(Enum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class OptimizerName(Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300  # optimizer steps to train for
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; gradients sync on the last only
+    precision: Precision = Precision.auto  # auto: bf16 autocast on CUDA, fp32 on CPU
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    log_every: int = 10  # steps between TensorBoard/console records
+    eval_every: int = 100  # steps between evaluations (also one at the end); 0: only at the end
+    seed: int = 0  # model init, sampler shuffle and dropout all derive from it
+    compile: bool = False  # torch.compile the model before wrapping it for data parallelism
+
+    def __post_init__(self) -> None:
+        _positive("trainer.max_steps", self.max_steps, "1000")
+        _positive("trainer.grad_accum_steps", self.grad_accum_steps, "4")
+        _non_negative("trainer.grad_clip", self.grad_clip, "1.0 (0 turns clipping off)")
+        _positive("trainer.log_every", self.log_every, "10")
+        _non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
+        _non_negative("trainer.seed", self.seed, "0")
+
+
+@dataclass
+class DistConfig:
+    engine: Engine = Engine.torch_ddp  # how gradients are averaged across processes
+    backend: Backend = Backend.auto  # auto: nccl when CUDA GPUs are visible, else gloo
+    timeout_s: float = 600.0  # a collective that waits longer than this fails instead of hanging
+    bucket_cap_mb: float = 25.0  # gradient bucket size for torch_ddp
+
+    def __post_init__(self) -> None:
+        _positive("dist.timeout_s", self.timeout_s, "600")
+        _positive("dist.bucket_cap_mb", self.bucket_cap_mb, "25")
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 1e-3  # peak learning rate, reached after warmup
+    weight_decay: float = 0.1  # applied to matrices and embeddings only, not to biases and norms
+    warmup_steps: int = 20  # linear warmup from 0 to optim.lr
+    min_lr_ratio: float = 0.1  # cosine decay ends at optim.lr * min_lr_ratio at trainer.max_steps
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # adamw
+    eps: float = 1e-8  # adamw
+    momentum: float = 0.9  # sgd
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr, "3e-4")
+        _non_negative("optim.weight_decay", self.weight_decay, "0.1")
+        _non_negative("optim.warmup_steps", self.warmup_steps, "100")
+        ok = 0 <= self.min_lr_ratio <= 1
+        _require(ok, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1], e.g. 0.1")
+        ok = len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)
+        _require(ok, "optim.betas", self.betas, "must be two numbers in [0, 1), e.g. [0.9,0.95]")
+        _positive("optim.eps", self.eps, "1e-8")
+        ok = 0 <= self.momentum < 1
+        _require(ok, "optim.momentum", self.momentum, "must be in [0, 1), e.g. 0.9")
+
+
+# ---- data: one schema per built-in dataset; the loader keys are shared ----
+
+
+@dataclass
+class DataConfig:
+    _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)
+    batch_size: int = 32  # per device, per micro-step
+    num_workers: int = 2  # DataLoader worker processes per rank
+    pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
+
+    def __post_init__(self) -> None:
+        _positive("data.batch_size", self.batch_size, "32")
+        _non_negative("data.num_workers", self.num_workers, "4")
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        """The fields a Dataset's constructor receives: everything but the loader keys."""
+        loader_keys = {f.name for f in fields(DataConfig)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in loader_keys}
+
+
+@dataclass
+class NgramDataConfig(DataConfig):
+    _target_: str = "mgpu.data.NgramTokens"
+    vocab_size: int = 256
+    seq_len: int = 64
+    order: int = 1  # tokens of context that decide the next token's successor set
+    branching: int = 4  # successors per context; the source's entropy is ln(branching) nats/token
+    num_samples: int = 100_000
+    eval_samples: int = 1024
+    seed: int = 1234  # fixes the source and the samples (independent of trainer.seed)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _require(
+            self.branching <= self.vocab_size,
+            "data.branching",
+            self.branching,
+            f"must be <= data.vocab_size ({self.vocab_size})",
+        )
+
+
+@dataclass
+class ImageDataConfig(DataConfig):
+    _target_: str = "mgpu.data.SyntheticImages"
+    num_classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    num_samples: int = 50_000
+    eval_samples: int = 1_000
+    noise: float = 48.0  # pixel noise std around each class template (uint8 scale)
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _non_negative("data.noise", self.noise, "48")
+
+
+@dataclass
+class TokenFileDataConfig(DataConfig):
+    _target_: str = "mgpu.data.TokenFile"
+    path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
+    seq_len: int = 1024
+    eval_samples: int = 256  # the file's last windows, held out for evaluation
+    vocab_size: int = 50304  # every token in the file must be below this
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("seq_len", "eval_samples", "vocab_size"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+
+
+@dataclass
+class CustomDataConfig(DataConfig):
+    """A user's Dataset: `data=custom data._target_=pkg.MyDataset +data.kwargs.root=/data`."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+
+# ---- models ----
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING  # import path of an nn.Module class built as Cls(**kwargs)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_target_"}
+
+
+@dataclass
+class GPTModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.GPT"
+    vocab_size: int = 256
+    block_size: int = 64  # longest sequence the position embedding covers
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            _positive(f"model.{key}", getattr(self, key), "a positive integer")
+        _require(
+            self.n_embd % self.n_head == 0,
+            "model.n_embd",
+            self.n_embd,
+            f"must be divisible by model.n_head ({self.n_head})",
+        )
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+
+
+@dataclass
+class ResNetModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.ResNet"
+    num_classes: int = 10
+    block: str = "basic"  # basic | bottleneck
+    layers: list[int] = field(default_factory=lambda: [1, 1, 1, 1])  # blocks per stage
+    width: int = 16  # channels of the first stage
+    in_channels: int = 3
+    stem: str = "cifar"  # cifar (3x3, no pool, for small images) | imagenet (7x7 + pool)
+
+    def __post_init__(self) -> None:
+        _positive("model.num_classes", self.num_classes, "10")
+        _positive("model.width", self.width, "64")
+        _require(
+            self.block in ("basic", "bottleneck"),
+            "model.block",
+            self.block,
+            "must be basic or bottleneck",
+        )
+        _require(
+            self.stem in ("cifar", "imagenet"), "model.stem", self.stem, "must be cifar or imagenet"
+        )
+        _require(
+            len(self.layers) > 0 and all(n > 0 for n in self.layers),
+            "model.layers",
+            self.layers,
+            "must be a non-empty list of positive block counts",
+        )
+
+
+@dataclass
+class MLPModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.MLP"
+    in_features: int = 3 * 32 * 32
+    num_classes: int = 10
+    hidden: list[int] = field(default_factory=lambda: [256, 256])
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("model.in_features", self.in_features, "3072")
+        _positive("model.num_classes", self.num_classes, "10")
+        _require(
+            all(h > 0 for h in self.hidden),
+            "model.hidden",
+            self.hidden,
+            "must be positive layer widths, e.g. [256,256]",
+        )
+
+
+@dataclass
+class CustomModelConfig(ModelConfig):
+    """A user's module: `model=custom model._target_=pkg.MyNet +model.kwargs.width=64`."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+
+@dataclass
+class Config:
+    model: Any = MISSING  # one of the model schemas above, chosen by `model=...`
+    data: Any = MISSING  # one of the data schemas above, chosen by `data=...`
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def __post_init__(self) -> None:
+        _check_model_fits_data(self.model, self.data)
+
+
+def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
+    """Catch a model/data pairing that would only fail deep inside the first step."""
+    if isinstance(model, GPTModelConfig):
+        if isinstance(data, ImageDataConfig):
+            raise ConfigError("data", "images", "a GPT model needs token data, e.g. data=ngram")
+        if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
+            _require(
+                data.vocab_size <= model.vocab_size,
+                "model.vocab_size",
+                model.vocab_size,
+                f"is smaller than data.vocab_size ({data.vocab_size}); raise it",
+            )
+            _require(
+                data.seq_len <= model.block_size,
+                "data.seq_len",
+                data.seq_len,
+                f"exceeds model.block_size ({model.block_size}); lower it or raise that",
+            )
+    if isinstance(model, (ResNetModelConfig, MLPModelConfig)):
+        if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
+            raise ConfigError("data", "tokens", "an image model needs image data: data=images")
+        if isinstance(data, ImageDataConfig):
+            _require(
+                data.num_classes <= model.num_classes,
+                "model.num_classes",
+                model.num_classes,
+                f"is smaller than data.num_classes ({data.num_classes})",
+            )
+    if isinstance(model, ResNetModelConfig) and isinstance(data, ImageDataConfig):
+        _require(
+            model.in_channels == data.channels,
+            "model.in_channels",
+            model.in_channels,
+            f"must equal data.channels ({data.channels})",
+        )
+    if isinstance(model, MLPModelConfig) and isinstance(data, ImageDataConfig):
+        pixels = data.channels * data.image_size**2
+        _require(
+            model.in_features == pixels,
+            "model.in_features",
+            model.in_features,
+            f"must equal data.channels * data.image_size**2 = {pixels}",
+        )
+
+
+def build_from_target(key: str, target: str, kwargs: dict[str, Any], **extra: Any) -> Any:
+    """`target(**extra, **kwargs)` for a `_target_` import path, naming the key if it fails."""
+    try:
+        factory = get_object(target)
+    except Exception as err:
+        raise ConfigError(f"{key}._target_", target, f"cannot be imported: {err}") from err
+    return factory(**extra, **kwargs)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Composed Hydra config -> validated typed Config (runs every __post_init__ check)."""
+    _reject_unknown_keys(cfg)
+    # Converting group by group leaves out Hydra's own `hydra` node, and building Config last
+    # runs the cross-group checks in Config.__post_init__.
+    parts = {f.name: OmegaConf.to_object(cfg[f.name]) for f in fields(Config)}
+    return Config(**parts)
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """`+optim.lrr=1` adds a key the schema lacks; OmegaConf would drop it without a word."""
+    top = {f.name for f in fields(Config)} | {"hydra"}
+    for key in cfg.keys():
+        _require(key in top, str(key), cfg[key], f"is not an mgpu setting; known: {sorted(top)}")
+    for group in top - {"hydra"}:
+        schema = OmegaConf.get_type(cfg[group])
+        known = {f.name for f in fields(schema)}
+        for key in cfg[group].keys():
+            _require(
+                key in known,
+                f"{group}.{key}",
+                cfg[group][key],
+                f"is not a key of {group} ({schema.__name__}); known: {sorted(known)}",
+            )
+
+
+def describe_error(err: Exception) -> str:
+    """One line for a config error, whether ours or OmegaConf's."""
+    if isinstance(err, OmegaConfBaseException):
+        key = getattr(err, "full_key", None)
+        first = str(err).splitlines()[0]
+        if isinstance(err, MissingMandatoryValue):
+            return f"{key} is required and has no value: set it on the command line, {key}=..."
+        return f"{key}: {first}" if key else first
+    return str(err)
+
+
+class ValidateOnRunStart(Callback):
+    """Hydra calls this after composing the config and before it creates the run directory."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            cfg = to_config(config)
+            dist.check_launch(cfg.dist.backend.value)
+        except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
+            # SystemExit passes through Hydra's error handler untouched, so the user sees
+            # exactly one line and no traceback.
+            print(f"mgpu: config error: {describe_error(err)}", file=sys.stderr)
+            sys.exit(2)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.on_run_start(config)
+
+
+def register() -> None:
+    """Put the schemas into Hydra's ConfigStore and the run-name resolver into OmegaConf."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, name, node in [
+        ("model", "gpt_schema", GPTModelConfig),
+        ("model", "resnet_schema", ResNetModelConfig),
+        ("model", "mlp_schema", MLPModelConfig),
+        ("model", "custom_schema", CustomModelConfig),
+        ("data", "ngram_schema", NgramDataConfig),
+        ("data", "images_schema", ImageDataConfig),
+        ("data", "tokens_schema", TokenFileDataConfig),
+        ("data", "custom_schema", CustomDataConfig),
+    ]:
+        cs.store(group=group, name=name, node=node)
+    if not OmegaConf.has_resolver("mgpu_run_name"):
+        OmegaConf.register_new_resolver("mgpu_run_name", dist.launch_run_name)
+
+
+register()

@@ -1,0 +1,103 @@
+"""Memory-mapped uint16 token file (nanoGPT `.bin` layout: flat little-endian uint16, no header).
+
+Cut into non-overlapping windows of seq_len+1 tokens; the last `eval_samples` windows are eval.
+"""
+
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+TOKEN_DTYPE = np.dtype("<u2")
+SCAN_CHUNK = 1 << 24  # tokens per chunk of the construction-time max-token scan
+
+
+def _max_token(path: str, n_tokens: int) -> int:
+    data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", shape=(n_tokens,))
+    try:
+        # Chunked so a multi-GB file never needs to be resident at once.
+        return max(int(data[s : s + SCAN_CHUNK].max()) for s in range(0, n_tokens, SCAN_CHUNK))
+    finally:
+        del data  # closes the map; workers reopen their own lazily
+
+
+class TokenFile(Dataset):
+    """Windows of a `.bin` token file; inputs = window[:-1], targets = window[1:] (int64)."""
+
+    def __init__(
+        self,
+        split: str,
+        path: str,
+        seq_len: int = 1024,
+        eval_samples: int = 256,
+        vocab_size: int = 50304,
+    ):
+        if split not in ("train", "eval"):
+            raise ValueError(f"split={split!r} is not a known split; use 'train' or 'eval'")
+        for name, value in dict(
+            seq_len=seq_len, eval_samples=eval_samples, vocab_size=vocab_size
+        ).items():
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be a positive integer")
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"token file {path!r} not found; create it from a text file with "
+                f"`python -m mgpu.data.prepare INPUT.txt {path}`"
+            )
+        n_bytes = os.path.getsize(path)
+        if n_bytes % TOKEN_DTYPE.itemsize:
+            raise ValueError(
+                f"token file {path!r} has {n_bytes} bytes, not a multiple of 2; it "
+                f"is not a flat uint16 token file (truncated write?)"
+            )
+        n_tokens = n_bytes // TOKEN_DTYPE.itemsize
+        windows = max(n_tokens - 1, 0) // seq_len
+        if windows <= eval_samples:
+            raise ValueError(
+                f"token file {path!r} has {n_tokens} tokens, too few for seq_len={seq_len} and "
+                f"eval_samples={eval_samples}: that needs more than {eval_samples} windows of "
+                f"{seq_len}+1 tokens, i.e. at least {(eval_samples + 1) * seq_len + 1} tokens; "
+                f"use a bigger file or lower seq_len / eval_samples"
+            )
+        max_token = _max_token(path, n_tokens)
+        if max_token >= vocab_size:
+            raise ValueError(
+                f"token file {path!r} holds token {max_token}, which is >= "
+                f"vocab_size={vocab_size}; set vocab_size to at least {max_token + 1}"
+            )
+        self.split = split
+        self.path = path
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.tokens_per_sample = seq_len
+        self.n_tokens = n_tokens
+        self.num_windows = windows
+        # Train takes windows [0, windows - eval_samples), eval the rest: never overlapping.
+        self._first = 0 if split == "train" else windows - eval_samples
+        self._len = windows - eval_samples if split == "train" else eval_samples
+        self._data = None  # np.memmap, opened lazily in each process
+
+    def __getstate__(self) -> dict:
+        # DataLoader workers get a pickled copy; each opens its own map on first use.
+        state = self.__dict__.copy()
+        state["_data"] = None
+        return state
+
+    def __len__(self) -> int:
+        return self._len
+
+    def window(self, i: int) -> int:
+        """Index in the whole file of this split's i-th window (tokens start at window*seq_len)."""
+        return self._first + i
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = int(i)
+        if not 0 <= i < self._len:
+            raise IndexError(f"index {i} out of range for {self.split} split of {self._len}")
+        if self._data is None:
+            self._data = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r", shape=(self.n_tokens,))
+        start = self.window(i) * self.seq_len
+        chunk = torch.from_numpy(self._data[start : start + self.seq_len + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]

@@ -1,0 +1,124 @@
+"""Decoder-only GPT transformer (pre-LayerNorm, causal SDPA attention, tied lm_head).
+
+Also owns its analytic training-FLOP count, the PaLM / nanoGPT MFU formula.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        self.n_head = n_head
+        self.dropout = dropout
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim): SDPA wants heads as a batch dim
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, n_embd: int, dropout: float, bias: bool):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd, bias=bias)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
+        self.mlp = FeedForward(n_embd, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+    ):
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(
+                f"n_embd ({n_embd}) must be divisible by n_head ({n_head}): "
+                "each head gets n_embd // n_head channels"
+            )
+        self.block_size = block_size
+        self.n_layer = n_layer
+        self.n_embd = n_embd
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        # weight tying: one matrix embeds tokens and scores them (saves vocab*n_embd params)
+        self.lm_head.weight = self.wte.weight
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        # GPT-2: scale residual-branch outputs so the residual stream's variance does not
+        # grow with depth (2 residual adds per layer)
+        resid_std = 0.02 / math.sqrt(2 * self.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=resid_std)
+            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=resid_std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def num_params(self) -> int:
+        # parameters() de-duplicates, so the tied wte/lm_head weight counts once
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_sample(self, sample_shape: tuple[int, ...]) -> float:
+        """Training FLOPs (fwd + bwd) for one sequence of length sample_shape[0].
+
+        PaLM appendix B / nanoGPT: 6*N per token for the weight matmuls plus 12*L*d*T per
+        token for attention scores and values. N excludes wpe (a lookup, no matmul); the
+        tied wte counts once, as lm_head. LayerNorm/softmax/GELU are ignored.
+        """
+        T = sample_shape[0]
+        n = self.num_params() - self.wpe.weight.numel()
+        return float((6 * n + 12 * self.n_layer * self.n_embd * T) * T)

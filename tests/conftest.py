@@ -1,0 +1,63 @@
+"""Shared test helpers: run train.py the way users do (torchrun as a subprocess) and read back
+what it wrote."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "train.py"
+
+# Small and quick on 2 CPU cores: the default model and data, fewer steps, no worker processes.
+FAST = [
+    "trainer.max_steps=40",
+    "trainer.log_every=10",
+    "trainer.eval_every=20",
+    "data.num_workers=0",
+    "data.eval_samples=64",
+]
+
+
+def run_train(
+    args, *, cwd: Path, nproc: int | None = 2, env: dict | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node=N train.py args` (or plain `python train.py` for nproc=None)."""
+    launcher = [sys.executable]
+    if nproc is not None:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    full_env.update(env or {})
+    return subprocess.run(
+        [*launcher, str(TRAIN), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the run's TensorBoard event files: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(run_dir.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

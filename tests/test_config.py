@@ -1,0 +1,92 @@
+"""Config schema and validation: the real conf/ tree composed with Hydra, and bad input rejected
+with one clear line before any process group or run directory exists."""
+
+import math
+
+import pytest
+from conftest import ROOT, run_train
+from hydra import compose, initialize_config_dir
+
+from mgpu.config import ConfigError, GPTModelConfig, NgramDataConfig, to_config
+
+
+def compose_config(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_default_config_is_the_small_gpt_on_ngram_tokens():
+    cfg = to_config(compose_config())
+    assert isinstance(cfg.model, GPTModelConfig) and isinstance(cfg.data, NgramDataConfig)
+    assert cfg.dist.engine.value == "torch_ddp" and cfg.dist.backend.value == "auto"
+    assert cfg.trainer.precision.value == "auto"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=gpt2_small", "data=tokens", "data.path=train.bin", "data.vocab_size=50304"],
+        ["experiment=gpt2_small", "data.path=train.bin"],
+        ["experiment=resnet50"],
+        ["model=resnet_tiny", "data=images"],
+        ["model=mlp", "data=images", "optim=sgd"],
+        ["model=custom", "model._target_=torch.nn.Linear", "+model.kwargs.in_features=4"],
+    ],
+)
+def test_builtin_choices_compose_and_validate(overrides):
+    to_config(compose_config(*overrides))
+
+
+def test_gpt2_small_is_the_124m_shape():
+    m = to_config(compose_config("model=gpt2_small", "data.vocab_size=256")).model
+    assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.vocab_size) == (12, 768, 12, 1024, 50304)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("optim.lr=-1", "optim.lr"),
+        ("data.batch_size=0", "data.batch_size"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("+optim.lrr=1", "optim.lrr"),
+        ("data.seq_len=128", "data.seq_len"),  # longer than the tiny GPT's block_size of 64
+    ],
+)
+def test_nonsensical_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        to_config(compose_config(override))
+
+
+BAD_INPUT = [
+    ("trainer.max_steps=abc", ["trainer.max_steps", "abc"]),
+    ("optim.lrr=1", ["optim.lrr"]),
+    ("+optim.lrr=1", ["optim.lrr", "1"]),
+    ("optim.lr=-1", ["optim.lr", "-1"]),
+    ("data.batch_size=0", ["data.batch_size", "0"]),
+    ("trainer.precision=bf17", ["trainer.precision", "bf17"]),
+    ("data=tokens", ["data.path", "required"]),  # a missing required value
+]
+
+
+@pytest.mark.parametrize("override, expected", BAD_INPUT)
+def test_bad_input_exits_before_any_run_directory(tmp_path, override, expected):
+    run_dir = tmp_path / "run"
+    proc = run_train([override, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode != 0
+    for word in expected:
+        assert word in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists() and not (tmp_path / "outputs").exists()
+
+
+def test_bad_input_under_torchrun_stops_every_rank_without_a_process_group(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(["optim.lr=-1", f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    assert proc.returncode != 0
+    assert proc.stderr.count("mgpu: config error: optim.lr=-1.0") == 2, proc.stderr
+    assert not run_dir.exists()
+
+
+def test_ngram_entropy_is_what_the_readme_states():
+    readme = (ROOT / "README.md").read_text()
+    assert f"{math.log(4):.3f}" in readme

@@ -1,0 +1,90 @@
+"""Sharded sampling and evaluation: every rank gets equal training steps, a new shuffle every
+epoch, and evaluation sees each sample exactly once across ranks."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from test_equivalence import free_port
+from torch.utils.data import DataLoader, TensorDataset
+
+from mgpu.config import Precision, TrainerConfig
+from mgpu.dist import Runtime
+from mgpu.loader import ShardedSampler, epochs, to_device
+from mgpu.models import MLP
+from mgpu.trainer import Trainer
+
+
+@pytest.mark.parametrize("n, world", [(10, 2), (11, 2), (7, 3), (5, 1)])
+def test_training_shards_are_equal_disjoint_and_reshuffled(n, world):
+    shards = [
+        list(ShardedSampler(n, r, world, shuffle=True, seed=1, even=True)) for r in range(world)
+    ]
+    assert len({len(s) for s in shards}) == 1 and len(shards[0]) == n // world
+    flat = [i for s in shards for i in s]
+    assert len(flat) == len(set(flat)) == n - n % world
+    sampler = ShardedSampler(n, 0, world, shuffle=True, seed=1, even=True)
+    sampler.set_epoch(1)
+    assert list(sampler) != shards[0] or n // world < 2
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (2, 3), (9, 2)])
+def test_eval_shards_cover_every_sample_exactly_once(n, world):
+    flat = [
+        i
+        for r in range(world)
+        for i in ShardedSampler(n, r, world, shuffle=False, seed=0, even=False)
+    ]
+    assert sorted(flat) == list(range(n))
+
+
+def test_epochs_iterates_past_the_end_of_an_epoch():
+    sampler = ShardedSampler(4, 0, 1, shuffle=True, seed=0, even=True)
+    loader = DataLoader(TensorDataset(torch.arange(4)), batch_size=2, sampler=sampler)
+    it = epochs(loader)
+    seen = [next(it)[0] for _ in range(4)]
+    assert sorted(torch.cat(seen[:2]).tolist()) == [0, 1, 2, 3]
+    assert sorted(torch.cat(seen[2:]).tolist()) == [0, 1, 2, 3]
+    assert sampler.epoch == 1
+
+
+def test_to_device_moves_nested_tensors_and_keeps_the_rest():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    batch = {"x": [torch.ones(1), (torch.zeros(1), "tag")], "p": Pair(torch.ones(2), 3)}
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["p"], Pair) and moved["p"].b == 3 and moved["x"][1][1] == "tag"
+
+
+def eval_dataset():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(13, 8, generator=g), torch.randint(0, 5, (13,), generator=g))
+
+
+def evaluate_on(rt: Runtime) -> float:
+    torch.manual_seed(0)
+    model = MLP(in_features=8, num_classes=5, hidden=[16])
+    trainer = Trainer(TrainerConfig(precision=Precision.fp32), model, None, None, rt)
+    sampler = ShardedSampler(13, rt.rank, rt.world_size, shuffle=False, seed=0, even=False)
+    return trainer.evaluate(DataLoader(eval_dataset(), batch_size=4, sampler=sampler))
+
+
+def eval_worker(rank: int, port: int, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=3)
+    try:
+        loss = evaluate_on(Runtime(rank, rank, 3, "gloo", torch.device("cpu"), True))
+        torch.save(torch.tensor(loss, dtype=torch.float64), f"{out}/{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_eval_across_three_ranks_equals_one_process_over_the_whole_set(tmp_path):
+    mp.spawn(eval_worker, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
+    expected = evaluate_on(Runtime(0, 0, 1, "gloo", torch.device("cpu"), False))
+    for rank in range(3):  # 13 samples over 3 ranks: 5, 4, 4, and ragged batches
+        got = torch.load(tmp_path / f"{rank}.pt", weights_only=True).item()
+        assert got == pytest.approx(expected, rel=1e-9)

@@ -1,0 +1,139 @@
+"""Tests for mgpu.models: shapes, GPT causality and tying, FLOP counts, ResNet-50 size, training."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mgpu.models import GPT, MLP, ResNet, count_training_flops
+
+TINY_GPT = {"vocab_size": 64, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd": 32}
+TINY_RESNET = {
+    "num_classes": 10,
+    "block": "basic",
+    "layers": [1, 1, 1, 1],
+    "width": 16,
+    "stem": "cifar",
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # these models are tiny: with 2 OpenMP threads on a busy 2-core box, spin-waiting made
+    # the ResNet training test 10-60x slower; one thread keeps the file fast and steady
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_gpt_shape_and_tied_weights():
+    torch.manual_seed(0)
+    model = GPT(**TINY_GPT)
+    logits = model(torch.randint(0, 64, (3, 20)))
+    assert logits.shape == (3, 20, 64)
+    assert model.lm_head.weight is model.wte.weight
+    # the tied matrix must count once
+    n_unique = len({id(p) for p in model.parameters()})
+    assert n_unique == len(list(model.parameters()))
+    assert model.num_params() == sum(p.numel() for p in model.state_dict().values()) - 64 * 32
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = GPT(**TINY_GPT).eval()
+    idx = torch.randint(0, 64, (2, 16))
+    t = 9
+    changed = idx.clone()
+    changed[:, t] = (changed[:, t] + 1) % 64
+    with torch.no_grad():
+        a, b = model(idx), model(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t])
+    assert not torch.allclose(a[:, t:], b[:, t:])
+
+
+def test_gpt_rejects_bad_args():
+    with pytest.raises(ValueError, match=r"33.*4"):
+        GPT(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=33)
+    model = GPT(**TINY_GPT)
+    with pytest.raises(ValueError, match=r"40.*32"):
+        model(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_gpt_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=512, block_size=64, n_layer=8, n_head=4, n_embd=128)
+    expected = 0.02 / (2 * 8) ** 0.5
+    assert abs(model.blocks[0].mlp.c_proj.weight.std().item() - expected) < 0.2 * expected
+    assert abs(model.blocks[0].mlp.c_fc.weight.std().item() - 0.02) < 0.1 * 0.02
+
+
+def test_gpt_flops_match_counter():
+    model = GPT(**TINY_GPT)
+    T = 32
+    counted = count_training_flops(lambda: GPT(**TINY_GPT), (T,), dtype=torch.long)
+    analytic = model.flops_per_sample((T,))
+    assert counted > 0
+    assert abs(analytic - counted) / counted < 0.15
+
+
+def test_resnet50_param_count():
+    model = ResNet(num_classes=1000)
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
+    assert ResNet.channels_last is True
+
+
+def test_resnet_zero_inits_last_bn_of_each_block():
+    model = ResNet(**TINY_RESNET)
+    for block in model.stages:
+        assert torch.all(block.body.last_bn.weight == 0)
+
+
+def test_resnet_tiny_trains():
+    torch.manual_seed(0)
+    model = ResNet(**TINY_RESNET)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    assert model(x).shape == (8, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for _ in range(20):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_resnet_imagenet_stem_shape_and_flops():
+    kwargs = {"num_classes": 7, "block": "bottleneck", "layers": [1, 1], "width": 8}
+    model = ResNet(**kwargs)
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, 7)
+    flops = model.flops_per_sample((3, 64, 64))
+    assert flops == count_training_flops(lambda: ResNet(**kwargs), (3, 64, 64))
+    assert flops > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, bad",
+    [({"block": "wide"}, "wide"), ({"stem": "tiny"}, "tiny"), ({"layers": []}, r"\[\]")],
+)
+def test_resnet_rejects_bad_args(kwargs, bad):
+    with pytest.raises(ValueError, match=bad):
+        ResNet(num_classes=10, **kwargs)
+
+
+def test_mlp_shape_and_flops():
+    model = MLP(in_features=3 * 8 * 8, num_classes=5, hidden=[32, 16])
+    assert model(torch.randn(4, 3, 8, 8)).shape == (4, 5)
+    counted = count_training_flops(lambda: MLP(3 * 8 * 8, 5, hidden=[32, 16]), (3, 8, 8))
+    assert model.flops_per_sample((3, 8, 8)) == counted
+
+
+def test_mlp_rejects_wrong_feature_count():
+    model = MLP(in_features=100, num_classes=5)
+    with pytest.raises(ValueError, match=r"100.*99"):
+        model(torch.randn(2, 99))
+    with pytest.raises(ValueError, match=r"100.*12"):
+        model.flops_per_sample((3, 4))
+    with pytest.raises(ValueError, match="-3"):
+        MLP(in_features=-3, num_classes=5)

@@ -1,0 +1,93 @@
+"""The main job as users run it: `torchrun --nproc_per_node=2 train.py` on CPU/gloo."""
+
+import math
+
+from conftest import FAST, read_scalars, run_train
+
+TAGS = [
+    "train/loss",
+    "train/lr",
+    "eval/loss",
+    "time/step_ms",
+    "throughput/samples_per_sec",
+    "throughput/samples_per_sec_per_device",
+    "throughput/tokens_per_sec",
+    "throughput/tokens_per_sec_per_device",
+]
+
+
+def test_two_process_run_trains_and_writes_one_run_directory(tmp_path):
+    proc = run_train(FAST, cwd=tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dirs = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs  # both ranks resolved the same directory
+    run_dir = run_dirs[0]
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # rank 0 writes, rank 1 not
+    assert (run_dir / "config.yaml").read_text().count("max_steps: 40") == 1
+    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
+
+    scalars = read_scalars(run_dir)
+    for tag in TAGS:
+        assert tag in scalars, f"{tag} missing; have {sorted(scalars)}"
+    assert [s for s, _ in scalars["train/loss"]] == [10, 20, 30, 40]
+    losses = [v for _, v in scalars["train/loss"]]
+    assert losses[-1] < losses[0] - 0.5, losses  # starts near ln(256) = 5.55
+    evals = [v for _, v in scalars["eval/loss"]]
+    assert [s for s, _ in scalars["eval/loss"]] == [20, 40]
+    assert evals[-1] < math.log(256) - 0.5, evals
+    # tokens/s = samples/s x seq_len, and the per-device rate is the global one over 2 ranks
+    for (_, samples), (_, tokens), (_, per_dev) in zip(
+        scalars["throughput/samples_per_sec"],
+        scalars["throughput/tokens_per_sec"],
+        scalars["throughput/samples_per_sec_per_device"],
+        strict=True,
+    ):
+        assert math.isclose(tokens, samples * 64, rel_tol=1e-4)
+        assert math.isclose(per_dev, samples / 2, rel_tol=1e-4)
+    # samples/s x step time = the global batch (32 per rank x 2 ranks)
+    for (_, samples), (_, step_ms) in zip(
+        scalars["throughput/samples_per_sec"], scalars["time/step_ms"], strict=True
+    ):
+        assert math.isclose(samples * step_ms / 1e3, 64, rel_tol=1e-3)
+    assert "loss" in proc.stdout and "tokens/s" in proc.stdout  # rank 0's progress line
+
+
+def test_python_without_torchrun_is_a_world_of_one(tmp_path):
+    run_dir = tmp_path / "solo"
+    proc = run_train(
+        [*FAST, "trainer.max_steps=10", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        nproc=None,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 process(es)" in proc.stdout
+    assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == [10]
+
+
+def test_image_models_train_with_accumulation_and_sgd(tmp_path):
+    run_dir = tmp_path / "img"
+    proc = run_train(
+        [
+            "model=resnet_tiny",
+            "data=images",
+            "optim=sgd",
+            "data.batch_size=16",
+            "trainer.grad_accum_steps=2",
+            "trainer.max_steps=6",
+            "trainer.log_every=3",
+            "trainer.eval_every=0",
+            "data.eval_samples=33",
+            "data.num_workers=1",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        nproc=2,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scalars = read_scalars(run_dir)
+    assert "throughput/tokens_per_sec" not in scalars  # images have no tokens
+    # global batch: 16 per micro-step x 2 micro-steps x 2 ranks
+    (_, samples) = scalars["throughput/samples_per_sec"][0]
+    (_, step_ms) = scalars["time/step_ms"][0]
+    assert math.isclose(samples * step_ms / 1e3, 64, rel_tol=1e-3)
+    assert len(scalars["eval/loss"]) == 1
