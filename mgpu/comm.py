@@ -1,19 +1,296 @@
-"""Gradient communication across ranks: how the model is wrapped for data parallelism
-(`dist.engine`), and the switch that keeps non-final accumulation micro-steps local.
+"""Gradient communication across ranks: the model wrapper that `dist.engine` picks, and mgpu's own
+reducer, which keeps gradients in flat buckets and all-reduces each bucket on a communication
+stream as soon as backward has produced it.
+
+Stream rules (CUDA), in the order they happen in one optimizer step:
+1. A bucket is complete when the post-accumulate-grad hooks of all its parameters have fired.
+   An event recorded then on the compute stream is waited on by the communication stream, so
+   the all-reduce reads finished gradients; buckets launch in a fixed index order on every rank,
+   because NCCL needs every rank to issue collectives in the same order.
+2. At the end of backward (an autograd final callback), the compute stream waits on the
+   communication stream. Clipping and the optimizer, queued later on the compute stream, see
+   reduced gradients, and the next backward cannot write into a bucket still being reduced.
+3. The buckets are allocated once and never freed while training, so the caching allocator
+   never hands their memory to anyone else mid-flight.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, nullcontext
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
+import torch
+import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mgpu.config import DistConfig, Engine
+from mgpu.config import DistConfig, Engine, ReduceDtype
 from mgpu.dist import Runtime
 
 log = logging.getLogger(__name__)
+
+
+class Bucket:
+    """Parameters whose gradients live side by side in one flat tensor, reduced in one call."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], reduce_dtype: torch.dtype | None):
+        self.index, self.params = index, params
+        p0 = params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+        # bf16 communication needs its own buffer: half the bytes on the wire, fp32 kept here.
+        self.wire = None
+        if reduce_dtype is not None and reduce_dtype != p0.dtype:
+            self.wire = torch.empty_like(self.flat, dtype=reduce_dtype)
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.pending = len(params)
+        self.work = None
+
+    def attach(self) -> None:
+        """Zero the bucket and point each parameter's .grad at its slice.
+
+        Only .grad refers to a slice (no other reference is kept), so autograd accumulates into
+        it in place instead of allocating a new gradient.
+        """
+        self.flat.zero_()
+        for p, offset in zip(self.params, self.offsets, strict=True):
+            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
+
+
+def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int):
+    """Split params, in the order their gradients are expected, into buckets of at most
+    `cap_bytes` (the first at most `first_cap_bytes`, so communication starts early in
+    backward). A parameter larger than the cap gets a bucket of its own; a dtype change starts
+    a new bucket, since a bucket is one flat tensor."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        cap = first_cap_bytes if len(groups) == 1 else cap_bytes
+        if not groups or groups[-1][0].dtype != p.dtype or size + nbytes > cap:
+            if not groups or groups[-1]:
+                groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
+class GradReducer:
+    """Averages gradients across ranks, bucket by bucket, overlapped with backward."""
+
+    def __init__(self, module: nn.Module, rt: Runtime, cfg: DistConfig):
+        self.rt, self.world = rt, rt.world_size
+        self.find_unused = cfg.find_unused
+        self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
+        self.cap_bytes = int(cfg.bucket_cap_mb * 2**20)
+        self.first_cap_bytes = min(self.cap_bytes, int(cfg.first_bucket_mb * 2**20))
+        # Unique trainable parameters: a tied weight is one Parameter object and is reduced
+        # once; frozen parameters have no gradient and are skipped.
+        seen: dict[int, nn.Parameter] = {}
+        for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+        self.params = list(seen.values())
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self.cuda = rt.device.type == "cuda"
+        # One persistent stream per reducer: a stream per step would leak.
+        self.stream = torch.cuda.Stream(device=rt.device) if self.cuda else None
+        self.sync_enabled = True
+        self.observed: list[int] | None = []  # first step's gradient order; None once learned
+        self.exposed: list = []  # (backward end, reduce end) marks, read by metrics
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        # Reverse registration order approximates backward order; the first step checks it.
+        self._build(list(reversed(range(len(self.params)))))
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _build(self, order: list[int]) -> None:
+        ordered = [self.params[i] for i in order]
+        groups = assign_buckets(ordered, self.cap_bytes, self.first_cap_bytes)
+        self.buckets = [Bucket(i, g, self.reduce_dtype) for i, g in enumerate(groups)]
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.next_launch = 0
+        self.callback_queued = False
+        self.ready: set[int] = set()  # ids of parameters whose gradient is final this step
+
+    def prepare(self) -> bool:
+        """Before a forward: (re)attach the buckets after zero_grad(set_to_none=True).
+
+        Returns True at the start of a new optimizer step (gradients were cleared).
+        """
+        # Cleared gradients (the start of a step) show as None on each bucket's first
+        # parameter; checking one per bucket keeps this cheap on every forward.
+        if all(b.params[0].grad is not None for b in self.buckets):
+            return False
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError(
+                "dist.engine=mgpu: some .grad tensors were replaced rather than cleared; "
+                "clear gradients with optimizer.zero_grad(set_to_none=True) or zero them in place"
+            )
+        if self.observed:
+            self._learn_order()
+        for b in self.buckets:
+            b.attach()
+        return True
+
+    def _learn_order(self) -> None:
+        """Rebuild the buckets once in the order the first backward produced gradients.
+
+        Rank 0's order is used everywhere: the launch order must be identical on all ranks.
+        """
+        observed = torch.tensor(self.observed, dtype=torch.int64)
+        self.observed = None
+        if len(observed) != len(self.params):
+            return  # some parameters got no gradient (find_unused): keep the assumed order
+        if self.rt.has_process_group and self.world > 1:
+            observed = observed.to(self.rt.device)
+            tdist.broadcast(observed, src=0)
+        order = observed.tolist()  # sync point: once, at the start of the second step
+        if order != list(reversed(range(len(self.params)))):
+            log.info(
+                "mgpu reducer: rebuilding %d buckets in observed gradient order", len(self.buckets)
+            )
+            self._build(order)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: runs in the autograd thread once p.grad is final."""
+        if self.observed is not None and self.sync_enabled:
+            self.observed.append(self._index[id(p)])
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if not self.sync_enabled:
+            return
+        self.ready.add(id(p))
+        self.bucket_of[id(p)].pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if bucket.pending > 0:
+                return
+            self._launch(bucket)
+            self.next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        if not self.cuda:
+            self._all_reduce(bucket)
+            return
+        ready = torch.cuda.Event()
+        ready.record()  # on the compute stream: this bucket's gradients are written
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            self._all_reduce(bucket)
+
+    def _all_reduce(self, bucket: Bucket) -> None:
+        # Divide before summing, as torch DDP does: the sum of averages cannot overflow.
+        bucket.flat.div_(self.world)
+        if bucket.wire is not None:
+            bucket.wire.copy_(bucket.flat)
+            bucket.work = tdist.all_reduce(bucket.wire, async_op=True)
+        else:
+            bucket.work = tdist.all_reduce(bucket.flat, async_op=True)
+
+    def _on_backward_end(self) -> None:
+        """Autograd final callback: every hook of this backward has run."""
+        self.callback_queued = False
+        if not self.sync_enabled:
+            return
+        missing = [p for p in self.params if id(p) not in self.ready]
+        if missing and not self.find_unused:
+            names = ", ".join(self.names.get(id(p), "?") for p in missing[:10])
+            self._reset()
+            raise RuntimeError(
+                f"dist.engine=mgpu: {len(missing)} parameter(s) got no gradient this step: "
+                f"{names}. Set dist.find_unused=true to reduce zeros for them, or freeze them "
+                "(requires_grad=False)"
+            )
+        for b in self.buckets[self.next_launch :]:
+            b.pending = 0  # unused parameters contribute their zeros
+        self._launch_ready()
+        self._finish()
+
+    def _finish(self) -> None:
+        start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+        if self.cuda:
+            start.record()  # backward compute is done here (compute stream)
+            with torch.cuda.stream(self.stream):
+                self._wait_all()
+            # The optimizer and the next backward, queued later on the compute stream, run
+            # only after every reduction and copy-back has finished.
+            torch.cuda.current_stream().wait_stream(self.stream)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            self._wait_all()
+            end = time.perf_counter()
+        self.exposed.append((start, end))
+        self._reset()
+
+    def _wait_all(self) -> None:
+        for b in self.buckets:
+            b.work.wait()  # CUDA: the current (communication) stream waits; no host block
+            if b.wire is not None:
+                b.flat.copy_(b.wire)
+            b.work = None
+
+    def _reset(self) -> None:
+        self.ready.clear()
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.work = None
+        self.next_launch = 0
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], rt: Runtime) -> None:
+    """Rank 0's values into every rank's tensors, one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        tdist.broadcast(flat, src=0)
+        offset = 0
+        for t in group:
+            t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+class MgpuDataParallel(nn.Module):
+    """`dist.engine=mgpu`: the user's module plus a GradReducer; `.module` is the module."""
+
+    def __init__(self, module: nn.Module, rt: Runtime, cfg: DistConfig):
+        super().__init__()
+        self.module = module
+        self.rt = rt
+        # Every rank starts from rank 0's weights and buffers.
+        _broadcast_coalesced([*module.parameters(), *module.buffers()], rt)
+        self.reducer = GradReducer(module, rt, cfg)
+        self.buffers_to_sync = [b for b in module.buffers() if b.numel() > 0]
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.training:
+            new_step = self.reducer.prepare()
+            if new_step and self.buffers_to_sync:
+                # BatchNorm statistics follow rank 0 (as torch DDP's broadcast_buffers does),
+                # once per optimizer step rather than once per micro-step.
+                _broadcast_coalesced(self.buffers_to_sync, self.rt)
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-steps inside accumulate into the buckets without communicating."""
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = True
 
 
 def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
@@ -27,20 +304,31 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
     if rt.world_size == 1 or not rt.has_process_group:
         log.info("world of one process: gradients are not communicated")
         return model
+    if cfg.engine is Engine.mgpu:
+        return MgpuDataParallel(model, rt, cfg)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     # DDP broadcasts rank 0's parameters and buffers here, so every rank starts identical.
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=cfg.bucket_cap_mb)
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.ddp_bucket_view,
+        static_graph=cfg.ddp_static_graph,
+        find_unused_parameters=cfg.find_unused,
+    )
 
 
 def local_module(model: nn.Module) -> nn.Module:
     """The module this rank runs, without the data-parallel wrapper (compiled if it was)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    if isinstance(model, (DistributedDataParallel, MgpuDataParallel)):
+        return model.module
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under the data-parallel and torch.compile wrappers."""
     while True:
-        if isinstance(model, DistributedDataParallel):
+        if isinstance(model, (DistributedDataParallel, MgpuDataParallel)):
             model = model.module
         elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
             model = model._orig_mod
@@ -53,6 +341,6 @@ def sync_gradients(model: nn.Module, enabled: bool) -> AbstractContextManager:
 
     Forward must be inside too: DDP decides during forward whether the coming backward reduces.
     """
-    if enabled or not isinstance(model, DistributedDataParallel):
+    if enabled or not isinstance(model, (DistributedDataParallel, MgpuDataParallel)):
         return nullcontext()
     return model.no_sync()

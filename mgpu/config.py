@@ -53,8 +53,14 @@ class Precision(Enum):
 
 
 class Engine(Enum):
+    mgpu = "mgpu"
     torch_ddp = "torch_ddp"
     none = "none"
+
+
+class ReduceDtype(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
 
 
 class Backend(Enum):
@@ -90,14 +96,20 @@ class TrainerConfig:
 
 @dataclass
 class DistConfig:
-    engine: Engine = Engine.torch_ddp  # how gradients are averaged across processes
+    engine: Engine = Engine.mgpu  # how gradients are averaged across processes
     backend: Backend = Backend.auto  # auto: nccl when CUDA GPUs are visible, else gloo
     timeout_s: float = 600.0  # a collective that waits longer than this fails instead of hanging
-    bucket_cap_mb: float = 25.0  # gradient bucket size for torch_ddp
+    bucket_cap_mb: float = 25.0  # gradient bucket size (mgpu and torch_ddp)
+    first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
+    reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
+    find_unused: bool = False  # reduce zeros for parameters that get no gradient in a step
+    ddp_bucket_view: bool = False  # torch_ddp: gradient_as_bucket_view
+    ddp_static_graph: bool = False  # torch_ddp: static_graph
 
     def __post_init__(self) -> None:
         _positive("dist.timeout_s", self.timeout_s, "600")
         _positive("dist.bucket_cap_mb", self.bucket_cap_mb, "25")
+        _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
 
 
 @dataclass
@@ -133,10 +145,21 @@ class DataConfig:
     batch_size: int = 32  # per device, per micro-step
     num_workers: int = 2  # DataLoader worker processes per rank
     pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
+    prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)
+    prefetch_depth: int = 2  # batches copied to the GPU ahead of use, on the loader's side stream
+    device_transform: str = "auto"  # auto: the dataset's `device_transform`; none: leave inputs
 
     def __post_init__(self) -> None:
         _positive("data.batch_size", self.batch_size, "32")
         _non_negative("data.num_workers", self.num_workers, "4")
+        _positive("data.prefetch_factor", self.prefetch_factor, "2")
+        _positive("data.prefetch_depth", self.prefetch_depth, "2")
+        _require(
+            self.device_transform in ("auto", "none"),
+            "data.device_transform",
+            self.device_transform,
+            "must be auto (the dataset's own, if it has one) or none",
+        )
 
     def dataset_kwargs(self) -> dict[str, Any]:
         """The fields a Dataset's constructor receives: everything but the loader keys."""

@@ -18,7 +18,7 @@ def compose_config(*overrides):
 def test_default_config_is_the_small_gpt_on_ngram_tokens():
     cfg = to_config(compose_config())
     assert isinstance(cfg.model, GPTModelConfig) and isinstance(cfg.data, NgramDataConfig)
-    assert cfg.dist.engine.value == "torch_ddp" and cfg.dist.backend.value == "auto"
+    assert cfg.dist.engine.value == "mgpu" and cfg.dist.backend.value == "auto"
     assert cfg.trainer.precision.value == "auto"
 
 

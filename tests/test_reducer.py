@@ -1,0 +1,232 @@
+"""dist.engine=mgpu against torch DDP and against one process on the concatenated batch: two gloo
+processes, 20 optimizer steps, for bucket sizes from one per parameter to one for everything,
+gradient accumulation, tied, frozen and unused parameters, and bf16 communication."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from test_equivalence import free_port
+from torch import nn
+
+from mgpu.comm import MgpuDataParallel, assign_buckets, wrap_model
+from mgpu.config import (
+    DistConfig,
+    Engine,
+    OptimConfig,
+    OptimizerName,
+    Precision,
+    ReduceDtype,
+    TrainerConfig,
+)
+from mgpu.dist import Runtime
+from mgpu.models import GPT, MLP
+from mgpu.optim import build_optimizer, build_schedule
+from mgpu.trainer import Trainer
+
+WORLD, MICRO, STEPS = 2, 4, 20
+
+
+class Branchy(nn.Module):
+    """An MLP with a frozen layer and a branch that only some configurations use."""
+
+    def __init__(self, use_branch: bool):
+        super().__init__()
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.body = MLP(in_features=8, num_classes=5, hidden=[16])
+        self.branch = nn.Linear(8, 5)
+        self.use_branch = use_branch
+
+    def forward(self, x):
+        out = self.body(torch.tanh(self.frozen(x)))
+        return out + self.branch(x) if self.use_branch else out
+
+
+MODELS = {
+    "mlp": lambda: MLP(in_features=8, num_classes=5, hidden=[16, 16]),
+    "gpt": lambda: GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16),  # tied
+    "branchy_unused": lambda: Branchy(use_branch=False),
+}
+
+# name: (model, engine, accum, optimizer, dist overrides)
+CASES = {
+    "mgpu_default": ("mlp", "mgpu", 1, "sgd", {}),
+    "mgpu_bucket_per_param": ("mlp", "mgpu", 1, "sgd", {"bucket_cap_mb": 1e-6}),
+    "mgpu_one_bucket": ("mlp", "mgpu", 1, "sgd", {"bucket_cap_mb": 1e3, "first_bucket_mb": 1e3}),
+    "mgpu_accum4_adamw": ("mlp", "mgpu", 4, "adamw", {}),
+    "ddp_accum4_adamw": ("mlp", "torch_ddp", 4, "adamw", {}),
+    "mgpu_gpt_tied": ("gpt", "mgpu", 2, "sgd", {"bucket_cap_mb": 0.002}),
+    "ddp_gpt_tied": ("gpt", "torch_ddp", 2, "sgd", {}),
+    "mgpu_frozen_unused": ("branchy_unused", "mgpu", 1, "sgd", {"find_unused": True}),
+    "mgpu_bf16_wire": ("mlp", "mgpu", 1, "sgd", {"reduce_dtype": ReduceDtype.bf16}),
+}
+
+
+def batch(model: str, step: int, n: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    if model == "gpt":
+        tokens = torch.randint(0, 32, (n, 9), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+    return torch.randn(n, 8, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def build(rt, case: str, reference: bool):
+    model_name, engine, accum, optim, overrides = CASES[case]
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    ocfg = OptimConfig(name=OptimizerName(optim), lr=0.05, warmup_steps=0, weight_decay=0.0)
+    optimizer = build_optimizer(ocfg, model, rt.device)
+    schedule = build_schedule(ocfg, optimizer, max_steps=STEPS)
+    engine = "none" if reference else engine
+    model = wrap_model(model, DistConfig(engine=Engine(engine), **overrides), rt)
+    tcfg = TrainerConfig(
+        grad_accum_steps=1 if reference else accum, grad_clip=0.0, precision=Precision.fp32
+    )
+    return model, Trainer(tcfg, model, optimizer, schedule, rt)
+
+
+def worker(rank: int, port: int, out_dir: str, cases: list[str]):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
+    try:
+        for case in cases:
+            model_name, _, accum, _, _ = CASES[case]
+            model, trainer = build(rt, case, reference=False)
+            ready_at_launch = []
+            if isinstance(model, MgpuDataParallel):
+                reducer, launch = model.reducer, model.reducer._launch
+
+                def record(bucket, reducer=reducer, launch=launch, seen=ready_at_launch):
+                    seen.append(len(reducer.ready))
+                    launch(bucket)
+
+                reducer._launch = record
+            for step in range(STEPS):
+                x, y = batch(model_name, step, WORLD * accum * MICRO)
+                starts = [(m * WORLD + rank) * MICRO for m in range(accum)]
+                trainer.train_step(iter([(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]))
+            syncs = len(model.reducer.exposed) if isinstance(model, MgpuDataParallel) else -1
+            state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+            torch.save(
+                {"params": state, "syncs": syncs, "ready_at_launch": ready_at_launch},
+                f"{out_dir}/{case}.{rank}.pt",
+            )
+    finally:
+        tdist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reducer")
+    mp.spawn(worker, args=(free_port(), str(out), list(CASES)), nprocs=WORLD, join=True)
+    return out
+
+
+def reference_state(case: str):
+    model_name, _, accum, _, _ = CASES[case]
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    model, trainer = build(rt, case, reference=True)
+    for step in range(STEPS):
+        trainer.train_step(iter([batch(model_name, step, WORLD * accum * MICRO)]))
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "bf16" not in c])
+def test_matches_one_process_on_the_concatenated_batch(results, case):
+    expected = reference_state(case)
+    for rank in range(WORLD):
+        got = torch.load(results / f"{case}.{rank}.pt", weights_only=True)
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                got["params"][key], value, rtol=1e-6, atol=1e-6, msg=f"{case} rank {rank} {key}"
+            )
+        if CASES[case][1] == "mgpu":
+            assert got["syncs"] == STEPS  # one reduction per optimizer step, none per micro-step
+
+
+@pytest.mark.parametrize(
+    "mgpu_case, ddp_case",
+    [("mgpu_accum4_adamw", "ddp_accum4_adamw"), ("mgpu_gpt_tied", "ddp_gpt_tied")],
+)
+def test_matches_torch_ddp(results, mgpu_case, ddp_case):
+    for rank in range(WORLD):
+        mine = torch.load(results / f"{mgpu_case}.{rank}.pt", weights_only=True)["params"]
+        ddp = torch.load(results / f"{ddp_case}.{rank}.pt", weights_only=True)["params"]
+        for key, value in ddp.items():
+            torch.testing.assert_close(mine[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_buckets_launch_while_backward_is_still_running(results):
+    got = torch.load(results / "mgpu_bucket_per_param.0.pt", weights_only=True)
+    per_step = got["ready_at_launch"][-6:]  # MLP 8-16-16-5: 6 parameters, 6 buckets
+    # the last layer's bucket goes out when only its own gradients are ready
+    assert per_step == [1, 2, 3, 4, 5, 6], got["ready_at_launch"][:12]
+
+
+def test_bf16_wire_is_close_but_not_identical(results):
+    expected = reference_state("mgpu_default")
+    got = torch.load(results / "mgpu_bf16_wire.0.pt", weights_only=True)["params"]
+    diffs = [(got[k] - v).abs().max().item() for k, v in expected.items()]
+    assert max(diffs) < 2e-2 and max(diffs) > 0  # bf16 rounding shows, but training agrees
+
+
+def test_frozen_and_unused_parameters_are_left_alone(results):
+    got = torch.load(results / "mgpu_frozen_unused.0.pt", weights_only=True)["params"]
+    torch.manual_seed(0)
+    initial = Branchy(use_branch=False).state_dict()
+    torch.testing.assert_close(got["frozen.weight"], initial["frozen.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(got["branch.weight"], initial["branch.weight"], rtol=0, atol=0)
+
+
+def unused_worker(rank: int, port: int, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
+    try:
+        model = wrap_model(Branchy(use_branch=False), DistConfig(engine=Engine.mgpu), rt)
+        x, y = batch("mlp", 0, MICRO)
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+            message = "no error"
+        except RuntimeError as err:
+            message = str(err)
+        with open(f"{out_dir}/{rank}.txt", "w") as f:
+            f.write(message)
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_unused_parameters_are_named_unless_find_unused(tmp_path):
+    mp.spawn(unused_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        message = (tmp_path / f"{rank}.txt").read_text()
+        assert "branch.weight" in message and "branch.bias" in message, message
+        assert "dist.find_unused=true" in message
+        assert "body" not in message  # used parameters are not named
+
+
+def test_buckets_respect_caps_order_and_dtype():
+    params = [
+        nn.Parameter(torch.zeros(n, dtype=d))
+        for n, d in [
+            (10, torch.float32),
+            (300, torch.float32),
+            (5, torch.float32),
+            (5, torch.bfloat16),
+            (1000, torch.float32),
+            (2, torch.float32),
+        ]
+    ]
+    groups = assign_buckets(params, cap_bytes=1024, first_cap_bytes=64)
+    sizes = [[p.numel() for p in g] for g in groups]
+    # 10 fills the small first bucket; 300 alone exceeds the cap; bf16 starts a new bucket
+    assert sizes == [[10], [300], [5], [5], [1000], [2]]
+    small = [nn.Parameter(torch.zeros(8)) for _ in range(10)]  # 32 bytes each
+    assert [len(g) for g in assign_buckets(small, cap_bytes=128, first_cap_bytes=64)] == [2, 4, 4]
+    assert [p for g in groups for p in g] == params  # order kept, every parameter once
+    assert all(len({p.dtype for p in g}) == 1 for g in groups)
+    assert all(sum(p.numel() * p.element_size() for p in g) <= 1024 or len(g) == 1 for g in groups)
