@@ -1,17 +1,22 @@
-"""The process's place in the run: torchrun's environment (read here only), the pinned device, and
-the process group's lifetime; also the run name that every rank of one launch agrees on.
+"""The process's place in the run: torchrun's and SLURM's environment (read here only), the pinned
+device, and the process group's lifetime; also the run name that every rank of one run agrees on,
+and the start-up checks that all ranks resolved the same config and may run the sweep asked for.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
+from itertools import zip_longest
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
@@ -30,7 +35,7 @@ class LaunchEnv:
     world_size: int
     local_world_size: int
     under_torchrun: bool  # False for `python train.py`: a world of one with no process group
-    run_id: str  # torchrun's --rdzv-id ("none" unless given or --standalone)
+    run_id: str  # torchrun's --rdzv-id; without one, "none" (or a random UUID on one node)
     num_nodes: int
 
 
@@ -70,24 +75,89 @@ def _process_start_time(pid: int) -> float | None:
     return boot + start_ticks / os.sysconf("SC_CLK_TCK")
 
 
-def launch_run_name() -> str:
-    """`outputs/<this>`: the same string on every rank of one launch and across its restarts.
+# What torchrun makes up when no --rdzv-id is given on one node (--standalone, or a plain
+# `torchrun --nproc_per_node=N`): fresh on every launch, so it names nothing a person chose.
+_RANDOM_RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def _slurm_run_name(env: Mapping[str, str]) -> str | None:
+    """`slurm-<job>` (`slurm-<array job>_<task>` for an array task), or None outside SLURM.
+
+    A requeued job keeps its job id, so it finds the directory it wrote before. The array form
+    matches SLURM's own `%A_%a` naming of the job's output file.
+    """
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    task = env.get("SLURM_ARRAY_TASK_ID")
+    if task:
+        return f"slurm-{env.get('SLURM_ARRAY_JOB_ID', job)}_{task}"
+    return f"slurm-{job}"
+
+
+def _safe_name(run_id: str) -> str:
+    """A run id as one directory name: no path separators, no `..`, nothing hidden."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+    return "_" + name[1:] if name.startswith(".") else name
+
+
+def _agent_start_name() -> str:
+    """`<date>/<time>` of the torchrun agent (this worker's parent), which all its workers share."""
+    agent_start = _process_start_time(os.getppid())
+    if agent_start is None:
+        return time.strftime("%Y-%m-%d", time.localtime()) + f"/launch-{os.getppid()}"
+    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(agent_start))
+
+
+@cache
+def _process_clock_name() -> str:
+    """`<date>/<time>` of this process, read once: a multirun's points then share one sweep dir,
+    even where Hydra resolves the name again for each point and a second has passed."""
+    return time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def launch_run_name(env: Mapping[str, str] | None = None) -> str:
+    """`outputs/<this>`: the same string on every rank and node of one run, and after a restart.
 
     Each rank resolves the run directory on its own, so a clock read per process could split one
-    run into several directories. Instead the name comes from the launch: the torchrun agent's
-    start time (shared by all its workers, and unchanged when it restarts them), or, across
-    several nodes, the rendezvous id that all their agents share.
+    run into several directories. The name comes from the run's identity instead, first match:
+    1. a rendezvous id a person chose (`--rdzv-id=NAME`, the launch scripts' RUN_ID): NAME, on
+       one node too, so re-running the same command resumes in the same directory;
+    2. a SLURM job: `slurm-<jobid>`, unchanged when the job is requeued;
+    3. several nodes sharing torchrun's random id: that id (their agents' clocks differ);
+    4. one node: the torchrun agent's start time, which its workers share and which does not
+       change when it restarts them; without torchrun, this process's start.
+    Several nodes with no id at all (`--rdzv-id` left at "none") get each node's own time, which
+    splits the run; `check_same_config` then stops it and says so.
     """
-    env = launch_env()
-    if env.num_nodes > 1 and env.run_id != "none":
-        return env.run_id
-    stamp = time.time()
-    if env.under_torchrun:
-        agent_start = _process_start_time(os.getppid())
-        if agent_start is None:
-            return time.strftime("%Y-%m-%d", time.localtime(stamp)) + f"/launch-{os.getppid()}"
-        stamp = agent_start
-    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(stamp))
+    env = os.environ if env is None else env
+    launch = parse_launch_env(env)
+    chosen = launch.run_id != "none" and not _RANDOM_RUN_ID.fullmatch(launch.run_id)
+    if chosen:
+        return _safe_name(launch.run_id)
+    slurm = _slurm_run_name(env)
+    if slurm is not None:
+        return slurm
+    if launch.run_id != "none" and launch.num_nodes > 1:
+        return launch.run_id
+    if launch.under_torchrun:
+        return _agent_start_name()
+    return _process_clock_name()
+
+
+def check_sweep_launch(multirun: bool, env: LaunchEnv | None = None) -> None:
+    """Refuse `hydra -m` under torchrun with several processes, before any work.
+
+    Hydra runs a sweep's points one after another inside each process; torchrun's ranks would
+    each make and tear down a process group per point and drift out of lockstep at the first
+    point that fails on one rank only. One launch per point (launch/sweep.sh) has none of that.
+    """
+    env = env or launch_env()
+    if multirun and env.under_torchrun and env.world_size > 1:
+        raise LaunchError(
+            f"hydra -m (multirun) cannot run under torchrun with {env.world_size} processes; "
+            "start one launch per sweep point instead: launch/sweep.sh key=a,b [overrides ...]"
+        )
 
 
 def check_launch(backend: str, env: LaunchEnv | None = None) -> str:
@@ -168,3 +238,74 @@ def all_reduce_sum_(tensor: torch.Tensor, rt: Runtime) -> torch.Tensor:
     if rt.has_process_group and rt.world_size > 1:
         tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
     return tensor
+
+
+def _keyed_lines(text: str) -> list[str]:
+    """YAML lines prefixed with their parent keys (`trainer.seed: 1`), to name a difference."""
+    out: list[str] = []
+    parents: list[tuple[int, str]] = []
+    for line in text.splitlines():
+        body = line.strip()
+        indent = len(line) - len(line.lstrip(" "))
+        # A YAML list's items sit at their key's own indent, so `- x` keeps that key as a parent.
+        parents = [
+            (i, k) for i, k in parents if i < indent or (i == indent and body.startswith("- "))
+        ]
+        out.append(".".join([k for _, k in parents] + [body]))
+        if body.endswith(":"):
+            parents.append((indent, body[:-1]))
+    return out
+
+
+def describe_config_mismatch(texts: list[str]) -> str:
+    """One line naming the ranks whose text differs from rank 0's, and the first difference."""
+    differ = [r for r, t in enumerate(texts) if t != texts[0]]
+    if not differ:
+        return ""
+    first = differ[0]
+    for mine, theirs in zip_longest(
+        _keyed_lines(texts[0]), _keyed_lines(texts[first]), fillvalue="(nothing)"
+    ):
+        if mine != theirs:
+            break
+    shown = ", ".join(map(str, differ[:8])) + (", ..." if len(differ) > 8 else "")
+    return (
+        f"config differs between ranks: rank {first} has {theirs!r} where rank 0 has {mine!r} "
+        f"(ranks that differ from rank 0: {shown}). Every rank must resolve the same config and "
+        "run directory: look for a value that differs per rank or node (${oc.env:...}, RUN_ID, "
+        "hydra.run.dir) or another checkout of conf/ on some node"
+    )
+
+
+def _shown_dir(run_dir: Path) -> str:
+    """The run directory as ranks can compare it: relative to the working directory when inside
+    it, since nodes may mount one shared directory at different absolute paths."""
+    run_dir = Path(run_dir).resolve()
+    cwd = Path.cwd().resolve()
+    return str(run_dir.relative_to(cwd)) if run_dir.is_relative_to(cwd) else str(run_dir)
+
+
+def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> None:
+    """Stop every rank, with one message naming the ranks that differ, unless all ranks resolved
+    the same config text (and run directory) as rank 0.
+
+    A collective: every rank must call it at the same point, before any other collective. It
+    exits (SystemExit 2) rather than raising, so that each rank logs one line, not a traceback.
+    """
+    if run_dir is not None:
+        text = f"{text}run_dir: {_shown_dir(run_dir)}\n"
+    if not (rt.has_process_group and rt.world_size > 1):
+        return
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    device = rt.device if rt.backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
+    digests = [torch.empty_like(mine) for _ in range(rt.world_size)]
+    tdist.all_gather(digests, mine)
+    # A CPU-GPU sync point, once at start-up. All ranks see the same digests, so all of them
+    # take the same branch: either every rank gathers the texts below, or none does.
+    if len({int(d.item()) for d in digests}) == 1:
+        return
+    texts: list[str] = [""] * rt.world_size
+    tdist.all_gather_object(texts, text)
+    log.error("%s", describe_config_mismatch(texts))
+    raise SystemExit(2)

@@ -1,0 +1,29 @@
+# shellcheck shell=bash
+# Shared by the launch scripts; sourced, not run. Expects MGPU_ROOT (the checkout that holds
+# train.py) to be set by the script that sources it.
+
+PYTHON=${PYTHON:-python3}
+TRAIN="$MGPU_ROOT/train.py"
+
+die() {
+  echo "$(basename "$0"): $*" >&2
+  exit 2
+}
+
+# All visible GPUs, or 2 CPU processes on a machine without any.
+default_nproc() {
+  "$PYTHON" -c 'import torch; print(torch.cuda.device_count() or 2)'
+}
+
+# A run id becomes a directory name (outputs/RUN_ID) and a prefix of torchrun's temporary log
+# directory, so it must be one plain path component.
+check_run_id() {
+  [[ $1 =~ ^[A-Za-z0-9_-][A-Za-z0-9._-]*$ ]] ||
+    die "RUN_ID='$1': use letters, digits, '.', '_' and '-' only (it names outputs/RUN_ID)"
+}
+
+# TORCHRUN_ARGS holds extra torchrun flags, split on spaces into the array `torchrun_extra`
+# (e.g. TORCHRUN_ARGS="--log-dir=logs --rdzv-conf=join_timeout=900").
+# shellcheck disable=SC2034  # used by the scripts that source this file
+read -r -a torchrun_extra <<<"${TORCHRUN_ARGS:-}"
+[[ -f $TRAIN ]] || die "no train.py in $MGPU_ROOT; set MGPU_ROOT to the mgpu checkout"

@@ -1,0 +1,353 @@
+"""launch/ and the run's identity: two torchrun agents acting as two nodes, the SLURM script under
+fake srun/scontrol, sweeps, the run name that every rank agrees on, and the start-up check that
+all ranks resolved one config."""
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, ROOT, read_scalars, run_train
+from torch.distributed.run import parse_args
+
+from mgpu.dist import (
+    LaunchError,
+    check_sweep_launch,
+    describe_config_mismatch,
+    launch_run_name,
+    parse_launch_env,
+)
+
+LAUNCH = ROOT / "launch"
+FAKES = Path(__file__).resolve().parent / "fake_slurm"
+# FAST, cut to two steps: these tests are about launching, not learning.
+_CUT = {"trainer.max_steps": "2", "trainer.log_every": "1", "trainer.eval_every": "0"}
+TINY = [o for o in FAST if o.split("=")[0] not in _CUT] + [f"{k}={v}" for k, v in _CUT.items()]
+DATE_TIME = re.compile(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d")
+UUID = "0b4f4bd5-7c5e-4d0a-9a4e-1f2d3c4b5a69"
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment a user's shell gives the scripts: mgpu importable, one thread per rank."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    for key in ("RUN_ID", "NPROC", "NPROC_PER_NODE", "TORCHRUN_ARGS", "MAX_RESTARTS"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the run name ----
+
+
+def torchrun_env(run_id: str, nodes: int = 1, **extra: str) -> dict[str, str]:
+    env = {"RANK": "0", "WORLD_SIZE": str(nodes), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    return {**env, "GROUP_WORLD_SIZE": str(nodes), "TORCHELASTIC_RUN_ID": run_id, **extra}
+
+
+def test_a_chosen_rendezvous_id_names_the_run_on_one_node_too():
+    assert launch_run_name(torchrun_env("gpt2-a")) == "gpt2-a"
+    assert launch_run_name(torchrun_env("gpt2-a", nodes=2)) == "gpt2-a"
+    # the same after torchrun restarted the workers: the name does not follow the attempt
+    assert launch_run_name(torchrun_env("gpt2-a", TORCHELASTIC_RESTART_COUNT="3")) == "gpt2-a"
+    # it becomes one directory name whatever the user typed
+    assert launch_run_name(torchrun_env("../a/b c")) == "_._a_b_c"
+
+
+def test_slurm_job_names_the_run_unless_a_rendezvous_id_was_chosen():
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    assert launch_run_name(slurm) == "slurm-4242"  # plain python inside a job
+    assert launch_run_name(torchrun_env(UUID, **slurm)) == "slurm-4242"  # --standalone
+    assert launch_run_name(torchrun_env("none", nodes=2, **slurm)) == "slurm-4242"
+    array = {**slurm, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}
+    assert launch_run_name(torchrun_env(UUID, **array)) == "slurm-4240_2"
+    assert launch_run_name(torchrun_env("mine", **slurm)) == "mine"
+
+
+def test_without_an_id_one_node_is_named_by_its_launch_time():
+    # torchrun's made-up id on one node names nothing; its agent's start time does
+    assert DATE_TIME.fullmatch(launch_run_name(torchrun_env(UUID)))
+    assert DATE_TIME.fullmatch(launch_run_name(torchrun_env("none")))
+    # several nodes share torchrun's id, but not their agents' clocks
+    assert launch_run_name(torchrun_env(UUID, nodes=2)) == UUID
+    # plain python: read once, so a multirun's points agree on their sweep directory
+    assert DATE_TIME.fullmatch(launch_run_name({}))
+    assert launch_run_name({}) == launch_run_name({})
+
+
+def test_multirun_is_refused_under_torchrun_with_several_processes():
+    two = parse_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    with pytest.raises(LaunchError, match="launch/sweep.sh"):
+        check_sweep_launch(multirun=True, env=two)
+    check_sweep_launch(multirun=False, env=two)
+    check_sweep_launch(multirun=True, env=parse_launch_env({}))
+    check_sweep_launch(multirun=True, env=parse_launch_env({"RANK": "0", "WORLD_SIZE": "1"}))
+
+
+def test_a_config_mismatch_names_the_ranks_and_the_first_key_that_differs():
+    base = "trainer:\n  seed: 0\n  max_steps: 2\noptim:\n  betas:\n  - 0.9\n  - 0.95\n"
+    seed = base.replace("seed: 0", "seed: 1")
+    betas = base.replace("0.95", "0.99")
+    assert describe_config_mismatch([base, base]) == ""
+    msg = describe_config_mismatch([base, seed, base, seed])
+    assert "(ranks that differ from rank 0: 1, 3)" in msg
+    assert "rank 1 has 'trainer.seed: 1' where rank 0 has 'trainer.seed: 0'" in msg
+    msg = describe_config_mismatch([base, betas])
+    assert "'optim.betas.- 0.99' where rank 0 has 'optim.betas.- 0.95'" in msg
+
+
+# ---- the scripts' command lines (a fake PYTHON records them) ----
+
+
+def recorded(log: Path, program: str) -> list[list[str]]:
+    """The argument lists a fake program recorded, one per call."""
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    return [c[1:] for c in calls if c and c[0] == program]
+
+
+def torchrun_args(argv: list[str]):
+    """torchrun's own parse of `python -m torch.distributed.run ARGS`: the flags must be real."""
+    assert argv[:2] == ["-m", "torch.distributed.run"], argv
+    return parse_args(argv[2:])
+
+
+def srun_torchrun(srun: list[str]) -> tuple[list[str], object]:
+    """srun's own options, and torchrun's parse of the command srun was given."""
+    cmd = srun.index(str(FAKES / "fake-python"))
+    return srun[:cmd], torchrun_args(srun[cmd + 1 :])
+
+
+def run_script(script: str, tmp_path: Path, *args: str, **env: str):
+    log = tmp_path / "calls.log"
+    full_env = script_env(FAKE_SLURM_LOG=str(log), PYTHON=str(FAKES / "fake-python"), **env)
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / script), *args],
+        cwd=tmp_path,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return proc, log
+
+
+def test_single_node_names_its_rendezvous_after_run_id(tmp_path):
+    proc, log = run_script("single_node.sh", tmp_path, "optim.lr=1e-3", NPROC="3", RUN_ID="a1")
+    assert proc.returncode == 0, proc.stderr
+    args = torchrun_args(recorded(log, "python")[0])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_id) == ("1", "3", "a1")
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.max_restarts) == ("c10d", "localhost:0", 0)
+    assert args.training_script == str(ROOT / "train.py")
+    assert args.training_script_args == ["optim.lr=1e-3"]
+    proc, log = run_script("single_node.sh", tmp_path, NPROC="2", MAX_RESTARTS="2")
+    args = torchrun_args(recorded(log, "python")[-1])
+    assert args.standalone and args.max_restarts == 2
+    proc, _ = run_script("single_node.sh", tmp_path, NPROC="2", RUN_ID="a/b")
+    assert proc.returncode == 2 and "RUN_ID='a/b'" in proc.stderr
+
+
+def test_multi_node_takes_an_elastic_range_and_needs_its_identity(tmp_path):
+    need = {"NNODES": "2:4", "RDZV_ENDPOINT": "node0:29400", "RUN_ID": "big", "NPROC_PER_NODE": "8"}
+    proc, log = run_script("multi_node.sh", tmp_path, "model=mlp", **need)
+    assert proc.returncode == 0, proc.stderr
+    args = torchrun_args(recorded(log, "python")[0])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("2:4", "8", "c10d")
+    assert (args.rdzv_endpoint, args.rdzv_id) == ("node0:29400", "big")
+    assert args.training_script_args == ["model=mlp"]
+    for missing in ("NNODES", "RDZV_ENDPOINT", "RUN_ID"):
+        env = {k: v for k, v in need.items() if k != missing}
+        proc, _ = run_script("multi_node.sh", tmp_path, **env)
+        assert proc.returncode == 2 and f"set {missing}" in proc.stderr
+
+
+# ---- SLURM, under fake srun and scontrol ----
+
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_GPUS_ON_NODE": "4",
+    "SLURM_SUBMIT_DIR": str(ROOT),
+    "FAKE_NODES": "gpu07 gpu08",
+}
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    """fake srun and scontrol first on PATH; copied so that they run whatever their file mode."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol"):
+        shutil.copy(FAKES / name, bin_dir / name)
+        (bin_dir / name).chmod(0o755)
+    return {**SLURM, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_slurm_runs_one_torchrun_per_node_with_the_jobs_identity(tmp_path, fake_slurm):
+    proc, log = run_script("slurm.sbatch", tmp_path, "model=mlp", "data=images", **fake_slurm)
+    assert proc.returncode == 0, proc.stderr
+    assert recorded(log, "scontrol") == [["show", "hostnames", "gpu[07-08]"]]  # no requeue
+    (srun,) = recorded(log, "srun")
+    srun_options, args = srun_torchrun(srun)
+    assert set(srun_options) == {"--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"}
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("2", "4", "c10d")
+    assert args.rdzv_endpoint == f"gpu07:{29400 + 4242 % 1000}"  # the allocation's first node
+    assert args.training_script == str(ROOT / "train.py")
+    assert args.training_script_args == ["model=mlp", "data=images"]
+    # every worker, on any node and after a requeue, names the run directory the same way
+    worker = torchrun_env(args.rdzv_id, nodes=2, **SLURM)
+    assert args.rdzv_id == launch_run_name(worker) == "slurm-4242"
+
+    array = {**fake_slurm, "SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": "2"}
+    proc, log = run_script("slurm.sbatch", tmp_path, **array)
+    _, args = srun_torchrun(recorded(log, "srun")[-1])
+    assert args.rdzv_id == launch_run_name(torchrun_env(UUID, **array)) == "slurm-4240_2"
+
+
+def test_slurm_without_gpus_asks_for_them(tmp_path, fake_slurm):
+    no_gpus = {k: v for k, v in fake_slurm.items() if k != "SLURM_GPUS_ON_NODE"}
+    proc, _ = run_script("slurm.sbatch", tmp_path, **no_gpus)
+    assert proc.returncode == 2 and "--gpus-per-node" in proc.stderr
+    proc, log = run_script("slurm.sbatch", tmp_path, NPROC_PER_NODE="2", **no_gpus)
+    assert srun_torchrun(recorded(log, "srun")[0])[1].nproc_per_node == "2"
+
+
+@pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)])
+def test_slurm_signal_stops_the_step_and_requeues_only_near_the_time_limit(
+    tmp_path, fake_slurm, sig, requeued
+):
+    log = tmp_path / "calls.log"
+    env = script_env(
+        FAKE_SLURM_LOG=str(log), FAKE_SRUN="sleep", PYTHON=str(FAKES / "fake-python"), **fake_slurm
+    )
+    with open(tmp_path / "batch.err", "w") as err:
+        batch = subprocess.Popen(
+            ["bash", str(LAUNCH / "slurm.sbatch")], cwd=tmp_path, env=env, stderr=err
+        )
+    try:
+        deadline = time.monotonic() + 20
+        while not (log.exists() and recorded(log, "srun")):  # the step is running
+            assert batch.poll() is None and time.monotonic() < deadline, "srun never started"
+            time.sleep(0.05)
+        batch.send_signal(sig)
+        batch.wait(timeout=20)
+    finally:
+        batch.kill()
+    assert "srun got TERM" in log.read_text()  # forwarded to the step, which stopped
+    requeues = [c for c in recorded(log, "scontrol") if c[0] == "requeue"]
+    assert requeues == ([["requeue", "4242"]] if requeued else [])
+    assert batch.returncode == 143  # the step's own status: killed by SIGTERM
+
+
+# ---- real runs over gloo ----
+
+
+def test_two_agents_as_two_nodes_share_one_run_directory(tmp_path):
+    port = free_port()
+    env = script_env(
+        NNODES="2",
+        NPROC_PER_NODE="1",
+        RDZV_ENDPOINT=f"127.0.0.1:{port}",
+        RUN_ID="two-nodes",
+        LOGLEVEL="INFO",  # torchrun's agents then print the ranks they gave out
+    )
+    agents = [
+        subprocess.Popen(
+            ["bash", str(LAUNCH / "multi_node.sh"), *TINY],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = []
+    for agent in agents:
+        out, _ = agent.communicate(timeout=180)
+        assert agent.returncode == 0, out[-3000:]
+        outputs.append(out)
+    # each agent is one node with one worker: global ranks 0 and 1, both local rank 0
+    given = sorted(re.search(r"global_ranks=\[(\d+)\]", out).group(1) for out in outputs)
+    assert given == ["0", "1"]
+    assert all("local_ranks=[0]" in out and "group_world_size=2" in out for out in outputs)
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["two-nodes"]
+    run_dir = tmp_path / "outputs" / "two-nodes"
+    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # written once, by rank 0
+    assert "2 process(es)" in "".join(outputs)
+    assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "per_rank, first_difference",
+    [
+        (
+            "trainer.seed=${oc.env:LOCAL_RANK}",
+            "'trainer.seed: 1' where rank 0 has 'trainer.seed: 0'",
+        ),
+        (
+            "hydra.run.dir=split${oc.env:LOCAL_RANK}",
+            "'run_dir: split1' where rank 0 has 'run_dir: split0'",
+        ),
+    ],
+)
+def test_ranks_that_resolve_different_configs_stop_with_one_clear_line(
+    tmp_path, per_rank, first_difference
+):
+    proc = run_train([*TINY, per_rank], cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stdout.count(f"rank 1 has {first_difference}") == 2, proc.stdout[
+        -3000:
+    ]  # each rank
+    assert not list(tmp_path.glob("**/events.out.tfevents.*"))  # stopped before any work
+
+
+def test_multirun_under_torchrun_stops_before_any_work(tmp_path):
+    proc = run_train(["-m", *TINY, "trainer.seed=1,2"], cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "hydra -m (multirun) cannot run under torchrun with 2 processes" in proc.stderr
+    assert "launch/sweep.sh" in proc.stderr
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_multirun_in_a_world_of_one_runs_each_point(tmp_path):
+    proc = run_train(["-m", *TINY, "trainer.seed=1,2"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "multirun").glob("*/*")
+    for n, seed in enumerate((1, 2)):
+        assert f"seed: {seed}\n" in (sweep_dir / str(n) / "config.yaml").read_text()
+
+
+def test_sweep_script_runs_one_torchrun_per_point(tmp_path):
+    env = script_env(NPROC="2", SWEEP_DIR="sweeps/seeds")
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "sweep.sh"), *TINY, "trainer.seed=1,2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep_dir = tmp_path / "sweeps" / "seeds"
+    assert sorted(p.name for p in sweep_dir.iterdir()) == ["0", "1", "sweep.txt"]
+    for n, seed in enumerate((1, 2)):
+        point = sweep_dir / str(n)
+        assert f"seed: {seed}\n" in (point / "config.yaml").read_text()
+        assert (point / "rank0.log").exists() and (point / "rank1.log").exists()
+        assert len(list(point.glob("events.out.tfevents.*"))) == 1
+    assert "trainer.seed=2" in (sweep_dir / "sweep.txt").read_text().splitlines()[1]
