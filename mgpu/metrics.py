@@ -1,5 +1,6 @@
 """Training telemetry: step time from marks on the device's own timeline, the interval's loss
-copied to the host without stalling, and what rank 0 writes to TensorBoard and the console.
+copied to the host without stalling, the time steps waited for data, and what rank 0 writes to
+TensorBoard and the console.
 
 Nothing here waits on the GPU at the step it is recorded. An interval's numbers are published one
 log interval later, when the GPU has long finished them, so logging never drains the GPU queue.
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -67,6 +68,70 @@ class TensorBoard:
 
 
 @dataclass
+class WaitSample:
+    """Data wait over some batches: host time now, GPU stalls as event pairs still to be read."""
+
+    host_s: float = 0.0  # host time the loop spent blocked in next()
+    gpu: bool = False  # whether the batches went to a GPU (and the pairs below are the measure)
+    gpu_ms: float = 0.0  # stalls already read from completed event pairs
+    pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def total_ms(self) -> float:
+        """The time data cost: on a GPU the compute stream's stall, on CPU the host's wait.
+        Read it a log interval after the batches were handed over: each `synchronize` is then
+        on an event the GPU has long passed."""
+        if not self.gpu:
+            return self.host_s * 1e3
+        ms = self.gpu_ms
+        for requested, ready in self.pending:
+            ready.synchronize()  # sync point, but on an event at least one interval old
+            ms += requested.elapsed_time(ready)
+        return ms
+
+
+class DataWait:
+    """What the consumer of a loader waited for its batches, gathered without a host sync.
+
+    Host: the time next() blocked the training loop (perf_counter, summed). GPU: per batch, a
+    pair of timing events on the consumer's stream, one recorded when next() is called (so it
+    completes when the work queued before is done) and one after the stream's wait for the
+    batch's copy. Between them the compute stream had nothing to do but wait for data: for the
+    host to deliver the batch, then for its copy. That stall is the data wait on a GPU; host
+    time blocked while the GPU still had queued work cost nothing, so it is not added (it is
+    kept, as `host_s`). The pairs are read later (`WaitSample.total_ms`), never at the step
+    that records them.
+    """
+
+    FOLD_AT = 256  # pending pairs before completed ones are folded into a number
+
+    def __init__(self) -> None:
+        self._sample = WaitSample()
+
+    def add(self, host_s: float, pair: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
+        sample = self._sample
+        sample.host_s += host_s
+        if pair is None:
+            return
+        sample.gpu = True
+        sample.pending.append(pair)
+        if len(sample.pending) >= self.FOLD_AT:
+            # A loader nobody reads (an eval loader, a benchmark) must not hoard events: fold
+            # the pairs the GPU has finished. query() asks without waiting.
+            done = 0
+            for requested, ready in sample.pending:
+                if not ready.query():
+                    break
+                sample.gpu_ms += requested.elapsed_time(ready)
+                done += 1
+            del sample.pending[:done]
+
+    def take(self) -> WaitSample:
+        """Everything since the last take; the meter starts again from zero."""
+        sample, self._sample = self._sample, WaitSample()
+        return sample
+
+
+@dataclass
 class Interval:
     """The steps since the previous record, waiting for the GPU to finish them."""
 
@@ -77,6 +142,7 @@ class Interval:
     copied: torch.cuda.Event | None
     start: Mark
     end: Mark
+    data_wait: WaitSample | None = None
 
 
 class Recorder:
@@ -97,9 +163,19 @@ class Recorder:
         self.max_steps = max_steps
 
     def snapshot(
-        self, step: int, steps: int, loss_sum: torch.Tensor, lr: float, start: Mark
+        self,
+        step: int,
+        steps: int,
+        loss_sum: torch.Tensor,
+        lr: float,
+        start: Mark,
+        data_wait: WaitSample | None = None,
     ) -> Interval:
-        """Close an interval. A collective: every rank calls it at the same step."""
+        """Close an interval. A collective: every rank calls it at the same step.
+
+        `data_wait` is this rank's own (rank 0's is what gets written): averaging it across
+        ranks would need a collective at publish time, queued behind the current step.
+        """
         mean = all_reduce_sum_(loss_sum.detach() / steps, self.rt) / self.rt.world_size
         end = self.clock.mark()
         if self.clock.cuda:
@@ -107,8 +183,8 @@ class Recorder:
             host.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
             copied = torch.cuda.Event()
             copied.record()
-            return Interval(step, steps, lr, host, copied, start, end)
-        return Interval(step, steps, lr, mean, None, start, end)
+            return Interval(step, steps, lr, host, copied, start, end, data_wait)
+        return Interval(step, steps, lr, mean, None, start, end, data_wait)
 
     def publish(self, iv: Interval) -> None:
         if iv.copied is not None:
@@ -129,17 +205,25 @@ class Recorder:
             values["throughput/tokens_per_sec"] = tokens_per_sec
             values["throughput/tokens_per_sec_per_device"] = tokens_per_sec / self.rt.world_size
             rate = f"{tokens_per_sec:,.0f} tokens/s"
+        waited = ""
+        if iv.data_wait is not None:
+            wait_ms = iv.data_wait.total_ms() / iv.steps
+            values["time/data_wait_ms"] = wait_ms
+            values["time/data_wait_pct"] = 100.0 * wait_ms / step_ms
+            values["time/data_host_wait_ms"] = iv.data_wait.host_s * 1e3 / iv.steps
+            waited = f" | data {values['time/data_wait_pct']:.1f}%"
         self.board.scalars(iv.step, values)
         if self.rt.is_primary:
             eta = timedelta(seconds=round((self.max_steps - iv.step) * step_ms / 1e3))
             log.info(
-                "step %d/%d | loss %.4f | lr %.2e | %s | %.1f ms/step | eta %s",
+                "step %d/%d | loss %.4f | lr %.2e | %s | %.1f ms/step%s | eta %s",
                 iv.step,
                 self.max_steps,
                 loss,
                 iv.lr,
                 rate,
                 step_ms,
+                waited,
                 eta,
             )
 

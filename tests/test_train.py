@@ -9,6 +9,9 @@ TAGS = [
     "train/lr",
     "eval/loss",
     "time/step_ms",
+    "time/data_wait_ms",
+    "time/data_wait_pct",
+    "time/data_host_wait_ms",
     "throughput/samples_per_sec",
     "throughput/samples_per_sec_per_device",
     "throughput/tokens_per_sec",
@@ -49,6 +52,14 @@ def test_two_process_run_trains_and_writes_one_run_directory(tmp_path):
         scalars["throughput/samples_per_sec"], scalars["time/step_ms"], strict=True
     ):
         assert math.isclose(samples * step_ms / 1e3, 64, rel_tol=1e-3)
+    # On CPU the data wait is host time inside the step: a share of the step time
+    for (_, wait_ms), (_, pct), (_, step_ms) in zip(
+        scalars["time/data_wait_ms"],
+        scalars["time/data_wait_pct"],
+        scalars["time/step_ms"],
+        strict=True,
+    ):
+        assert 0 < wait_ms < step_ms and math.isclose(pct, 100 * wait_ms / step_ms, rel_tol=1e-3)
     assert "loss" in proc.stdout and "tokens/s" in proc.stdout  # rank 0's progress line
 
 

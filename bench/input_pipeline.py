@@ -1,0 +1,370 @@
+"""What feeding a model from DataLoader workers costs, side by side in one run, on one GPU.
+
+Each variant trains the same model from the same data; throughput is printed with its ratio to
+(a), the batch already on the GPU:
+  (a) resident    the batch on the GPU, ready for the model, reused every step (upper bound)
+  (b) pageable    DataLoader without pinning; .cuda() on the default stream
+  (c) pinned      pinned DataLoader; .cuda(non_blocking=True) on the default stream
+  (d) mgpu        mgpu.loader.DeviceLoader: copies issued inline on its side stream
+  (e) mgpu-thread DeviceLoader(copy_thread=True): copies issued from a background thread
+Images cross PCIe as uint8 and are normalised (and made channels_last) on the GPU: on the
+compute stream in (b) and (c), on the loader's side stream in (d) and (e); (a) skips it.
+
+    python bench/input_pipeline.py                  # ResNet-50 and GPT-2-small, ~3 minutes
+    python bench/input_pipeline.py --workers 12 --steps 40 --repeats 3 --models resnet50
+    python bench/input_pipeline.py --quick          # tiny shapes; runs on CPU (a smoke test)
+
+Writes bench/results/input_pipeline-<device>-<timestamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mgpu.data import SyntheticImages, TokenFile  # noqa: E402
+from mgpu.data.images import normalize_uint8  # noqa: E402
+from mgpu.loader import DeviceLoader, to_device  # noqa: E402
+from mgpu.models import GPT, ResNet  # noqa: E402
+
+VARIANTS = {
+    "a": "resident",
+    "b": "pageable .cuda()",
+    "c": "pinned non_blocking",
+    "d": "mgpu prefetch (inline)",
+    "e": "mgpu prefetch (thread)",
+}
+ENDLESS = 10**9  # a dataset length no run reaches: no epoch boundaries inside a measurement
+
+
+class Pool(Dataset):
+    """Samples from a fixed in-memory pool, index modulo its size: what workers deliver then
+    costs only collation and transport, so the copy path is measured, not image generation."""
+
+    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.inputs = torch.stack([x for x, _ in samples])
+        self.targets = torch.stack([y for _, y in samples])
+
+    def __len__(self) -> int:
+        return ENDLESS
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = int(i) % len(self.inputs)
+        return self.inputs[i], self.targets[i]
+
+
+@dataclass
+class Workload:
+    name: str
+    unit: str  # what throughput counts
+    per_sample: int  # units per sample (1 image, T tokens)
+    batch_size: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Dataset
+    transform: Callable[[torch.Tensor], torch.Tensor] | None
+    memory_format: torch.memory_format | None
+    note: str
+
+
+def resnet50(args, device: torch.device) -> Workload:
+    size, batch, classes = (32, 8, 10) if args.quick else (224, 256, 1000)
+    if args.quick:
+        model = ResNet(num_classes=classes, block="basic", layers=[1, 1, 1, 1], width=8)
+    else:
+        model = ResNet(num_classes=classes)
+    model = model.to(device, memory_format=torch.channels_last)
+    source = SyntheticImages("train", num_classes=classes, image_size=size, num_samples=ENDLESS)
+    pool = Pool([source[i] for i in range(args.pool)])
+    return Workload(
+        "resnet50" if not args.quick else "resnet-tiny",
+        "images/s",
+        1,
+        batch,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+        pool,
+        normalize_uint8,
+        torch.channels_last,
+        f"uint8 {size}x{size} images from a pool of {args.pool} SyntheticImages samples",
+    )
+
+
+def gpt2(args, device: torch.device, tmp: Path) -> Workload:
+    vocab, seq, batch = (256, 64, 4) if args.quick else (50304, 1024, 16)
+    layers, heads, width = (1, 2, 32) if args.quick else (12, 12, 768)  # GPT-2-small: 124M
+    model = GPT(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width)
+    model = model.to(device)
+    path = tmp / "tokens.bin"
+    rng = np.random.default_rng(0)
+    rng.integers(0, vocab, size=(seq + 1) * 4096, dtype=np.uint16).tofile(path)
+    tokens = TokenFile("train", str(path), seq_len=seq, eval_samples=1, vocab_size=vocab)
+    fused = device.type == "cuda"
+    return Workload(
+        "gpt2-small" if not args.quick else "gpt-tiny",
+        "tokens/s",
+        seq,
+        batch,
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-4, fused=fused),
+        Cycle(tokens),
+        None,
+        None,
+        f"random uint16 tokens < {vocab}, memory-mapped TokenFile (B={batch}, T={seq})",
+    )
+
+
+class Cycle(Dataset):
+    def __init__(self, base: Dataset):
+        self.base = base
+
+    def __len__(self) -> int:
+        return ENDLESS
+
+    def __getitem__(self, i: int):
+        return self.base[int(i) % len(self.base)]
+
+
+def train_step(
+    work: Workload, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    amp = device.type == "cuda"
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = work.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+        loss.backward()
+        work.optimizer.step()
+        work.optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def on_compute_stream(work: Workload, batch, device: torch.device, non_blocking: bool):
+    """(b), (c): the copy, transform and layout change all on the current (compute) stream."""
+    inputs, targets = (t.to(device, non_blocking=non_blocking) for t in batch)
+    if work.transform is not None:
+        inputs = work.transform(inputs)
+    if work.memory_format is not None:
+        inputs = inputs.contiguous(memory_format=work.memory_format)
+    return inputs, targets
+
+
+def feeds(
+    work: Workload, args, device: torch.device
+) -> tuple[dict[str, Callable[[], Iterator]], dict[str, DeviceLoader]]:
+    """Each variant's source of ready batches (every call starts a fresh iteration), and the
+    variants' prefetchers."""
+    cuda = device.type == "cuda"
+
+    def loader(pinned: bool) -> DataLoader:
+        return DataLoader(
+            work.dataset,
+            batch_size=work.batch_size,
+            num_workers=args.workers,
+            pin_memory=pinned and cuda,
+            prefetch_factor=args.prefetch_factor if args.workers else None,
+            persistent_workers=args.workers > 0,
+            drop_last=True,
+        )
+
+    pageable, pinned = loader(False), loader(True)
+    first = next(iter(pinned))
+    resident = on_compute_stream(work, to_device(first, device), device, True)
+    inline = DeviceLoader(
+        pinned, device, transform=work.transform, memory_format=work.memory_format
+    )
+    thread = DeviceLoader(
+        pinned,
+        device,
+        transform=work.transform,
+        memory_format=work.memory_format,
+        copy_thread=True,
+    )
+    return {
+        "a": lambda: itertools.repeat(resident),
+        "b": lambda: (on_compute_stream(work, b, device, False) for b in pageable),
+        "c": lambda: (on_compute_stream(work, b, device, True) for b in pinned),
+        "d": lambda: iter(inline),
+        "e": lambda: iter(thread),
+    }, {"d": inline, "e": thread}
+
+
+def measure(
+    step, batches: Iterator, args, device: torch.device, prefetcher: DeviceLoader | None
+) -> tuple[float, float | None]:
+    """Seconds for args.steps steps after args.warmup, timed on the device's own timeline, and
+    the data wait per step that the prefetcher's own meter saw over them."""
+    for _ in range(args.warmup):
+        step(*next(batches))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()  # benchmark only: start from an idle GPU
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+    if prefetcher is not None:
+        prefetcher.wait.take()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step(*next(batches))
+    if cuda:
+        end.record()
+        end.synchronize()
+        seconds = begin.elapsed_time(end) / 1e3
+    else:
+        seconds = time.perf_counter() - start
+    wait = prefetcher.wait.take().total_ms() / args.steps if prefetcher is not None else None
+    return seconds, wait
+
+
+def run_workload(work: Workload, args, device: torch.device) -> list[dict]:
+    step = train_step(work, device)
+    sources, prefetchers = feeds(work, args, device)
+    seconds: dict[str, list[float]] = {v: [] for v in args.variants}
+    waits: dict[str, list[float]] = {v: [] for v in prefetchers}
+    for _ in range(args.repeats):
+        for v in args.variants:  # interleaved, so every variant sees the same machine state
+            batches = sources[v]()
+            took, wait = measure(step, batches, args, device, prefetchers.get(v))
+            seconds[v].append(took)
+            if wait is not None:
+                waits[v].append(wait)
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # ends the epoch before another variant restarts the shared loader
+    for p in prefetchers.values():
+        p.close()
+    units = work.batch_size * work.per_sample * args.steps
+    base = units / statistics.median(seconds["a"]) if "a" in seconds else None
+    rows = []
+    for v in args.variants:
+        rates = [units / s for s in seconds[v]]
+        rate = statistics.median(rates)
+        rows.append(
+            {
+                "workload": work.name,
+                "variant": f"({v}) {VARIANTS[v]}",
+                "throughput": rate,
+                "unit": work.unit,
+                "ratio_to_a": rate / base if base else None,
+                "spread": [min(rates), max(rates)],
+                "data_wait_ms_per_step": statistics.median(waits[v]) if v in waits else None,
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'workload':<12} {'variant':<26} {'throughput':>21} {'vs (a)':>7} {'spread':>23}"
+    print(head + "  data wait/step (mgpu meter)")
+    for r in rows:
+        lo, hi = r["spread"]
+        ratio = f"{r['ratio_to_a']:.3f}" if r["ratio_to_a"] is not None else "-"
+        wait = r["data_wait_ms_per_step"]
+        print(
+            f"{r['workload']:<12} {r['variant']:<26} {r['throughput']:>12,.0f} {r['unit']:<8}"
+            f" {ratio:>7} {lo:>11,.0f}-{hi:<11,.0f}  "
+            + (f"{wait:.3f} ms" if wait is not None else "")
+        )
+
+
+def environment(device: torch.device) -> dict:
+    def git(*cmd: str) -> str:
+        try:
+            out = subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True)
+            return out.stdout.strip() if out.returncode == 0 else "unknown"
+        except OSError:
+            return "unknown"
+
+    cuda = device.type == "cuda"
+    return {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl_version() if cuda else None,
+        "commit": git("rev-parse", "HEAD"),
+        "tree_dirty": git("status", "--porcelain") not in ("", "unknown"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def nccl_version() -> str:
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 4)))
+    p.add_argument("--prefetch-factor", type=int, default=2, help="DataLoader prefetch_factor")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps before each")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per variant (median)")
+    p.add_argument("--pool", type=int, default=256, help="distinct images in the pool")
+    p.add_argument(
+        "--models", nargs="+", default=["resnet50", "gpt2"], choices=["resnet50", "gpt2"]
+    )
+    p.add_argument("--variants", default="abcde", help="which of (a)-(e), e.g. ade")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and counts (runs on CPU)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = p.parse_args()
+    if args.quick:
+        args.workers, args.steps, args.warmup, args.repeats, args.pool = 1, 3, 1, 1, 16
+    args.variants = [v for v in args.variants if v in VARIANTS]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolutions
+    env = environment(device)
+    print(f"{env['device']} | torch {env['torch']} | commit {env['commit'][:12]}")
+    rows, notes = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            work = resnet50(args, device) if name == "resnet50" else gpt2(args, device, Path(tmp))
+            notes.append(f"{work.name}: {work.note}")
+            print(f"{work.name}: {work.note}; {args.workers} workers", flush=True)
+            rows += run_workload(work, args, device)
+            del work
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    print_table(rows)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"input_pipeline-{slug}-{stamp}.json"
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    record = {**env, "timestamp": stamp, "settings": settings, "notes": notes, "table": rows}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+
+if __name__ == "__main__":
+    main()
