@@ -1,0 +1,636 @@
+"""Crash-safe checkpoints: the on-disk layout, atomic writes sealed by a manifest of checksums,
+weights_only loading whose errors name the file and the failed check, per-rank RNG state, pruning,
+the resume policy, and the data cursor that lets a run resume on any number of processes.
+
+Layout (the run directory must be on a filesystem that every rank sees):
+
+    <run dir>/checkpoints/step-00000300/state.pt       rank 0: model, optimizer, schedule, scaler,
+                                                       step, data cursor, resolved config
+                                       rank-<r>.pt     rank r: its RNG states
+                                       manifest.json   written last: size + sha256 of every file
+    <run dir>/checkpoints/step-00000400.tmp-<token>/   a save in progress (or a crashed one)
+
+A directory without a valid manifest does not exist for resume. Saving, in this order:
+every rank `write_rank_files`; barrier; rank 0 `finalize`; barrier; rank 0 `prune`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARED = "state.pt"
+_STEP = re.compile(r"^step-(\d{8,})$")
+_SCRATCH = re.compile(r"^step-(\d{8,})\.(tmp|old)-.+$")  # a save in progress, or one being deleted
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or used; names the file and the check that failed."""
+
+    def __init__(self, file: Path | str, check: str):
+        super().__init__(f"{file}: {check}")
+        self.file, self.check = Path(file), check
+
+
+class CheckpointMismatch(ValueError):
+    """Saved model or optimizer state that does not fit the one being restored; names the keys."""
+
+
+# ---- layout ----
+
+
+def checkpoint_root(run_dir: Path | str) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def staging_dir(root: Path, step: int, token: str) -> Path:
+    """Where a save is assembled; `token` must be the same on every rank of one launch and differ
+    between launches, so a crashed attempt's leftovers are never mixed into a new save."""
+    return root / f"step-{step:08d}.tmp-{token}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank}.pt"
+
+
+def _dirs(root: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    """(step, path) of the directories in root whose name matches, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := pattern.match(p.name))]
+    return sorted((s, p) for s, p in found if p.is_dir())[::-1]
+
+
+# ---- writing ----
+
+
+def _check_safe(obj: Any, where: str) -> None:
+    """Refuse at save time what torch.load(weights_only=True) would refuse at resume time."""
+    if isinstance(obj, torch.Tensor) or type(obj) in (str, int, float, bool, type(None)):
+        return
+    if type(obj) in (torch.dtype, torch.device):
+        return
+    if type(obj) in (dict, OrderedDict):
+        for key, value in obj.items():
+            _check_safe(key, f"{where} key {key!r}")
+            _check_safe(value, f"{where}[{key!r}]")
+    elif type(obj) in (list, tuple, torch.Size):
+        for i, value in enumerate(obj):
+            _check_safe(value, f"{where}[{i}]")
+    else:
+        raise TypeError(
+            f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+            "torch.load(weights_only=True) refuses; store tensors, numbers, str, lists or dicts"
+        )
+
+
+class _HashingWriter:
+    """A file wrapper that hashes the bytes torch.save produces as they go out, so the manifest
+    records what was meant to be written and verification compares the disk against it."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size, self.error = f, hashlib.sha256(), 0, None
+
+    def write(self, data) -> int:
+        try:
+            written = self.f.write(data)
+        except OSError as err:
+            self.error = err  # torch's zip writer replaces it with an opaque RuntimeError
+            raise
+        self.sha.update(data)
+        self.size += len(data)
+        return written
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_torch(path: Path, obj: Any) -> dict:
+    """torch.save to `path`, fsynced; returns its manifest entry."""
+    with open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        try:
+            torch.save(obj, writer)
+        except Exception:
+            if writer.error is not None:
+                raise writer.error from None  # the real cause, e.g. ENOSPC
+            raise
+        f.flush()
+        os.fsync(f.fileno())
+    return {"name": path.name, "size": writer.size, "sha256": writer.sha.hexdigest()}
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a created or renamed child) durable, not only its files."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_failed(root: Path, file: Path, err: BaseException) -> CheckpointError:
+    previous = [p.name for _, p in _dirs(root, _STEP) if (p / MANIFEST).is_file()]
+    kept = f"previous checkpoint {root / previous[0]} is intact" if previous else "none before it"
+    return CheckpointError(file, f"save failed ({type(err).__name__}: {err}); {kept}")
+
+
+def write_rank_files(root: Path, step: int, rank: int, state: dict, *, token: str) -> Path:
+    """Every rank, first: write this rank's state to the staging directory; returns that
+    directory. On failure removes what it wrote and raises CheckpointError (path + cause)."""
+    _check_safe(state, f"rank {rank} state")
+    staging = staging_dir(root, step, token)
+    path = staging / rank_file(rank)
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        _write_torch(path, state)
+    except Exception as err:
+        path.unlink(missing_ok=True)
+        raise _save_failed(root, path, err) from err
+    return staging
+
+
+def finalize(root: Path, step: int, world_size: int, shared: dict, *, token: str) -> Path:
+    """Rank 0, after every rank's write_rank_files returned (barrier between): write the shared
+    state, then the manifest last, rename the staging directory into place and verify it.
+
+    Returns the checkpoint's path. On any failure the staging directory is removed, older
+    checkpoints are untouched, and CheckpointError names the path and the cause.
+    """
+    _check_safe(shared, "shared state")
+    staging, final = staging_dir(root, step, token), step_dir(root, step)
+    try:
+        entries = [_write_torch(staging / SHARED, shared)]
+        entries += [_entry_from_disk(staging / rank_file(r)) for r in range(world_size)]
+        names = {e["name"] for e in entries}
+        for stray in [p for p in staging.iterdir() if p.name not in names]:
+            stray.unlink()  # a same-token leftover (e.g. a larger world's rank file)
+        manifest = {"version": FORMAT_VERSION, "step": step, "world_size": world_size}
+        manifest |= {"saved_at": time.time(), "files": entries}
+        with open(staging / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(staging)
+        _publish(staging, final, token)
+    except Exception as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _save_failed(root, final, err) from err
+    log.info("checkpoint saved: %s", final)
+    return final
+
+
+def abort(root: Path, step: int, *, token: str) -> None:
+    """Rank 0, when any rank's write failed: remove the staging directory (older checkpoints
+    are untouched; prune would also sweep it after the next successful save)."""
+    shutil.rmtree(staging_dir(root, step, token), ignore_errors=True)
+
+
+def _entry_from_disk(path: Path) -> dict:
+    """A rank file's manifest entry, hashed by rank 0 (rank files are a few KB)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.name} missing: every rank must write before finalize")
+    return {"name": path.name, "size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _publish(staging: Path, final: Path, token: str) -> None:
+    """Rename the staging directory to its final name (atomic), then verify it there.
+
+    A same-step checkpoint already in place (an earlier attempt's) moves aside, since os.replace
+    cannot replace a non-empty directory, and is deleted only once the new one verified; on
+    failure the new one goes back to its staging name and the old one back into place.
+    """
+    aside = final.with_name(f"{final.name}.old-{token}")
+    if final.exists():
+        log.warning("%s exists (an earlier attempt at this step); replacing it", final)
+        os.replace(final, aside)
+    try:
+        os.replace(staging, final)
+        _fsync_dir(final.parent)
+        _fsync_dir(final.parent.parent)  # the first save also created checkpoints/ itself
+        verify(final)
+    except BaseException:
+        if final.exists() and not staging.exists():
+            os.replace(final, staging)  # out of resume's sight; the caller deletes it
+        if aside.exists():
+            os.replace(aside, final)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _remove_dir(path: Path, token: str) -> None:
+    """Rename out of the step-NNNNNNNN namespace first, then delete: a crash mid-delete leaves a
+    scratch directory that prune sweeps, never a half-deleted checkpoint."""
+    aside = path.with_name(f"{path.name}.old-{token}")
+    os.replace(path, aside)
+    shutil.rmtree(aside)
+
+
+# ---- verifying and loading ----
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of checkpoint directory `path`, checked for shape; no file is hashed."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(path, "not a checkpoint directory (<run dir>/checkpoints/step-N)")
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(file, "missing manifest: the save never finished")
+    try:
+        manifest = json.loads(file.read_text())
+        version, world = manifest["version"], int(manifest["world_size"])
+        manifest["step"] = int(manifest["step"])
+        manifest["files"] = [
+            {"name": str(e["name"]), "size": int(e["size"]), "sha256": str(e["sha256"])}
+            for e in manifest["files"]
+        ]
+        entries = {e["name"] for e in manifest["files"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(file, f"unreadable manifest ({type(err).__name__}: {err})") from err
+    if version != FORMAT_VERSION:
+        raise CheckpointError(file, f"format version {version}, this mgpu reads {FORMAT_VERSION}")
+    expected = {SHARED, *(rank_file(r) for r in range(world))}
+    if entries != expected:
+        # Also keeps a hand-edited manifest from pointing outside the directory.
+        got = sorted(entries)
+        raise CheckpointError(file, f"manifest lists {got}, expected {sorted(expected)}")
+    return manifest
+
+
+def _check_file(path: Path, entry: dict, checksums: bool) -> None:
+    expected = entry["size"]
+    try:
+        size = path.stat().st_size
+        if size == expected and checksums:
+            digest = _sha256(path)
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing file listed in the manifest") from None
+    except OSError as err:
+        raise CheckpointError(path, f"unreadable ({err})") from err
+    if size == 0:
+        raise CheckpointError(path, f"empty file (the manifest says {expected} bytes)")
+    if size < expected:
+        raise CheckpointError(path, f"truncated: {size} of {expected} bytes")
+    if size != expected:
+        raise CheckpointError(path, f"size mismatch: {size} bytes, the manifest says {expected}")
+    if checksums and digest != entry["sha256"]:
+        raise CheckpointError(
+            path, f"checksum mismatch: sha256 {digest[:16]}..., manifest {entry['sha256'][:16]}..."
+        )
+
+
+def verify(path: Path, *, checksums: bool = True) -> dict:
+    """Check every file of checkpoint `path` against its manifest (size, and sha256 unless
+    checksums=False); returns the manifest or raises CheckpointError(file, check)."""
+    manifest = read_manifest(path)
+    for entry in manifest["files"]:
+        _check_file(Path(path) / entry["name"], entry, checksums)
+    return manifest
+
+
+def _load_torch(path: Path, map_location: Any) -> Any:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        # No fallback to full unpickling: that would run whatever code the file names. Keep
+        # torch's reason, drop its advice to retry with weights_only=False.
+        lines = [ln for ln in str(err).splitlines() if "WeightsUnpickler error:" in ln]
+        why = lines[0].split("error:", 1)[1].split(". Please")[0].strip() if lines else str(err)
+        raise CheckpointError(path, f"refused by torch.load(weights_only=True): {why}") from err
+    except Exception as err:
+        what = f"unreadable by torch.load ({type(err).__name__}: {err})"
+        raise CheckpointError(path, what) from err
+
+
+@dataclass
+class Loaded:
+    """One rank's view of a checkpoint: the shared state, and its own state when the checkpoint
+    was written by at least rank+1 processes (None when resuming on more processes)."""
+
+    path: Path
+    step: int
+    world_size: int
+    shared: dict
+    rank_state: dict | None
+
+
+def load(path: Path, *, rank: int, map_location: Any = "cpu") -> Loaded:
+    """Verify the files this rank reads (size + sha256), then load them with weights_only.
+
+    Rank state always loads to CPU: RNG states must be CPU byte tensors.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    entries = {e["name"]: e for e in manifest["files"]}
+    world = int(manifest["world_size"])
+    names = [SHARED] + ([rank_file(rank)] if rank < world else [])
+    for name in names:
+        _check_file(path / name, entries[name], checksums=True)
+    shared = _load_torch(path / SHARED, map_location)
+    own = _load_torch(path / rank_file(rank), "cpu") if rank < world else None
+    return Loaded(path, int(manifest["step"]), world, shared, own)
+
+
+def find_latest_valid(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` that verifies fully, and one line per newer checkpoint
+    that did not (file and failed check). Staging directories are not checkpoints."""
+    problems = []
+    for _, path in _dirs(Path(root), _STEP):
+        try:
+            verify(path)
+            return path, problems
+        except CheckpointError as err:
+            problems.append(str(err))
+    return None, problems
+
+
+def resolve_resume(setting: str, root: Path) -> Path | None:
+    """`ckpt.resume`: "never" -> None; "auto" -> the newest valid checkpoint under root, if any,
+    warning about each newer invalid one; else a path that must verify (CheckpointError if not)."""
+    if setting == "never":
+        return None
+    if setting != "auto":
+        verify(Path(setting))
+        return Path(setting)
+    path, problems = find_latest_valid(root)
+    for problem in problems:
+        log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", problem)
+    if path is None:
+        level = logging.WARNING if problems else logging.INFO
+        log.log(level, "ckpt.resume=auto: no valid checkpoint under %s; starting at step 0", root)
+    elif problems:
+        log.warning("ckpt.resume=auto: resuming from an OLDER checkpoint, %s", path)
+    return path
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Rank 0, after finalize returned: delete valid checkpoints older than the newest
+    `keep_last`, and scratch directories of crashed saves; returns what was deleted.
+
+    Validity here is the manifest and the file sizes (no hashing): the newest was fully verified
+    by finalize a moment ago, and each older one was when it was written. Invalid checkpoints are
+    never deleted: a failed check may be a transient read error, and they are the evidence of
+    what went wrong; resume skips them. Scratch directories at or below the newest valid step
+    are leftovers of a crashed writer (a live save always writes a newer step), whatever pid.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: must be >= 1 (the newest is always kept)")
+    valid = []
+    for step, path in _dirs(Path(root), _STEP):
+        try:
+            verify(path, checksums=False)
+            valid.append((step, path))
+        except CheckpointError as err:
+            log.warning("prune: leaving invalid checkpoint in place: %s", err)
+    newest = valid[0][0] if valid else -1
+    doomed = [path for _, path in valid[keep_last:]]
+    doomed += [path for step, path in _dirs(Path(root), _SCRATCH) if step <= newest]
+    removed = []
+    for path in doomed:
+        try:  # a checkpoint that cannot be deleted costs disk space, not the run
+            if _STEP.match(path.name):
+                _remove_dir(path, str(os.getpid()))
+            else:
+                shutil.rmtree(path)
+            removed.append(path)
+        except OSError as err:
+            log.warning("prune: could not delete %s (%s)", path, err)
+    return removed
+
+
+# ---- what goes in: training state and RNG ----
+
+
+def capture_rng(
+    device: torch.device, generators: Mapping[str, torch.Generator] | None = None
+) -> dict:
+    """This rank's RNG states as weights_only-loadable types. CUDA: `device` only, never another
+    GPU; `generators` are extra torch.Generators by name (e.g. the DataLoader's)."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "python": {
+            "version": version,
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
+
+
+def restore_rng(
+    state: dict, device: torch.device, generators: Mapping[str, torch.Generator] | None = None
+) -> None:
+    """Undo capture_rng: the next draws equal those the saving process would have made."""
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda":
+        if state["cuda"] is None:
+            log.warning("checkpoint has no CUDA RNG state (saved on CPU); CUDA RNG not restored")
+        else:
+            torch.cuda.set_rng_state(state["cuda"], device)
+    for name, g in (generators or {}).items():
+        if name in state["generators"]:
+            g.set_state(state["generators"][name])
+        else:
+            log.warning("checkpoint has no state for generator %r; it keeps its seed", name)
+
+
+def training_state(
+    *, model: nn.Module, optimizer, schedule, scaler, step: int, cursor: DataCursor, config: str
+) -> dict:
+    """The replicated state rank 0 saves. `model` is the unwrapped module (comm.unwrap), so the
+    keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML."""
+    return {
+        "step": step,
+        "data": cursor.to_dict(),  # also holds the epoch
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "scaler": scaler.state_dict(),
+        "config": config,
+    }
+
+
+def restore_training_state(
+    state: dict, *, model: nn.Module, optimizer, schedule, scaler, source: str = "checkpoint"
+) -> tuple[int, DataCursor]:
+    """Load training_state's output into live objects; returns (step, data cursor)."""
+    restore_model(model, state["model"], source=source)
+    restore_optimizer(optimizer, state["optimizer"], model=model, source=source)
+    schedule.load_state_dict(state["schedule"])
+    if scaler.is_enabled() and not state["scaler"]:
+        log.warning("%s was saved without loss scaling; the fp16 scaler starts afresh", source)
+    else:
+        scaler.load_state_dict(state["scaler"])  # a no-op when this run's scaler is disabled
+    return int(state["step"]), DataCursor.from_dict(state["data"])
+
+
+def _listed(kind: str, keys: list[str], limit: int = 12) -> str:
+    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return f"\n  {kind}: " + ", ".join(keys[:limit]) + more
+
+
+def restore_model(model: nn.Module, state_dict: Mapping, *, source: str = "checkpoint") -> None:
+    """model.load_state_dict after comparing keys and shapes, so that a mismatch names every
+    missing, unexpected and reshaped key instead of torch's generic message."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    reshaped = [
+        f"{k} {list(state_dict[k].shape)} in {source}, {list(v.shape)} in the model"
+        for k, v in own.items()
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or reshaped:
+        msg = f"the model does not match {source}:"
+        msg += _listed("missing from the checkpoint", missing) if missing else ""
+        msg += _listed("not in the model", unexpected) if unexpected else ""
+        msg += _listed("shape differs", reshaped) if reshaped else ""
+        if any(k.startswith(("module.", "_orig_mod.")) for k in [*own, *state_dict]):
+            msg += "\n  (save and restore the unwrapped module: mgpu.comm.unwrap(model))"
+        raise CheckpointMismatch(msg)
+    model.load_state_dict(state_dict, strict=True)
+
+
+def restore_optimizer(
+    optimizer, state_dict: Mapping, *, model: nn.Module | None = None, source: str = "checkpoint"
+) -> None:
+    """optimizer.load_state_dict after comparing parameter groups and state shapes; with `model`
+    a mismatch is named by parameter name, else by index."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    label = [names.get(id(p), f"parameter #{i}") for i, p in enumerate(params)]
+    saved_groups, own_groups = state_dict["param_groups"], optimizer.param_groups
+    problems = []
+    if len(saved_groups) != len(own_groups):
+        n, m = len(saved_groups), len(own_groups)
+        problems.append(f"{n} parameter groups in {source}, {m} in the optimizer")
+    for g, (saved, own) in enumerate(zip(saved_groups, own_groups, strict=False)):
+        if len(saved["params"]) != len(own["params"]):
+            n, m = len(saved["params"]), len(own["params"])
+            problems.append(f"group {g}: {n} parameters in {source}, {m} in the optimizer")
+    for index, per_param in state_dict["state"].items() if not problems else ():
+        p = params[index]
+        # Only states shaped like their parameter (exp_avg, momentum) are compared; scalars
+        # such as Adam's step, and factored states, have other shapes by design.
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.dim() == p.dim() > 0:
+                if value.shape != p.shape:
+                    saved_shape, own_shape = list(value.shape), list(p.shape)
+                    problems.append(
+                        f"{label[index]}: {key} {saved_shape} in {source}, parameter {own_shape}"
+                    )
+    if problems:
+        raise CheckpointMismatch(f"the optimizer does not match {source}:" + _listed("", problems))
+    optimizer.load_state_dict(state_dict)
+
+
+# ---- data cursor (the sampler's math; phase 2 moves it beside ShardedSampler in loader.py) ----
+
+
+@dataclass(frozen=True)
+class DataCursor:
+    """Where training stands in the sample stream: all ranks together have consumed the first
+    `consumed` entries of epoch `epoch`'s permutation of `num_samples` indices drawn from `seed`.
+
+    Consumed samples are always a prefix of the permutation: rank r takes order[r::world], so
+    after k batches of b on every rank the union is exactly order[:k*b*world].
+    """
+
+    seed: int
+    epoch: int
+    consumed: int
+    num_samples: int
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("seed", "epoch", "consumed", "num_samples")}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> DataCursor:
+        return cls(int(d["seed"]), int(d["epoch"]), int(d["consumed"]), int(d["num_samples"]))
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's permutation, drawn exactly as ShardedSampler draws it (a test holds them
+    equal)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=g)
+
+
+def remaining_indices(
+    num_samples: int, seed: int, epoch: int, consumed: int, rank: int, world_size: int
+) -> list[int]:
+    """Rank `rank`'s samples for the rest of an epoch whose first `consumed` permutation entries
+    are done: the rest dealt round-robin over `world_size` ranks.
+
+    Tail rule: the last (num_samples - consumed) % world_size entries are dropped so every rank
+    takes the same number of steps. With consumed=0 this is ShardedSampler's training shard; at
+    the world size that consumed them, it continues that shard exactly.
+    """
+    if not 0 <= consumed <= num_samples:
+        raise ValueError(f"consumed={consumed} is outside the epoch's {num_samples} samples")
+    end = consumed + (num_samples - consumed) // world_size * world_size
+    return epoch_order(num_samples, seed, epoch)[consumed + rank : end : world_size].tolist()
+
+
+def advance(cursor: DataCursor, batches: int, *, batch_size: int, world_size: int) -> DataCursor:
+    """The cursor after every rank took `batches` more batches (drop_last), rolling into the
+    next epoch as the sampler and DataLoader do. Pure: count batches from the step number, not
+    from the loader, whose prefetching runs ahead of training."""
+    epoch, consumed, n = cursor.epoch, cursor.consumed, cursor.num_samples
+    if n // world_size < batch_size:
+        raise ValueError(f"{n} samples give no batch of {batch_size} on {world_size} ranks")
+    while True:
+        left = (n - consumed) // world_size // batch_size  # whole batches left per rank
+        take = min(batches, left)
+        consumed += take * batch_size * world_size
+        batches -= take
+        if batches == 0:
+            return DataCursor(cursor.seed, epoch, consumed, n)
+        epoch, consumed = epoch + 1, 0

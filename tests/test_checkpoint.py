@@ -1,0 +1,499 @@
+"""Checkpoints: a bit-exact round trip of everything training depends on, errors that name the
+file and the failed check, atomic saves that leave the previous checkpoint intact, pruning,
+weights_only loading, per-rank files written by real processes, and the data cursor that
+resumes on any number of processes with no sample repeated or skipped."""
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import random
+import socket
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from mgpu import checkpoint as ckpt
+from mgpu.checkpoint import (
+    CheckpointError,
+    CheckpointMismatch,
+    DataCursor,
+    advance,
+    capture_rng,
+    epoch_order,
+    finalize,
+    find_latest_valid,
+    load,
+    prune,
+    remaining_indices,
+    resolve_resume,
+    restore_model,
+    restore_optimizer,
+    restore_rng,
+    restore_training_state,
+    step_dir,
+    training_state,
+    verify,
+    write_rank_files,
+)
+from mgpu.config import CheckpointConfig, ConfigError, OptimConfig
+from mgpu.loader import ShardedSampler, epochs
+from mgpu.models import MLP
+from mgpu.optim import build_optimizer, build_schedule
+
+CPU = torch.device("cpu")
+
+
+def save(root, step, shared, rank_states, token="t"):
+    """One save as phase 2 sequences it, in one process: every rank's files, then rank 0's."""
+    for rank, state in enumerate(rank_states):
+        write_rank_files(root, step, rank, state, token=token)
+    return finalize(root, step, len(rank_states), shared, token=token)
+
+
+def small(root, step, token="t"):
+    shared = {"step": step, "w": torch.arange(4000.0) + step}
+    return save(root, step, shared, [{"rng": capture_rng(CPU)}], token=token)
+
+
+# ---- round trip ----
+
+
+def build(seed, device):
+    torch.manual_seed(seed)
+    model = MLP(in_features=8, num_classes=5, hidden=[16], dropout=0.3).to(device)
+    ocfg = OptimConfig(lr=0.01, warmup_steps=3)
+    opt = build_optimizer(ocfg, model, device)  # fused AdamW on CUDA
+    sched = build_schedule(ocfg, opt, max_steps=10)
+    # growth_interval=2: the scale changes during the test, so its state matters
+    scaler = torch.amp.GradScaler(device.type, growth_interval=2)
+    gen = torch.Generator().manual_seed(seed + 1)  # stands in for the DataLoader's generator
+    return SimpleNamespace(model=model, opt=opt, sched=sched, scaler=scaler, gen=gen, dev=device)
+
+
+def train_step(t):
+    """A step that draws from every RNG a checkpoint must carry."""
+    x = torch.randn(4, 8) * float(1 + np.random.rand()) + random.random()
+    x = (x + torch.rand(1, generator=t.gen)).to(t.dev)
+    y = torch.randint(0, 5, (4,), device=t.dev)  # the CUDA generator, on CUDA
+    loss = F.cross_entropy(t.model(x), y)  # dropout draws too
+    t.scaler.scale(loss).backward()
+    t.scaler.step(t.opt)
+    t.scaler.update()
+    t.opt.zero_grad(set_to_none=True)
+    t.sched.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_round_trip_continues_bit_exactly(tmp_path, device):
+    dev = torch.device(device, torch.cuda.device_count() - 1) if device == "cuda" else CPU
+    random.seed(0)
+    np.random.seed(0)
+    a = build(0, dev)
+    for _ in range(3):
+        train_step(a)
+    cursor = DataCursor(seed=0, epoch=1, consumed=24, num_samples=100)
+    shared = training_state(
+        model=a.model, optimizer=a.opt, schedule=a.sched, scaler=a.scaler, step=3,
+        cursor=cursor, config="trainer:\n  seed: 0\n",
+    )  # fmt: skip
+    path = save(tmp_path, 3, shared, [{"rng": capture_rng(dev, {"loader": a.gen})}])
+    expected = [train_step(a) for _ in range(3)]
+    expected_draws = (random.random(), np.random.rand(), torch.rand(2, device=dev))
+
+    random.seed(99), np.random.seed(99)
+    b = build(1, dev)  # other weights, other RNG: everything must come from the checkpoint
+    loaded = load(path, rank=0, map_location=dev)
+    step, got_cursor = restore_training_state(
+        loaded.shared, model=b.model, optimizer=b.opt, schedule=b.sched, scaler=b.scaler
+    )
+    restore_rng(loaded.rank_state["rng"], dev, {"loader": b.gen})
+    assert (step, got_cursor, loaded.shared["config"]) == (3, cursor, "trainer:\n  seed: 0\n")
+    assert loaded.shared["model"]["net.0.weight"].device == dev
+    got = [train_step(b) for _ in range(3)]
+
+    assert all(torch.equal(x, y) for x, y in zip(got, expected, strict=True))
+    b_params = b.model.state_dict()
+    for name, x in a.model.state_dict().items():
+        assert torch.equal(x, b_params[name]), name
+    for sa, sb in zip(a.opt.state.values(), b.opt.state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.sched.get_last_lr() == b.sched.get_last_lr()
+    assert a.scaler.state_dict() == b.scaler.state_dict()
+    assert a.scaler.get_scale() != 65536.0  # the scale did grow: its state was exercised
+    got_draws = (random.random(), np.random.rand(), torch.rand(2, device=dev))
+    assert got_draws[:2] == expected_draws[:2] and torch.equal(got_draws[2], expected_draws[2])
+
+
+@pytest.mark.gpu
+def test_cuda_rng_state_is_this_devices_and_loads_to_cpu(tmp_path):
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    with torch.cuda.device(dev):
+        torch.cuda.manual_seed(3)
+        state = capture_rng(dev)
+        expected = torch.rand(4, device=dev)
+        path = save(tmp_path, 1, {"w": torch.arange(3.0, device=dev)}, [{"rng": state}])
+        torch.rand(10, device=dev)
+        loaded = load(path, rank=0, map_location=dev)
+        assert loaded.rank_state["rng"]["cuda"].device == CPU  # set_rng_state needs CPU bytes
+        restore_rng(loaded.rank_state["rng"], dev)
+        assert torch.equal(torch.rand(4, device=dev), expected)
+    if dev.index > 0:  # with several GPUs: nothing of this landed on GPU 0
+        assert torch.cuda.memory_allocated(0) == 0
+
+
+# ---- corruption ----
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def empty(path):
+    path.write_bytes(b"")
+
+
+def bitflip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def garble(path):
+    path.write_text('{"version": 1, "files": [')
+
+
+@pytest.mark.parametrize(
+    "name, damage, check",
+    [
+        ("state.pt", truncate, "truncated"),
+        ("rank-0.pt", empty, "empty file"),
+        ("state.pt", bitflip, "checksum mismatch"),
+        ("rank-0.pt", bitflip, "checksum mismatch"),
+        ("manifest.json", os.remove, "missing manifest"),
+        ("manifest.json", garble, "unreadable manifest"),
+        ("state.pt", os.remove, "missing file"),
+    ],
+)
+def test_damaged_checkpoint_names_the_file_and_the_check(tmp_path, name, damage, check):
+    path = small(tmp_path, 1)
+    damage(path / name)
+    for attempt in (lambda: verify(path), lambda: load(path, rank=0)):
+        with pytest.raises(CheckpointError) as info:
+            attempt()
+        assert info.value.file == path / name and check in info.value.check
+        assert str(path / name) in str(info.value)
+
+
+def test_auto_resumes_from_the_newest_valid_checkpoint_and_warns(tmp_path, caplog):
+    for step in (1, 2, 3):
+        small(tmp_path, step)
+    bitflip(step_dir(tmp_path, 3) / "state.pt")
+    os.remove(step_dir(tmp_path, 2) / "manifest.json")
+    (tmp_path / "step-00000004.tmp-dead").mkdir()  # a crashed save is not a checkpoint
+    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+        assert resolve_resume("auto", tmp_path) == step_dir(tmp_path, 1)
+    text = caplog.text
+    assert "step-00000003/state.pt: checksum mismatch" in text
+    assert "step-00000002/manifest.json: missing manifest" in text and "OLDER" in text
+    assert resolve_resume("never", tmp_path) is None
+    assert resolve_resume(str(step_dir(tmp_path, 1)), tmp_path) == step_dir(tmp_path, 1)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        resolve_resume(str(step_dir(tmp_path, 3)), tmp_path)
+    assert resolve_resume("auto", tmp_path / "nothing") is None
+
+
+# ---- failed saves ----
+
+
+class FullDisk:
+    """A binary file that fails with ENOSPC once `room` bytes are written, as a full disk does."""
+
+    def __init__(self, f, room):
+        self.f, self.room = f, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def no_space(monkeypatch, room=100):
+    """Every binary write of the checkpoint module hits a full disk after `room` bytes."""
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        return FullDisk(f, room) if mode == "wb" else f
+
+    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)
+
+
+def test_failed_shared_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    small(tmp_path, 1)
+    write_rank_files(tmp_path, 2, 0, {"rng": capture_rng(CPU)}, token="t")
+    no_space(monkeypatch)
+    with pytest.raises(CheckpointError) as info:
+        finalize(tmp_path, 2, 1, {"w": torch.zeros(10_000)}, token="t")
+    message = str(info.value)
+    assert str(step_dir(tmp_path, 2)) in message and "No space left on device" in message
+    assert f"{step_dir(tmp_path, 1)} is intact" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+    assert find_latest_valid(tmp_path) == (step_dir(tmp_path, 1), [])
+    assert torch.equal(load(step_dir(tmp_path, 1), rank=0).shared["w"], torch.arange(4000.0) + 1)
+
+
+def test_failed_rank_write_removes_its_file(tmp_path, monkeypatch):
+    small(tmp_path, 1)
+    no_space(monkeypatch, room=0)
+    with pytest.raises(CheckpointError, match="No space left on device") as info:
+        write_rank_files(tmp_path, 2, 0, {"rng": capture_rng(CPU)}, token="t")
+    assert info.value.file == tmp_path / "step-00000002.tmp-t" / "rank-0.pt"
+    assert not info.value.file.exists()
+    ckpt.abort(tmp_path, 2, token="t")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
+
+
+def test_unloadable_objects_are_refused_at_save_time(tmp_path):
+    with pytest.raises(TypeError, match=r"shared state\['cursor'\] is a numpy.ndarray"):
+        finalize(tmp_path, 1, 0, {"cursor": np.zeros(3)}, token="t")
+
+
+def test_a_same_step_checkpoint_is_replaced_after_the_new_one_verified(tmp_path):
+    small(tmp_path, 2, token="a")
+    save(tmp_path, 2, {"w": torch.ones(3)}, [{}], token="b")
+    assert torch.equal(load(step_dir(tmp_path, 2), rank=0).shared["w"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]
+
+
+# ---- pruning ----
+
+
+def test_prune_keeps_the_newest_valid_and_sweeps_crashed_saves(tmp_path):
+    for step in range(1, 6):
+        small(tmp_path, step)
+    os.remove(step_dir(tmp_path, 2) / "rank-0.pt")  # invalid: left as evidence, not counted
+    for name in ("step-00000003.tmp-dead", "step-00000001.old-9", "step-00000009.tmp-live"):
+        (tmp_path / name).mkdir()
+    removed = prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in removed) == [
+        "step-00000001",
+        "step-00000001.old-9",
+        "step-00000003",
+        "step-00000003.tmp-dead",
+    ]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["step-00000002", "step-00000004", "step-00000005", "step-00000009.tmp-live"]
+    with pytest.raises(ValueError, match="keep_last=0"):
+        prune(tmp_path, keep_last=0)
+
+
+# ---- mismatches ----
+
+
+def test_model_and_optimizer_mismatch_name_the_keys():
+    torch.manual_seed(0)
+    saved = MLP(in_features=8, num_classes=5, hidden=[16])
+    opt = build_optimizer(OptimConfig(), saved, CPU)
+    saved(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    wider = MLP(in_features=8, num_classes=5, hidden=[32])
+    with pytest.raises(CheckpointMismatch) as info:
+        restore_model(wider, saved.state_dict(), source="step-00000001")
+    assert "net.0.weight [16, 8] in step-00000001, [32, 8] in the model" in str(info.value)
+    deeper = MLP(in_features=8, num_classes=5, hidden=[16, 16])
+    with pytest.raises(CheckpointMismatch) as info:
+        restore_model(deeper, saved.state_dict())
+    assert "missing from the checkpoint: net.6.weight, net.6.bias" in str(info.value)
+    wider_opt = build_optimizer(OptimConfig(), wider, CPU)
+    with pytest.raises(CheckpointMismatch) as info:
+        restore_optimizer(wider_opt, opt.state_dict(), model=wider)
+    assert "net.0.weight: exp_avg [16, 8] in checkpoint, parameter [32, 8]" in str(info.value)
+    with pytest.raises(CheckpointMismatch, match="group 0: 2 parameters in checkpoint, 3"):
+        restore_optimizer(build_optimizer(OptimConfig(), deeper, CPU), opt.state_dict())
+
+
+# ---- weights_only ----
+
+UNPICKLED = []
+
+
+def _ran_on_load():
+    UNPICKLED.append(True)
+    return "arbitrary code ran"
+
+
+class Payload:
+    def __reduce__(self):
+        return (_ran_on_load, ())
+
+
+def test_a_pickled_object_is_refused_without_fallback(tmp_path):
+    path = small(tmp_path, 1)
+    # A well-formed checkpoint whose state.pt holds an arbitrary object, with a manifest that
+    # matches it: only weights_only loading stands between the file and code execution.
+    torch.save({"step": 1, "payload": Payload()}, path / "state.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = (path / "state.pt").read_bytes()
+    manifest["files"][0].update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    verify(path)
+    with pytest.raises(CheckpointError) as info:
+        load(path, rank=0)
+    assert info.value.file == path / "state.pt"
+    assert "refused by torch.load(weights_only=True)" in info.value.check
+    assert "Unsupported global" in info.value.check and "weights_only=False" not in str(info.value)
+    assert not UNPICKLED
+
+
+# ---- real processes: one file per rank ----
+
+TOKEN = "launch-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def draws(gen):
+    return {
+        "python": [random.random() for _ in range(3)],
+        "numpy": torch.from_numpy(np.random.rand(3)),
+        "torch": torch.rand(3),
+        "loader": torch.rand(3, generator=gen),
+    }
+
+
+def rank_worker(rank: int, port: int, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2)
+    root = ckpt.checkpoint_root(out)
+    try:
+        random.seed(10 + rank), np.random.seed(10 + rank), torch.manual_seed(10 + rank)
+        gen = torch.Generator().manual_seed(20 + rank)
+        state = {"rank": rank, "rng": capture_rng(CPU, {"loader": gen})}
+        write_rank_files(root, 7, rank, state, token=TOKEN)
+        expected = draws(gen)
+        tdist.barrier()  # every rank's file exists before rank 0 seals the checkpoint
+        if rank == 0:
+            finalize(root, 7, 2, {"step": 7}, token=TOKEN)
+        tdist.barrier()
+        random.seed(0), np.random.seed(0), torch.manual_seed(0), gen.manual_seed(0)
+        loaded = load(step_dir(root, 7), rank=rank)
+        restore_rng(loaded.rank_state["rng"], CPU, {"loader": gen})
+        result = {"rank": loaded.rank_state["rank"], "expected": expected, "got": draws(gen)}
+        torch.save(result, f"{out}/result-{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_two_processes_write_and_restore_their_own_rng(tmp_path):
+    mp.spawn(rank_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    manifest = verify(step_dir(ckpt.checkpoint_root(tmp_path), 7))
+    assert manifest["world_size"] == 2
+    assert sorted(e["name"] for e in manifest["files"]) == ["rank-0.pt", "rank-1.pt", "state.pt"]
+    results = [torch.load(tmp_path / f"result-{r}.pt", weights_only=True) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank
+        for key, value in result["expected"].items():
+            got = result["got"][key]
+            assert torch.equal(got, value) if torch.is_tensor(value) else got == value, key
+    assert not torch.equal(results[0]["expected"]["torch"], results[1]["expected"]["torch"])
+
+
+# ---- data cursor ----
+
+
+@pytest.mark.parametrize("n, world, epoch", [(10, 2, 0), (11, 3, 1), (7, 1, 2)])
+def test_remaining_indices_from_zero_is_the_sampler_shard(n, world, epoch):
+    for rank in range(world):
+        sampler = ShardedSampler(n, rank, world, shuffle=True, seed=5, even=True)
+        sampler.set_epoch(epoch)
+        assert remaining_indices(n, 5, epoch, 0, rank, world) == list(sampler)
+
+
+@pytest.mark.parametrize("n", [1, 7, 12, 13])
+def test_any_cursor_on_any_new_world_covers_the_epoch_exactly_once(n):
+    """Consumed prefix + what all new ranks get = the permutation minus a tail of fewer than
+    new_world entries, every index once; ranks get equal counts."""
+    order = epoch_order(n, 3, 4).tolist()
+    for consumed in range(n + 1):
+        for new_world in (1, 2, 3, 5):
+            shards = [remaining_indices(n, 3, 4, consumed, r, new_world) for r in range(new_world)]
+            assert len({len(s) for s in shards}) == 1
+            seen = order[:consumed] + [i for s in shards for i in s]
+            tail = (n - consumed) % new_world
+            assert sorted(seen) == sorted(order[: n - tail]) and len(seen) == len(set(seen))
+
+
+@pytest.mark.parametrize("world, batch, k", [(2, 3, 2), (3, 2, 1), (1, 4, 3)])
+def test_same_world_resume_continues_each_shard_exactly(world, batch, k):
+    consumed = k * batch * world  # what k batches on every rank consumed
+    for rank in range(world):
+        full = remaining_indices(23, 1, 0, 0, rank, world)
+        assert full[: k * batch] + remaining_indices(23, 1, 0, consumed, rank, world) == full
+
+
+@pytest.mark.parametrize("n, world, batch", [(23, 2, 3), (20, 3, 2), (9, 1, 4)])
+def test_advance_matches_the_sampler_and_dataloader_across_epochs(n, world, batch):
+    """Batches drawn through ShardedSampler + DataLoader(drop_last) for k steps: the current
+    epoch's consumed samples are exactly the prefix the advanced cursor names."""
+    start = DataCursor(seed=2, epoch=0, consumed=0, num_samples=n)
+    for k in range(1, 12):
+        per_epoch: dict[int, list[int]] = {}
+        for rank in range(world):
+            sampler = ShardedSampler(n, rank, world, shuffle=True, seed=2, even=True)
+            data = TensorDataset(torch.arange(n))
+            it = epochs(DataLoader(data, batch, sampler=sampler, drop_last=True))
+            for _ in range(k):
+                (batch_indices,) = next(it)
+                per_epoch.setdefault(sampler.epoch, []).extend(batch_indices.tolist())
+        cursor = advance(start, k, batch_size=batch, world_size=world)
+        last = max(per_epoch)
+        assert cursor.epoch == last
+        order = epoch_order(n, 2, last).tolist()
+        assert sorted(per_epoch[last]) == sorted(order[: cursor.consumed])
+
+
+def test_advance_from_a_cursor_left_by_another_world():
+    cursor = DataCursor(seed=0, epoch=0, consumed=12, num_samples=30)  # e.g. 2 ranks x 2 x 3
+    # 3 ranks, batch 2: (30 - 12) // 3 = 6 per rank = 3 batches left in epoch 0
+    assert advance(cursor, 3, batch_size=2, world_size=3) == DataCursor(0, 0, 30, 30)
+    assert advance(cursor, 4, batch_size=2, world_size=3) == DataCursor(0, 1, 6, 30)
+    with pytest.raises(ValueError, match="no batch"):
+        advance(cursor, 1, batch_size=11, world_size=3)
+
+
+# ---- config ----
+
+
+def test_checkpoint_config_validates(tmp_path):
+    assert CheckpointConfig().resume == "auto"
+    CheckpointConfig(every=0, keep_last=1, resume=str(tmp_path))
+    for kwargs, key in [
+        ({"every": -1}, "ckpt.every"),
+        ({"keep_last": 0}, "ckpt.keep_last"),
+        ({"resume": str(tmp_path / "missing")}, "ckpt.resume"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            CheckpointConfig(**kwargs)
