@@ -15,10 +15,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from mgpu.comm import wrap_model
 from mgpu.config import Config, to_config
-from mgpu.dist import Runtime, distributed
+from mgpu.dist import Runtime, check_same_config, distributed
 from mgpu.loader import build_dataset, build_loader
 from mgpu.metrics import Recorder, TensorBoard
-from mgpu.models import build_model
+from mgpu.models import build_model, compile_model
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.trainer import Trainer
 
@@ -42,6 +42,8 @@ def quiet_other_ranks(rt: Runtime) -> None:
 def run(cfg: Config, rt: Runtime, run_dir: Path) -> None:
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
+    if rt.device.type == "cuda" and getattr(model, "channels_last", False):
+        model = model.to(memory_format=torch.channels_last)  # convolutions run faster in NHWC
     seed_everything(cfg.trainer.seed + rt.rank)  # then independent dropout per rank
     train_set = build_dataset(cfg.data, "train")
     eval_set = build_dataset(cfg.data, "eval")
@@ -50,7 +52,7 @@ def run(cfg: Config, rt: Runtime, run_dir: Path) -> None:
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     if cfg.trainer.compile:
-        model = torch.compile(model)
+        model = compile_model(model)
     model = wrap_model(model, cfg.dist, rt)
     board = TensorBoard(run_dir, enabled=rt.is_primary)
     samples_per_step = cfg.data.batch_size * cfg.trainer.grad_accum_steps * rt.world_size
@@ -91,10 +93,12 @@ def main(dcfg: DictConfig) -> None:
     cfg = to_config(dcfg)  # already validated before Hydra made the run directory
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s) as rt:
+        resolved = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])
+        text = OmegaConf.to_yaml(resolved, resolve=True)
+        check_same_config(text, rt, run_dir)  # before any work: stops every rank if they differ
         quiet_other_ranks(rt)
         if rt.is_primary:
-            resolved = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])
-            (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved, resolve=True))
+            (run_dir / "config.yaml").write_text(text)
         run(cfg, rt, run_dir)
 
 

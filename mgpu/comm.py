@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -54,11 +55,13 @@ class Bucket:
         """Zero the bucket and point each parameter's .grad at its slice.
 
         Only .grad refers to a slice (no other reference is kept), so autograd accumulates into
-        it in place instead of allocating a new gradient.
+        it in place instead of allocating a new gradient. The slice takes the parameter's own
+        strides (channels_last convolution weights included), as autograd's layout contract
+        asks; any dense layout occupies exactly numel consecutive elements.
         """
         self.flat.zero_()
         for p, offset in zip(self.params, self.offsets, strict=True):
-            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
+            p.grad = self.flat.as_strided(p.size(), p.stride(), offset)
 
 
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int):
@@ -100,14 +103,33 @@ class GradReducer:
         self.cuda = rt.device.type == "cuda"
         # One persistent stream per reducer: a stream per step would leak.
         self.stream = torch.cuda.Stream(device=rt.device) if self.cuda else None
+        self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
+        self.group = self._communicator(cfg.nccl_max_ctas)
         self.sync_enabled = True
         self.observed: list[int] | None = []  # first step's gradient order; None once learned
-        self.exposed: list = []  # (backward end, reduce end) marks, read by metrics
+        # (backward end, reduce end) marks per synchronised step, taken by the metrics; bounded
+        # so that a run that never reads them does not grow without limit.
+        self.exposed: deque = deque(maxlen=10_000)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Reverse registration order approximates backward order; the first step checks it.
         self._build(list(reversed(range(len(self.params)))))
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _communicator(self, max_ctas: int):
+        """The default group, or with dist.nccl_max_ctas a communicator of mgpu's own whose
+        kernels may occupy at most that many SMs, leaving the rest to backward's kernels.
+        Creating a group is a collective: every rank wraps its model at the same point."""
+        if max_ctas == 0:
+            return None
+        if self.rt.backend != "nccl":
+            raise ValueError(
+                f"dist.nccl_max_ctas={max_ctas} needs the nccl backend, not "
+                f"{self.rt.backend}; set dist.nccl_max_ctas=0"
+            )
+        options = tdist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        return tdist.new_group(backend="nccl", pg_options=options)
 
     def _build(self, order: list[int]) -> None:
         ordered = [self.params[i] for i in order]
@@ -189,13 +211,15 @@ class GradReducer:
             self._all_reduce(bucket)
 
     def _all_reduce(self, bucket: Bucket) -> None:
-        # Divide before summing, as torch DDP does: the sum of averages cannot overflow.
-        bucket.flat.div_(self.world)
+        tensor = bucket.flat
         if bucket.wire is not None:
             bucket.wire.copy_(bucket.flat)
-            bucket.work = tdist.all_reduce(bucket.wire, async_op=True)
-        else:
-            bucket.work = tdist.all_reduce(bucket.flat, async_op=True)
+            tensor = bucket.wire
+        if self.op is tdist.ReduceOp.SUM:
+            # gloo has no average: divide first, as torch DDP does (a sum of averages cannot
+            # overflow). NCCL averages inside its kernel, sparing a pass over the bucket.
+            tensor.div_(self.world)
+        bucket.work = tdist.all_reduce(tensor, op=self.op, group=self.group, async_op=True)
 
     def _on_backward_end(self) -> None:
         """Autograd final callback: every hook of this backward has run."""

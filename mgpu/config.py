@@ -103,6 +103,9 @@ class DistConfig:
     first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
     find_unused: bool = False  # reduce zeros for parameters that get no gradient in a step
+    # mgpu: at most this many SMs for NCCL's kernels (on a communicator of mgpu's own), leaving
+    # the rest to the backward kernels they overlap with; 0: NCCL's own choice
+    nccl_max_ctas: int = 0
     ddp_bucket_view: bool = False  # torch_ddp: gradient_as_bucket_view
     ddp_static_graph: bool = False  # torch_ddp: static_graph
 
@@ -110,6 +113,7 @@ class DistConfig:
         _positive("dist.timeout_s", self.timeout_s, "600")
         _positive("dist.bucket_cap_mb", self.bucket_cap_mb, "25")
         _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
+        _non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
 
 
 @dataclass
@@ -134,6 +138,22 @@ class OptimConfig:
         _positive("optim.eps", self.eps, "1e-8")
         ok = 0 <= self.momentum < 1
         _require(ok, "optim.momentum", self.momentum, "must be in [0, 1), e.g. 0.9")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints; 0: only the final one at the end of training
+    keep_last: int = 3  # newest valid checkpoints kept in <run dir>/checkpoints/; older deleted
+    resume: str = "auto"  # auto: newest valid one in the run dir, if any; never; or a step dir
+
+    def __post_init__(self) -> None:
+        import os.path  # local until phase 2 wires this class in (others edit the imports now)
+
+        _non_negative("ckpt.every", self.every, "100 (0: only the final checkpoint)")
+        _positive("ckpt.keep_last", self.keep_last, "3")
+        ok = self.resume in ("auto", "never") or os.path.isdir(self.resume)
+        why = "must be auto, never, or an existing <run dir>/checkpoints/step-NNNNNNNN directory"
+        _require(ok, "ckpt.resume", self.resume, why)
 
 
 # ---- data: one schema per built-in dataset; the loader keys are shared ----
@@ -435,6 +455,7 @@ class ValidateOnRunStart(Callback):
         try:
             cfg = to_config(config)
             dist.check_launch(cfg.dist.backend.value)
+            dist.check_sweep_launch(multirun=config.hydra.mode.name == "MULTIRUN")
         except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
             # SystemExit passes through Hydra's error handler untouched, so the user sees
             # exactly one line and no traceback.

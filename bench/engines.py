@@ -1,0 +1,277 @@
+"""Gradient engines side by side in one torchrun job: each GPU training alone (`none`, the scaling
+baseline), torch DDP (default and tuned), and mgpu's reducer, on GPT-2-small and ResNet-50.
+
+    torchrun --nproc_per_node=2 bench/engines.py [--models gpt2_small resnet50] [--compile]
+    NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 bench/engines.py --tag slowlink
+
+All engines of a model are built up front and timed in interleaved rounds, so drift in the
+machine's state hits them alike. Batches are random tensors already on the GPU: this measures
+compute and gradient communication, not input. Rank 0 prints the table and writes
+bench/results/engines-<tag>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mgpu.comm import MgpuDataParallel, wrap_model  # noqa: E402
+from mgpu.config import (  # noqa: E402
+    DistConfig,
+    Engine,
+    OptimConfig,
+    OptimizerName,
+    Precision,
+    ReduceDtype,
+    TrainerConfig,
+)
+from mgpu.dist import distributed  # noqa: E402
+from mgpu.models import GPT, ResNet, compile_model  # noqa: E402
+from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
+from mgpu.trainer import Trainer  # noqa: E402
+
+ENGINES = {
+    "none": DistConfig(engine=Engine.none),
+    "torch_ddp": DistConfig(engine=Engine.torch_ddp),
+    "torch_ddp_tuned": DistConfig(
+        engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True
+    ),
+    "mgpu": DistConfig(engine=Engine.mgpu),
+    # levers, measured one at a time against "mgpu": the wire dtype and the bucket size
+    "mgpu_bf16": DistConfig(engine=Engine.mgpu, reduce_dtype=ReduceDtype.bf16),
+    "mgpu_cap10": DistConfig(engine=Engine.mgpu, bucket_cap_mb=10),
+    "mgpu_cap50": DistConfig(engine=Engine.mgpu, bucket_cap_mb=50),
+    "mgpu_cap100": DistConfig(engine=Engine.mgpu, bucket_cap_mb=100),
+    "mgpu_ctas2": DistConfig(engine=Engine.mgpu, nccl_max_ctas=2),
+    "mgpu_ctas4": DistConfig(engine=Engine.mgpu, nccl_max_ctas=4),
+    "mgpu_ctas8": DistConfig(engine=Engine.mgpu, nccl_max_ctas=8),
+    # diagnostic: mgpu's hooks, buckets, events and stream waits with the all-reduce left out,
+    # to split mgpu's overhead into its own machinery and the cost of communicating
+    "mgpu_nocomm": DistConfig(engine=Engine.mgpu),
+    "torch_ddp_bf16": DistConfig(
+        engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True
+    ),  # + bf16 compress hook, see build()
+}
+CORE = ["none", "torch_ddp", "torch_ddp_tuned", "mgpu"]
+
+MODELS = {  # (factory, per-GPU batch, sample shape or seq len, optimizer)
+    "gpt2_small": (
+        lambda: GPT(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        16,
+        1024,
+        "adamw",
+    ),
+    "resnet50": (lambda: ResNet(num_classes=1000), 128, (3, 224, 224), "sgd"),
+}
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def skip_collectives(reducer) -> None:
+    """Everything the reducer does per bucket except the all-reduce (wrong math; timing only)."""
+    reducer._all_reduce = lambda bucket: setattr(bucket, "work", _Done())
+
+
+def make_batch(name: str, device: torch.device):
+    _, batch, shape, _ = MODELS[name]
+    if name.startswith("gpt"):
+        tokens = torch.randint(0, 50304, (batch, shape + 1), device=device)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    images = torch.randn(batch, *shape, device=device).contiguous(memory_format=torch.channels_last)
+    return images, torch.randint(0, 1000, (batch,), device=device)
+
+
+def build(name: str, engine: str, rt, use_compile: bool):
+    factory, _, _, optim = MODELS[name]
+    torch.manual_seed(0)
+    model = factory().to(rt.device)
+    if isinstance(model, ResNet):
+        model = model.to(memory_format=torch.channels_last)
+    ocfg = OptimConfig(name=OptimizerName(optim), lr=1e-4, warmup_steps=0)
+    optimizer = build_optimizer(ocfg, model, rt.device)
+    schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
+    cfg = ENGINES[engine]
+    if use_compile:
+        model = compile_model(model) if cfg.engine is Engine.mgpu else torch.compile(model)
+    model = wrap_model(model, cfg, rt)
+    if engine == "torch_ddp_bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    if engine == "mgpu_nocomm":
+        skip_collectives(model.reducer)
+    tcfg = TrainerConfig(precision=Precision.bf16, grad_clip=1.0)
+    return model, Trainer(tcfg, model, optimizer, schedule, rt)
+
+
+def timed(trainer: Trainer, batch, steps: int) -> float:
+    """ms per optimizer step on the GPU's own clock; the host waits only at the end."""
+    batches = iter([batch] * steps)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        trainer.train_step(batches)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def exposed_ms(model) -> float | None:
+    if not isinstance(model, MgpuDataParallel):
+        return None
+    marks = model.reducer.exposed
+    total = sum(a.elapsed_time(b) for a, b in marks)  # all events are complete here
+    count = len(marks)
+    marks.clear()
+    return total / max(count, 1)
+
+
+def peak_memory_gib(name, engine, rt, use_compile, batch) -> float:
+    """Peak memory of one engine: its model, optimizer, gradients, buckets and activations,
+    measured above whatever was allocated before it was built."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model, trainer = build(name, engine, rt, use_compile)
+    timed(trainer, batch, 3)
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+    del model, trainer
+    gc.collect()  # the reducer's hooks and the parameters refer to each other
+    torch.cuda.empty_cache()
+    return peak
+
+
+def bench_model(name, engines, rt, args) -> list[dict]:
+    batch = make_batch(name, rt.device)
+    memory = {e: peak_memory_gib(name, e, rt, args.compile, batch) for e in engines}
+    built = {e: build(name, e, rt, args.compile) for e in engines}
+    for _model, trainer in built.values():
+        timed(trainer, batch, args.warmup)
+    times: dict[str, list[float]] = {e: [] for e in engines}
+    exposed: dict[str, list[float]] = {e: [] for e in engines}
+    for _ in range(args.rounds):
+        for e in engines:
+            model, trainer = built[e]
+            exposed_ms(model)  # drop marks from earlier rounds
+            times[e].append(timed(trainer, batch, args.steps))
+            x = exposed_ms(model)
+            if x is not None:
+                exposed[e].append(x)
+    _, per_gpu_batch, shape, _ = MODELS[name]
+    units = per_gpu_batch * (shape if isinstance(shape, int) else 1)
+    base = statistics.median(times["none"]) if "none" in times else None
+    rows = []
+    for e in engines:
+        ms = statistics.median(times[e])
+        rows.append(
+            {
+                "model": name,
+                "engine": e,
+                "step_ms": ms,
+                "step_ms_all": times[e],
+                "per_gpu_throughput": units / (ms / 1e3),
+                "unit": "tokens/s" if isinstance(shape, int) else "images/s",
+                "scaling_efficiency": base / ms if base else None,
+                "peak_memory_gib": memory[e],
+                "exposed_comm_ms": statistics.median(exposed[e]) if exposed[e] else None,
+            }
+        )
+    return rows
+
+
+def versions() -> dict:
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout
+    return {
+        "device": torch.cuda.get_device_name(),
+        "gpus": torch.cuda.device_count(),
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "git_commit": commit + ("-dirty" if dirty.strip() else ""),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+    }
+
+
+def report(rows: list[dict], meta: dict, args) -> None:
+    print(
+        f"\n{meta['device']} x{meta['world_size']}, torch {meta['torch']}, "
+        f"NCCL {meta['nccl']}, {meta['env'] or 'default NCCL env'}"
+    )
+    print(
+        f"{'model':<11} {'engine':<16} {'ms/step':>8} {'per GPU':>12} {'eff':>6} "
+        f"{'vs best ddp':>11} {'peak GiB':>8} {'exposed ms':>10}"
+    )
+    for row in rows:
+        ddp = [
+            r["step_ms"]
+            for r in rows
+            if r["model"] == row["model"] and r["engine"].startswith("torch_ddp")
+        ]
+        ratio = min(ddp) / row["step_ms"] if ddp else None
+        row["speed_vs_best_torch_ddp"] = ratio
+        eff, exp = row["scaling_efficiency"], row["exposed_comm_ms"]
+        print(
+            f"{row['model']:<11} {row['engine']:<16} {row['step_ms']:8.2f} "
+            f"{row['per_gpu_throughput']:12,.0f} {eff or 0:6.3f} {ratio or 0:11.3f} "
+            f"{row['peak_memory_gib']:8.2f} {exp if exp is not None else float('nan'):10.2f}"
+        )
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    path = out / f"engines-{args.tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--engines", nargs="+", default=CORE, choices=list(ENGINES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile: per block for mgpu, whole model otherwise",
+    )
+    parser.add_argument("--tag", default="nvlink")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    with distributed("nccl", timeout_s=600) as rt:
+        rows = [row for name in args.models for row in bench_model(name, args.engines, rt, args)]
+        if rt.is_primary:
+            meta = {
+                **versions(),
+                "world_size": rt.world_size,
+                "compile": args.compile,
+                "command": " ".join(["torchrun", f"--nproc_per_node={rt.world_size}", *sys.argv]),
+                "steps": args.steps,
+                "rounds": args.rounds,
+            }
+            report(rows, meta, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""Run under torchrun on GPUs: a tiny GPT trained with dist.engine=mgpu and with torch DDP from
+the same start on the same batches; rank 0 prints the largest parameter difference.
+Used by test_reducer_gpu.py, also under TORCH_CUDA_SANITIZER=1."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mgpu.comm import wrap_model  # noqa: E402
+from mgpu.config import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
+from mgpu.dist import distributed  # noqa: E402
+from mgpu.models import GPT  # noqa: E402
+from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
+from mgpu.trainer import Trainer  # noqa: E402
+
+STEPS, ACCUM = int(sys.argv[1]), 2
+
+
+def train(engine: Engine, rt) -> dict:
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32).to(rt.device)
+    ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
+    optimizer = build_optimizer(ocfg, model, rt.device)
+    schedule = build_schedule(ocfg, optimizer, STEPS)
+    # tiny buckets: many buckets in flight at once, the hardest case for stream ordering
+    model = wrap_model(model, DistConfig(engine=engine, bucket_cap_mb=0.01), rt)
+    trainer = Trainer(
+        TrainerConfig(grad_accum_steps=ACCUM, precision=Precision.fp32),
+        model,
+        optimizer,
+        schedule,
+        rt,
+    )
+    g = torch.Generator(device=rt.device).manual_seed(rt.rank)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 64, (ACCUM, 4, 17), device=rt.device, generator=g)
+        trainer.train_step(iter([(t[:, :-1], t[:, 1:]) for t in tokens]))
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+
+
+with distributed("nccl", timeout_s=120) as rt:
+    mine, ddp = train(Engine.mgpu, rt), train(Engine.torch_ddp, rt)
+    diff = max((mine[k] - v).abs().max().item() for k, v in ddp.items())
+    scale = max(v.abs().max().item() for v in ddp.values())
+    if rt.is_primary:
+        print(f"max_abs_diff={diff:.3e} max_abs_param={scale:.3e}")

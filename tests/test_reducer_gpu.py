@@ -1,0 +1,50 @@
+"""dist.engine=mgpu over NCCL on 2 GPUs (skipped elsewhere): the same parameters as torch DDP,
+and no stream race under the CUDA sanitizer."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_gpu import NCCL_ENV
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+WORKER = Path(__file__).with_name("reducer_worker.py")
+
+
+def run_worker(steps: int, env: dict) -> subprocess.CompletedProcess:
+    import os
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        str(steps),
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **NCCL_ENV, **env}
+    )
+
+
+def test_mgpu_matches_torch_ddp_over_nccl():
+    proc = run_worker(20, {})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diff, scale = map(
+        float, re.search(r"max_abs_diff=(\S+) max_abs_param=(\S+)", proc.stdout).groups()
+    )
+    assert diff <= 1e-5 * scale, proc.stdout
+
+
+def test_no_stream_race_under_the_cuda_sanitizer():
+    proc = run_worker(3, {"TORCH_CUDA_SANITIZER": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "data race" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert "max_abs_diff" in proc.stdout
