@@ -194,9 +194,13 @@ def bench_model(name, engines, rt, args) -> list[dict]:
 
 
 def versions() -> dict:
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    ).stdout.strip()
+    # Where the tree was copied without .git (a lent GPU machine), the caller passes it.
+    commit = (
+        os.environ.get("MGPU_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    )
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=no"],
         capture_output=True,

@@ -304,7 +304,8 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nccl": nccl_version() if cuda else None,
-        "commit": git("rev-parse", "HEAD"),
+        # Where the tree was copied without .git (a lent GPU machine), the caller passes it.
+        "commit": os.environ.get("MGPU_COMMIT") or git("rev-parse", "HEAD"),
         "tree_dirty": git("status", "--porcelain") not in ("", "unknown"),
         "command": shlex.join([sys.executable, *sys.argv]),
         "cpu_count": os.cpu_count(),
