@@ -13,7 +13,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from mgpu.comm import wrap_model
+from mgpu.comm import MgpuDataParallel, wrap_model
 from mgpu.config import Config, to_config
 from mgpu.dist import Runtime, check_same_config, distributed
 from mgpu.loader import build_dataset, build_loader
@@ -62,6 +62,7 @@ def run(cfg: Config, rt: Runtime, run_dir: Path) -> None:
         samples_per_step=samples_per_step,
         tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
         max_steps=cfg.trainer.max_steps,
+        comm_marks=model.reducer.exposed if isinstance(model, MgpuDataParallel) else None,
     )
     trainer = Trainer(
         cfg.trainer,

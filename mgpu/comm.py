@@ -52,14 +52,13 @@ class Bucket:
         self.work = None
 
     def attach(self) -> None:
-        """Zero the bucket and point each parameter's .grad at its slice.
+        """Point each parameter's .grad at its slice (the caller zeroes the bucket first).
 
         Only .grad refers to a slice (no other reference is kept), so autograd accumulates into
         it in place instead of allocating a new gradient. The slice takes the parameter's own
         strides (channels_last convolution weights included), as autograd's layout contract
         asks; any dense layout occupies exactly numel consecutive elements.
         """
-        self.flat.zero_()
         for p, offset in zip(self.params, self.offsets, strict=True):
             p.grad = self.flat.as_strided(p.size(), p.stride(), offset)
 
@@ -106,6 +105,7 @@ class GradReducer:
         self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
         self.group = self._communicator(cfg.nccl_max_ctas)
         self.sync_enabled = True
+        self.zeroing = False  # buckets are being zeroed on the communication stream
         self.observed: list[int] | None = []  # first step's gradient order; None once learned
         # (backward end, reduce end) marks per synchronised step, taken by the metrics; bounded
         # so that a run that never reads them does not grow without limit.
@@ -156,9 +156,33 @@ class GradReducer:
             )
         if self.observed:
             self._learn_order()
+        self._zero_buckets()
         for b in self.buckets:
             b.attach()
         return True
+
+    def _zero_buckets(self) -> None:
+        """Zero every bucket for the new step's accumulation.
+
+        On CUDA the memset runs on the communication stream, after the optimizer (queued
+        earlier on the compute stream) has read the gradients, and overlaps the forward pass;
+        `await_zeroed` puts the compute stream behind it before backward can write.
+        """
+        if not self.cuda:
+            for b in self.buckets:
+                b.flat.zero_()
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for b in self.buckets:
+                b.flat.zero_()
+        self.zeroing = True
+
+    def await_zeroed(self) -> None:
+        """After forward, before backward: the compute stream waits for the zeroing."""
+        if self.zeroing:
+            torch.cuda.current_stream().wait_stream(self.stream)
+            self.zeroing = False
 
     def _learn_order(self) -> None:
         """Rebuild the buckets once in the order the first backward produced gradients.
@@ -280,10 +304,11 @@ def _broadcast_coalesced(tensors: list[torch.Tensor], rt: Runtime) -> None:
     for group in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         tdist.broadcast(flat, src=0)
-        offset = 0
-        for t in group:
-            t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        # One multi-tensor copy back, not a kernel per tensor: ResNet-50 has 160 buffers.
+        views = torch.split(flat, [t.numel() for t in group])
+        torch._foreach_copy_(
+            [t.data for t in group], [v.view_as(t) for v, t in zip(views, group, strict=True)]
+        )
 
 
 class MgpuDataParallel(nn.Module):
@@ -305,7 +330,9 @@ class MgpuDataParallel(nn.Module):
                 # BatchNorm statistics follow rank 0 (as torch DDP's broadcast_buffers does),
                 # once per optimizer step rather than once per micro-step.
                 _broadcast_coalesced(self.buffers_to_sync, self.rt)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self.reducer.await_zeroed()
+        return out
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

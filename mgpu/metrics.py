@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -143,6 +144,12 @@ class Interval:
     start: Mark
     end: Mark
     data_wait: WaitSample | None = None
+    comm: list[tuple[Mark, Mark]] | None = None  # per synchronised step: backward end, comm end
+
+
+def exposed_ms(marks: list[tuple[Mark, Mark]], clock: Clock) -> float:
+    """Total time the compute stream waited for gradient communication after backward."""
+    return sum(clock.elapsed_ms(start, end) for start, end in marks)
 
 
 class Recorder:
@@ -156,8 +163,11 @@ class Recorder:
         samples_per_step: int,
         tokens_per_sample: int | None,
         max_steps: int,
+        comm_marks: deque | None = None,
     ):
         self.rt, self.board, self.clock = rt, board, Clock(rt.device)
+        # The reducer's (backward end, communication end) marks: rank 0's own, like data wait.
+        self.comm_marks = comm_marks
         self.samples_per_step = samples_per_step  # global: batch x accumulation x world
         self.tokens_per_sample = tokens_per_sample
         self.max_steps = max_steps
@@ -178,13 +188,18 @@ class Recorder:
         """
         mean = all_reduce_sum_(loss_sum.detach() / steps, self.rt) / self.rt.world_size
         end = self.clock.mark()
+        comm = None
+        if self.comm_marks is not None:
+            # backward (which appends these) has returned on this thread; events read later
+            comm = list(self.comm_marks)
+            self.comm_marks.clear()
         if self.clock.cuda:
             host = torch.empty((), dtype=mean.dtype, pin_memory=True)
             host.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
             copied = torch.cuda.Event()
             copied.record()
-            return Interval(step, steps, lr, host, copied, start, end, data_wait)
-        return Interval(step, steps, lr, mean, None, start, end, data_wait)
+            return Interval(step, steps, lr, host, copied, start, end, data_wait, comm)
+        return Interval(step, steps, lr, mean, None, start, end, data_wait, comm)
 
     def publish(self, iv: Interval) -> None:
         if iv.copied is not None:
@@ -212,6 +227,10 @@ class Recorder:
             values["time/data_wait_pct"] = 100.0 * wait_ms / step_ms
             values["time/data_host_wait_ms"] = iv.data_wait.host_s * 1e3 / iv.steps
             waited = f" | data {values['time/data_wait_pct']:.1f}%"
+        if iv.comm is not None:
+            comm_ms = exposed_ms(iv.comm, self.clock) / iv.steps
+            values["time/exposed_comm_ms"] = comm_ms
+            values["time/exposed_comm_pct"] = 100.0 * comm_ms / step_ms
         self.board.scalars(iv.step, values)
         if self.rt.is_primary:
             eta = timedelta(seconds=round((self.max_steps - iv.step) * step_ms / 1e3))

@@ -11,6 +11,8 @@ TAGS = [
     "time/step_ms",
     "time/data_wait_ms",
     "time/data_wait_pct",
+    "time/exposed_comm_ms",
+    "time/exposed_comm_pct",
     "time/data_host_wait_ms",
     "throughput/samples_per_sec",
     "throughput/samples_per_sec_per_device",
