@@ -1,5 +1,7 @@
-"""Input pipeline: the dataset built from config, the rank-sharded sampler, the pinned DataLoader,
-and the side-stream prefetcher (DeviceLoader) that puts each batch on the device ahead of use.
+"""Input pipeline: the dataset built from config, the rank-sharded sampler and the data cursor a
+checkpoint records (so a run resumes, on any number of ranks, with exactly the samples it had not
+yet seen), the pinned DataLoader, and the side-stream prefetcher (DeviceLoader) that puts each
+batch on the device ahead of use.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
@@ -36,6 +38,11 @@ class ShardedSampler(Sampler[int]):
     takes the same number of steps per epoch: ranks that disagree on that would deadlock in the
     gradient all-reduce. Evaluation (`even=False`) gives every sample to exactly one rank, with
     no padded duplicates; ranks then differ by at most one sample.
+
+    Rank r takes entries r, r + world, ... of the epoch's order, so after k batches of b on
+    every rank the samples consumed are exactly the order's first k * b * world entries: a
+    DataCursor. `set_epoch(epoch, consumed)` starts an epoch past such a prefix, on any number
+    of ranks (resume).
     """
 
     def __init__(
@@ -48,22 +55,95 @@ class ShardedSampler(Sampler[int]):
             )
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         self.shuffle, self.seed, self.even = shuffle, seed, even
-        self.epoch = 0
-        self.total = num_samples - num_samples % world_size if even else num_samples
+        self.epoch, self.consumed = 0, 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Call before iterating an epoch; all ranks must pass the same epoch."""
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        """Call before iterating an epoch; all ranks must pass the same epoch and `consumed`
+        (the entries of the epoch's order that earlier steps took, over all ranks)."""
+        if consumed and not self.even:
+            raise ValueError("only a training sampler (even=True) can start past a prefix")
+        if not 0 <= consumed <= self.num_samples:
+            raise ValueError(f"consumed={consumed} is outside the {self.num_samples} samples")
+        self.epoch, self.consumed = epoch, consumed
 
     def __len__(self) -> int:
-        return len(range(self.rank, self.total, self.world_size))
+        if self.even:
+            return (self.num_samples - self.consumed) // self.world_size
+        return len(range(self.rank, self.num_samples, self.world_size))
 
     def __iter__(self) -> Iterator[int]:
+        if not self.even:
+            return iter(range(self.rank, self.num_samples, self.world_size))
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g)[: self.total]
-            return iter(order[self.rank :: self.world_size].tolist())
-        return iter(range(self.rank, self.total, self.world_size))
+            return iter(
+                remaining_indices(
+                    self.num_samples, self.seed, self.epoch, self.consumed, self.rank,
+                    self.world_size,
+                )
+            )  # fmt: skip
+        end = self.consumed + len(self) * self.world_size
+        return iter(range(self.consumed + self.rank, end, self.world_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataCursor:
+    """Where training stands in the sample stream: all ranks together have consumed the first
+    `consumed` entries of epoch `epoch`'s permutation of `num_samples` indices drawn from `seed`.
+
+    Consumed samples are always a prefix of the permutation (ShardedSampler's docstring), so
+    the cursor does not depend on the number of ranks that consumed them.
+    """
+
+    seed: int
+    epoch: int
+    consumed: int
+    num_samples: int
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("seed", "epoch", "consumed", "num_samples")}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> DataCursor:
+        return cls(int(d["seed"]), int(d["epoch"]), int(d["consumed"]), int(d["num_samples"]))
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The training order of one epoch: a permutation drawn from (seed, epoch) alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=g)
+
+
+def remaining_indices(
+    num_samples: int, seed: int, epoch: int, consumed: int, rank: int, world_size: int
+) -> list[int]:
+    """Rank `rank`'s samples for the rest of an epoch whose first `consumed` permutation entries
+    are done: the rest dealt round-robin over `world_size` ranks.
+
+    Tail rule: the last (num_samples - consumed) % world_size entries are dropped so every rank
+    takes the same number of steps. With consumed=0 this is ShardedSampler's training shard; at
+    the world size that consumed them, it continues that shard exactly.
+    """
+    if not 0 <= consumed <= num_samples:
+        raise ValueError(f"consumed={consumed} is outside the epoch's {num_samples} samples")
+    end = consumed + (num_samples - consumed) // world_size * world_size
+    return epoch_order(num_samples, seed, epoch)[consumed + rank : end : world_size].tolist()
+
+
+def advance(cursor: DataCursor, batches: int, *, batch_size: int, world_size: int) -> DataCursor:
+    """The cursor after every rank took `batches` more batches (drop_last), rolling into the
+    next epoch as the sampler and DataLoader do. Pure: count batches from the step number, not
+    from the loader, whose prefetching runs ahead of training."""
+    epoch, consumed, n = cursor.epoch, cursor.consumed, cursor.num_samples
+    if n // world_size < batch_size:
+        raise ValueError(f"{n} samples give no batch of {batch_size} on {world_size} ranks")
+    while True:
+        left = (n - consumed) // world_size // batch_size  # whole batches left per rank
+        take = min(batches, left)
+        consumed += take * batch_size * world_size
+        batches -= take
+        if batches == 0:
+            return DataCursor(cursor.seed, epoch, consumed, n)
+        epoch, consumed = epoch + 1, 0
 
 
 def build_dataloader(
@@ -115,14 +195,18 @@ def device_transform(cfg: DataConfig, dataset: Dataset) -> Transform | None:
     raise ConfigError("data.device_transform", cfg.device_transform, "must be auto or none")
 
 
-def epochs(loader: DeviceLoader | DataLoader) -> Iterator[Any]:
-    """Batches forever, epoch after epoch, each with its own shuffle."""
+def epochs(loader: DeviceLoader | DataLoader, start: DataCursor | None = None) -> Iterator[Any]:
+    """Batches forever, epoch after epoch, each with its own shuffle; from `start` (a resumed
+    run's cursor) the first epoch is `start.epoch` past its first `start.consumed` samples."""
     set_epoch = getattr(loader, "set_epoch", None) or loader.sampler.set_epoch  # type: ignore
-    epoch = 0
+    epoch, consumed = (start.epoch, start.consumed) if start is not None else (0, 0)
     while True:
-        set_epoch(epoch)
+        if consumed:
+            set_epoch(epoch, consumed)
+        else:
+            set_epoch(epoch)  # samplers without a prefix (any with set_epoch(epoch)) work too
         yield from loader
-        epoch += 1
+        epoch, consumed = epoch + 1, 0
 
 
 # ---- nested batches ----
@@ -282,12 +366,16 @@ class DeviceLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Pass the epoch to the sampler, for a new shuffle; call before iterating the epoch."""
+    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        """Pass the epoch (and a resumed run's consumed prefix) to the sampler, for a new
+        shuffle; call before iterating the epoch."""
         set_epoch = getattr(self.loader.sampler, "set_epoch", None)
         if set_epoch is None:
             raise AttributeError(f"{type(self.loader.sampler).__name__} has no set_epoch")
-        set_epoch(epoch)
+        if consumed:
+            set_epoch(epoch, consumed)
+        else:
+            set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         # One epoch at a time: a persistent DataLoader has one pool of workers to feed it.
@@ -357,10 +445,12 @@ class DeviceLoader:
         return transform_inputs(batch, self._prepare_inputs)
 
     def _prepare_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
-        if self.transform is not None:
-            inputs = self.transform(inputs)
+        # Layout first: on uint8 images the reorder moves a quarter of the bytes it would move
+        # after the transform, and the elementwise transform keeps the layout.
         if self.memory_format is not None and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=self.memory_format)
+        if self.transform is not None:
+            inputs = self.transform(inputs)
         return inputs
 
     def _requested(self) -> tuple[float, torch.cuda.Event | None]:
