@@ -12,6 +12,11 @@ Stream rules (CUDA), in the order they happen in one optimizer step:
    reduced gradients, and the next backward cannot write into a bucket still being reduced.
 3. The buckets are allocated once and never freed while training, so the caching allocator
    never hands their memory to anyone else mid-flight.
+
+Not supported: reentrant activation checkpointing (torch.utils.checkpoint with
+use_reentrant=True) runs an inner backward whose end the reducer would take for the end of the
+step; use use_reentrant=False. Every rank must run the same forwards through the wrapper: a
+forward that starts a step broadcasts BatchNorm buffers, a collective.
 """
 
 from __future__ import annotations
@@ -60,7 +65,18 @@ class Bucket:
         asks; any dense layout occupies exactly numel consecutive elements.
         """
         for p, offset in zip(self.params, self.offsets, strict=True):
-            p.grad = self.flat.as_strided(p.size(), p.stride(), offset)
+            # Only a dense layout fits numel slots; others (a parameter that is a strided view
+            # of a bigger tensor) get contiguous gradients, never ones that spill over.
+            dense = p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last)
+            stride = p.stride() if dense else torch.empty(p.size(), device="meta").stride()
+            p.grad = self.flat.as_strided(p.size(), stride, offset)
+
+    def is_attached(self) -> bool:
+        base, size = self.flat.data_ptr(), self.flat.element_size()
+        return all(
+            p.grad is not None and p.grad.data_ptr() == base + off * size
+            for p, off in zip(self.params, self.offsets, strict=True)
+        )
 
 
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int):
@@ -105,6 +121,8 @@ class GradReducer:
         self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
         self.group = self._communicator(cfg.nccl_max_ctas)
         self.sync_enabled = True
+        self.step_done = True  # the last synchronised backward finished: next forward is new
+        self.steps_started = 0
         self.zeroing = False  # buckets are being zeroed on the communication stream
         self.observed: list[int] | None = []  # first step's gradient order; None once learned
         # (backward end, reduce end) marks per synchronised step, taken by the metrics; bounded
@@ -141,25 +159,47 @@ class GradReducer:
         self.ready: set[int] = set()  # ids of parameters whose gradient is final this step
 
     def prepare(self) -> bool:
-        """Before a forward: (re)attach the buckets after zero_grad(set_to_none=True).
+        """Before a forward: start a new step if the last one ended; returns whether it did.
 
-        Returns True at the start of a new optimizer step (gradients were cleared).
+        A step ends when a synchronised backward finishes (or, before the first, at once). If
+        the optimizer cleared the gradients (zero_grad(set_to_none=True)), the buckets are
+        zeroed and re-attached; gradients zeroed in place stay attached, and gradients left
+        alone keep accumulating, as they would without data parallelism.
         """
-        # Cleared gradients (the start of a step) show as None on each bucket's first
-        # parameter; checking one per bucket keeps this cheap on every forward.
-        if all(b.params[0].grad is not None for b in self.buckets):
+        if self.callback_queued:
+            self._recover()  # the last backward raised before its final callback ran
+        if not self.step_done:
             return False
-        if any(p.grad is not None for p in self.params):
+        self.step_done = False
+        self.steps_started += 1
+        if self.steps_started == 2:
+            self._learn_order()  # every rank at the same step: it broadcasts
+        cleared = [p.grad is None for p in self.params]
+        if any(cleared):
+            if not all(cleared):
+                raise RuntimeError(
+                    "dist.engine=mgpu: some parameters' .grad were set to None and others kept; "
+                    "clear all of them (optimizer.zero_grad()) or none"
+                )
+            self._zero_buckets()
+            for b in self.buckets:
+                b.attach()
+        elif not all(b.is_attached() for b in self.buckets):
             raise RuntimeError(
-                "dist.engine=mgpu: some .grad tensors were replaced rather than cleared; "
-                "clear gradients with optimizer.zero_grad(set_to_none=True) or zero them in place"
+                "dist.engine=mgpu: .grad tensors were replaced by new ones, so they are no "
+                "longer views into the reducer's buckets; clear them with optimizer.zero_grad()"
             )
-        if self.observed:
-            self._learn_order()
-        self._zero_buckets()
-        for b in self.buckets:
-            b.attach()
         return True
+
+    def _recover(self) -> None:
+        """After an exception inside backward: autograd dropped the final callback, so finish
+        whatever was launched and start clean. Ranks stay in step only if they all failed at
+        the same point (a rank-local failure desynchronises collectives, as with torch DDP)."""
+        log.warning("mgpu reducer: the previous backward did not finish; resetting its state")
+        self._wait_launched()
+        self._reset()
+        self.callback_queued = False
+        self.step_done = True
 
     def _zero_buckets(self) -> None:
         """Zero every bucket for the new step's accumulation.
@@ -187,17 +227,22 @@ class GradReducer:
     def _learn_order(self) -> None:
         """Rebuild the buckets once in the order the first backward produced gradients.
 
-        Rank 0's order is used everywhere: the launch order must be identical on all ranks.
+        Rank 0's order is used everywhere: the launch order must be identical on all ranks. The
+        broadcast happens on every rank, whatever its own observation: a rank that saw fewer
+        gradients (an unused branch, with find_unused) still takes part. -1 marks "incomplete".
         """
-        observed = torch.tensor(self.observed, dtype=torch.int64)
+        n = len(self.params)
+        observed = torch.full((n,), -1, dtype=torch.int64)
+        if len(self.observed) == n:
+            observed = torch.tensor(self.observed, dtype=torch.int64)
         self.observed = None
-        if len(observed) != len(self.params):
-            return  # some parameters got no gradient (find_unused): keep the assumed order
         if self.rt.has_process_group and self.world > 1:
             observed = observed.to(self.rt.device)
-            tdist.broadcast(observed, src=0)
+            tdist.broadcast(observed, src=0, group=self.group)
         order = observed.tolist()  # sync point: once, at the start of the second step
-        if order != list(reversed(range(len(self.params)))):
+        if -1 in order or sorted(order) != list(range(n)):
+            return  # rank 0 saw an incomplete step: keep the assumed order
+        if order != list(reversed(range(n))):
             log.info(
                 "mgpu reducer: rebuilding %d buckets in observed gradient order", len(self.buckets)
             )
@@ -253,7 +298,10 @@ class GradReducer:
         missing = [p for p in self.params if id(p) not in self.ready]
         if missing and not self.find_unused:
             names = ", ".join(self.names.get(id(p), "?") for p in missing[:10])
+            # Launched reductions still write into the buckets: let them finish first.
+            self._wait_launched()
             self._reset()
+            self.step_done = True
             raise RuntimeError(
                 f"dist.engine=mgpu: {len(missing)} parameter(s) got no gradient this step: "
                 f"{names}. Set dist.find_unused=true to reduce zeros for them, or freeze them "
@@ -280,6 +328,19 @@ class GradReducer:
             end = time.perf_counter()
         self.exposed.append((start, end))
         self._reset()
+        self.step_done = True
+
+    def _wait_launched(self) -> None:
+        """Wait for the reductions already launched and order the compute stream after them."""
+        launched = [b for b in self.buckets if b.work is not None]
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                for b in launched:
+                    b.work.wait()
+            torch.cuda.current_stream().wait_stream(self.stream)
+        else:
+            for b in launched:
+                b.work.wait()
 
     def _wait_all(self) -> None:
         for b in self.buckets:
