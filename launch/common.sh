@@ -5,6 +5,11 @@
 PYTHON=${PYTHON:-python3}
 TRAIN="$MGPU_ROOT/train.py"
 
+# Restarted workers (torchrun --max-restarts) otherwise reuse the agent's old rendezvous store
+# and can dial the dead worker's address (a torch bug): every launcher starts torchrun with
+# the store not shared, so a restart resumes from its checkpoint instead of failing.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+
 die() {
   echo "$(basename "$0"): $*" >&2
   exit 2

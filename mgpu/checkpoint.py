@@ -1,6 +1,6 @@
 """Crash-safe checkpoints: the on-disk layout, atomic writes sealed by a manifest of checksums,
 weights_only loading whose errors name the file and the failed check, per-rank RNG state, pruning,
-the resume policy, and the data cursor that lets a run resume on any number of processes.
+and the resume policy. The data cursor a checkpoint records lives beside the sampler (loader.py).
 
 Layout (the run directory must be on a filesystem that every rank sees):
 
@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from mgpu.loader import DataCursor
 
 log = logging.getLogger(__name__)
 
@@ -377,20 +379,46 @@ def find_latest_valid(root: Path) -> tuple[Path | None, list[str]]:
     return None, problems
 
 
-def resolve_resume(setting: str, root: Path) -> Path | None:
-    """`ckpt.resume`: "never" -> None; "auto" -> the newest valid checkpoint under root, if any,
-    warning about each newer invalid one; else a path that must verify (CheckpointError if not)."""
-    if setting == "never":
-        return None
-    if setting != "auto":
-        verify(Path(setting))
-        return Path(setting)
+def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path | None:
+    """`ckpt.resume`: "auto" -> the newest valid checkpoint under root, if any, warning about
+    each newer invalid one; "never" -> None; else a path that must verify (CheckpointError if
+    not). After a torchrun restart (`restarted`) the newest valid one under root comes first,
+    whatever the setting: the attempt before this one wrote it.
+
+    "never" and a path refuse a root that holds a valid checkpoint newer than where they start
+    (another run's): pruning would delete this run's checkpoints first, and a restart would
+    resume from the other run's.
+    """
+    if setting == "auto" or restarted:
+        path = _newest_valid(Path(root))
+        if path is not None or setting == "auto":
+            return path
+    start = None if setting == "never" else Path(setting)
+    step = 0 if start is None else verify(start)["step"]
+    for other_step, other in _dirs(Path(root), _STEP):
+        if other_step <= step or (start is not None and other.resolve() == start.resolve()):
+            continue
+        try:
+            verify(other)
+        except CheckpointError:
+            continue  # not a checkpoint: resume skips it, and a save at its step replaces it
+        what = "a fresh start (ckpt.resume=never)" if start is None else f"resuming from {start}"
+        raise CheckpointError(
+            other,
+            f"a valid checkpoint newer than {what}; this run's checkpoints would mix with it. "
+            f"Use another run directory (hydra.run.dir=..., RUN_ID=...), move {root} away, or "
+            "continue that run with ckpt.resume=auto",
+        )
+    return start
+
+
+def _newest_valid(root: Path) -> Path | None:
     path, problems = find_latest_valid(root)
     for problem in problems:
         log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", problem)
     if path is None:
         level = logging.WARNING if problems else logging.INFO
-        log.log(level, "ckpt.resume=auto: no valid checkpoint under %s; starting at step 0", root)
+        log.log(level, "ckpt.resume=auto: no valid checkpoint under %s", root)
     elif problems:
         log.warning("ckpt.resume=auto: resuming from an OLDER checkpoint, %s", path)
     return path
@@ -569,68 +597,3 @@ def restore_optimizer(
     if problems:
         raise CheckpointMismatch(f"the optimizer does not match {source}:" + _listed("", problems))
     optimizer.load_state_dict(state_dict)
-
-
-# ---- data cursor (the sampler's math; phase 2 moves it beside ShardedSampler in loader.py) ----
-
-
-@dataclass(frozen=True)
-class DataCursor:
-    """Where training stands in the sample stream: all ranks together have consumed the first
-    `consumed` entries of epoch `epoch`'s permutation of `num_samples` indices drawn from `seed`.
-
-    Consumed samples are always a prefix of the permutation: rank r takes order[r::world], so
-    after k batches of b on every rank the union is exactly order[:k*b*world].
-    """
-
-    seed: int
-    epoch: int
-    consumed: int
-    num_samples: int
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("seed", "epoch", "consumed", "num_samples")}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> DataCursor:
-        return cls(int(d["seed"]), int(d["epoch"]), int(d["consumed"]), int(d["num_samples"]))
-
-
-def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
-    """The epoch's permutation, drawn exactly as ShardedSampler draws it (a test holds them
-    equal)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(num_samples, generator=g)
-
-
-def remaining_indices(
-    num_samples: int, seed: int, epoch: int, consumed: int, rank: int, world_size: int
-) -> list[int]:
-    """Rank `rank`'s samples for the rest of an epoch whose first `consumed` permutation entries
-    are done: the rest dealt round-robin over `world_size` ranks.
-
-    Tail rule: the last (num_samples - consumed) % world_size entries are dropped so every rank
-    takes the same number of steps. With consumed=0 this is ShardedSampler's training shard; at
-    the world size that consumed them, it continues that shard exactly.
-    """
-    if not 0 <= consumed <= num_samples:
-        raise ValueError(f"consumed={consumed} is outside the epoch's {num_samples} samples")
-    end = consumed + (num_samples - consumed) // world_size * world_size
-    return epoch_order(num_samples, seed, epoch)[consumed + rank : end : world_size].tolist()
-
-
-def advance(cursor: DataCursor, batches: int, *, batch_size: int, world_size: int) -> DataCursor:
-    """The cursor after every rank took `batches` more batches (drop_last), rolling into the
-    next epoch as the sampler and DataLoader do. Pure: count batches from the step number, not
-    from the loader, whose prefetching runs ahead of training."""
-    epoch, consumed, n = cursor.epoch, cursor.consumed, cursor.num_samples
-    if n // world_size < batch_size:
-        raise ValueError(f"{n} samples give no batch of {batch_size} on {world_size} ranks")
-    while True:
-        left = (n - consumed) // world_size // batch_size  # whole batches left per rank
-        take = min(batches, left)
-        consumed += take * batch_size * world_size
-        batches -= take
-        if batches == 0:
-            return DataCursor(cursor.seed, epoch, consumed, n)
-        epoch, consumed = epoch + 1, 0

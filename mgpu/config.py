@@ -7,6 +7,7 @@ process group or run directory exists, with one line naming the key, the value a
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -144,11 +145,11 @@ class OptimConfig:
 class CheckpointConfig:
     every: int = 100  # steps between checkpoints; 0: only the final one at the end of training
     keep_last: int = 3  # newest valid checkpoints kept in <run dir>/checkpoints/; older deleted
-    resume: str = "auto"  # auto: newest valid one in the run dir, if any; never; or a step dir
+    # auto: the newest valid one in the run dir, if any; never: start at step 0; or a step dir.
+    # After a torchrun restart the newest valid one in the run dir comes first, whatever this is.
+    resume: str = "auto"
 
     def __post_init__(self) -> None:
-        import os.path  # local until phase 2 wires this class in (others edit the imports now)
-
         _non_negative("ckpt.every", self.every, "100 (0: only the final checkpoint)")
         _positive("ckpt.keep_last", self.keep_last, "3")
         ok = self.resume in ("auto", "never") or os.path.isdir(self.resume)
@@ -352,6 +353,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _check_model_fits_data(self.model, self.data)

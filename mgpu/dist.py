@@ -37,6 +37,9 @@ class LaunchEnv:
     under_torchrun: bool  # False for `python train.py`: a world of one with no process group
     run_id: str  # torchrun's --rdzv-id; without one, "none" (or a random UUID on one node)
     num_nodes: int
+    restart_count: int = 0  # times torchrun restarted the workers of this launch (--max-restarts)
+    max_restarts: int = 0  # torchrun's --max-restarts
+    shared_store: bool = False  # the workers' store is the torchrun agent's own (torch's default)
 
 
 def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
@@ -52,6 +55,9 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
         under_torchrun=under_torchrun,
         run_id=env.get("TORCHELASTIC_RUN_ID", "none"),
         num_nodes=get("GROUP_WORLD_SIZE", 1),
+        restart_count=get("TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=get("TORCHELASTIC_MAX_RESTARTS", 0),
+        shared_store=under_torchrun and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -160,6 +166,25 @@ def check_sweep_launch(multirun: bool, env: LaunchEnv | None = None) -> None:
         )
 
 
+def restart_hazard(env: LaunchEnv) -> str | None:
+    """Why torchrun's restarts may fail to reconnect in this launch, or None.
+
+    With --max-restarts and the agent's store shared with the workers (torch's default since
+    2.5), a restarted group finds the previous attempt's keys in that store: a worker may dial a
+    dead peer's address (gloo) or take an old NCCL id, and the restart fails (pytorch#135712;
+    seen with torch 2.13). Setting TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's own
+    environment gives every attempt a fresh store. The workers cannot fix it themselves: their
+    restart count is per node, so it cannot name an attempt across nodes.
+    """
+    if env.max_restarts > 0 and env.shared_store:
+        return (
+            "torchrun --max-restarts with its store shared with the workers: a restart may fail "
+            "to reconnect, reading the last attempt's addresses (pytorch#135712); start torchrun "
+            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+        )
+    return None
+
+
 def check_launch(backend: str, env: LaunchEnv | None = None) -> str:
     """Resolve `dist.backend` and fail before any work if the launch cannot run; returns it."""
     env = env or launch_env()
@@ -191,6 +216,7 @@ class Runtime:
     backend: str
     device: torch.device
     has_process_group: bool
+    restart_count: int = 0  # torchrun's restarts of this launch; > 0: an earlier attempt failed
 
     @property
     def is_primary(self) -> bool:
@@ -219,6 +245,9 @@ def distributed(backend: str, timeout_s: float) -> Iterator[Runtime]:
                 timeout=timedelta(seconds=timeout_s),
                 device_id=device if backend == "nccl" else None,
             )
+        hazard = restart_hazard(env)
+        if hazard is not None and env.rank == 0:
+            log.warning("%s", hazard)
         try:
             yield Runtime(
                 rank=env.rank,
@@ -227,6 +256,7 @@ def distributed(backend: str, timeout_s: float) -> Iterator[Runtime]:
                 backend=backend,
                 device=device,
                 has_process_group=env.under_torchrun,
+                restart_count=env.restart_count,
             )
         finally:
             if tdist.is_initialized():
@@ -238,6 +268,26 @@ def all_reduce_sum_(tensor: torch.Tensor, rt: Runtime) -> torch.Tensor:
     if rt.has_process_group and rt.world_size > 1:
         tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
     return tensor
+
+
+def all_ok(ok: bool, rt: Runtime) -> bool:
+    """True on every rank if `ok` is True on every rank. A collective and a barrier: every rank
+    must call it at the same point; a CPU-GPU sync point on NCCL (checkpoints and start-up)."""
+    if not (rt.has_process_group and rt.world_size > 1):
+        return ok
+    device = rt.device if rt.backend == "nccl" else torch.device("cpu")
+    flag = torch.tensor([int(ok)], device=device)
+    tdist.all_reduce(flag, op=tdist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def broadcast_object(obj: object, rt: Runtime) -> object:
+    """Rank 0's `obj` (picklable) on every rank; a collective, for start-up decisions only."""
+    if not (rt.has_process_group and rt.world_size > 1):
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _keyed_lines(text: str) -> list[str]:

@@ -9,6 +9,7 @@ log interval later, when the GPU has long finished them, so logging never drains
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,14 +46,19 @@ class Clock:
 
 
 class TensorBoard:
-    """Rank 0 writes event files into the run directory; every other rank writes nothing."""
+    """Rank 0 writes event files into the run directory; every other rank writes nothing.
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    `purge_step`: a resumed run's first step. TensorBoard then drops what earlier event files in
+    the directory hold from that step on (steps an interrupted attempt logged after its last
+    checkpoint), so each step shows once, with the value of the run that continued.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, purge_step: int | None = None):
         self.writer = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir))
+            self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is not None:
@@ -63,9 +69,17 @@ class TensorBoard:
         if self.writer is not None:
             self.writer.add_text(tag, body)
 
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class NonFiniteLoss(RuntimeError):
+    """The training loss read back is NaN or infinite; training stops before any further save."""
 
 
 @dataclass
@@ -205,7 +219,7 @@ class Recorder:
         if iv.copied is not None:
             iv.copied.synchronize()  # sync point on an interval that ended a log interval ago
         step_ms = self.clock.elapsed_ms(iv.start, iv.end) / iv.steps
-        loss = float(iv.loss)
+        loss = float(iv.loss)  # the mean over ranks: every rank reads the same value
         samples_per_sec = self.samples_per_step / (step_ms / 1e3)
         values = {
             "train/loss": loss,
@@ -232,6 +246,15 @@ class Recorder:
             values["time/exposed_comm_ms"] = comm_ms
             values["time/exposed_comm_pct"] = 100.0 * comm_ms / step_ms
         self.board.scalars(iv.step, values)
+        if not math.isfinite(loss):
+            self.board.flush()
+            first = iv.step - iv.steps + 1
+            over = f" (the mean over steps {first}-{iv.step})" if iv.steps > 1 else ""
+            raise NonFiniteLoss(
+                f"training loss is {loss} at step {iv.step}{over}: stopping, with no checkpoint "
+                "saved after it. Resume from the last checkpoint with a lower optim.lr, or "
+                "trainer.grad_clip; trainer.log_every=1 names the first bad step"
+            )
         if self.rt.is_primary:
             eta = timedelta(seconds=round((self.max_steps - iv.step) * step_ms / 1e3))
             log.info(
@@ -245,6 +268,10 @@ class Recorder:
                 waited,
                 eta,
             )
+
+    def flush(self) -> None:
+        """Everything published so far onto disk (a checkpoint's step: what a restart keeps)."""
+        self.board.flush()
 
     def eval_loss(self, step: int, loss: float) -> None:
         self.board.scalars(step, {"eval/loss": loss})

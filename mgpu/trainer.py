@@ -1,28 +1,48 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
-precision, gradient clipping, periodic and final evaluation, and when to record metrics.
+precision, gradient clipping, periodic and final evaluation, when to record metrics, and when
+and how all ranks save a checkpoint together, resume from one, or stop on preemption.
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later; so does the
-loader's data-wait meter.
+loader's data-wait meter. Checkpoint steps are the exception: saving reads everything back.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mgpu.checkpoint import (
+    CheckpointError,
+    CheckpointMismatch,
+    Loaded,
+    abort,
+    capture_rng,
+    finalize,
+    prune,
+    restore_rng,
+    restore_training_state,
+    step_dir,
+    training_state,
+    write_rank_files,
+)
 from mgpu.comm import local_module, sync_gradients, unwrap
 from mgpu.config import Precision, TrainerConfig
-from mgpu.dist import Runtime, all_reduce_sum_
-from mgpu.loader import DeviceLoader, epochs, to_device
+from mgpu.dist import Runtime, all_ok, all_reduce_sum_
+from mgpu.loader import DataCursor, DeviceLoader, ShardedSampler, advance, epochs, to_device
 from mgpu.metrics import Recorder
+from mgpu.preempt import Preempted, Preemption
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +61,27 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
 
 
+@dataclass
+class CheckpointPlan:
+    """Where and when fit saves (ckpt.*), and what every save carries besides training state."""
+
+    root: Path  # <run dir>/checkpoints
+    every: int  # steps between saves; 0: only the final one (and a preemption's)
+    keep_last: int
+    token: str  # the same on every rank of one launch, new for each (checkpoint.staging_dir)
+    config: str  # the resolved config, as YAML
+
+
+def _dataloader(loader: DeviceLoader | DataLoader) -> DataLoader:
+    return loader.loader if isinstance(loader, DeviceLoader) else loader
+
+
+def _generators(loader: DeviceLoader | DataLoader) -> dict[str, torch.Generator]:
+    """The RNGs a checkpoint carries besides the global ones: the DataLoader's (worker seeds)."""
+    generator = _dataloader(loader).generator
+    return {"loader": generator} if generator is not None else {}
+
+
 class Trainer:
     def __init__(
         self,
@@ -52,9 +93,16 @@ class Trainer:
         *,
         recorder: Recorder | None = None,
         input_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        checkpoints: CheckpointPlan | None = None,
+        preemption: Preemption | None = None,
     ):
         self.cfg, self.model, self.rt = cfg, model, rt
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
+        self.checkpoints, self.preemption = checkpoints, preemption
+        # Where fit starts: step 0 of epoch 0, unless resume() says otherwise.
+        self.start_step, self.start_cursor = 0, None
+        self._rng_state: dict | None = None  # a checkpoint's RNG states, restored by fit
+        self._reseed: int | None = None  # or, resuming on another world size, a fresh seed
         # Applied on the device to the inputs of a plain DataLoader given to fit/evaluate. A
         # DeviceLoader (what build_loader returns) applies its own, per data.device_transform.
         self.input_transform = input_transform
@@ -152,37 +200,169 @@ class Trainer:
         return total / count
 
     def fit(self, train_loader: DeviceLoader | DataLoader, eval_loader: Iterable | None) -> None:
-        cfg, rec = self.cfg, self.recorder
+        cfg, rec, stop = self.cfg, self.recorder, self.preemption
+        if self.start_step >= cfg.max_steps:
+            log.info(
+                "resumed at step %d, trainer.max_steps=%d: done", self.start_step, cfg.max_steps
+            )
+            return
         train, owned = self._prefetcher(train_loader)
+        if self.checkpoints is not None:
+            self._check_resumable(train)
         train.wait.take()  # data wait counts from here
-        batches = epochs(train)
+        batches = epochs(train, start=self.start_cursor)
         self.model.train()
+        self._restore_rng(train)  # the last thing before the first step
         loss_sum = torch.zeros((), device=self.rt.device)
         start, steps, pending = rec.clock.mark(), 0, None
         try:
-            for step in range(1, cfg.max_steps + 1):
+            for step in range(self.start_step + 1, cfg.max_steps + 1):
                 lr = self.schedule.get_last_lr()[0]
                 loss_sum += self.train_step(batches)
                 steps += 1
+                # A collective every step, on every rank; True on all of them at the same step.
+                stopping = stop is not None and stop.poll()
                 last = step == cfg.max_steps
+                save = self._save_due(step, last or stopping)
                 evaluate = eval_loader is not None and (
-                    last or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+                    last or (cfg.eval_every > 0 and step % cfg.eval_every == 0 and not stopping)
                 )
-                if step % cfg.log_every == 0 or last or evaluate:
+                # Saves close a log interval too, so a resumed run logs the same intervals as
+                # an uninterrupted one.
+                if step % cfg.log_every == 0 or last or evaluate or save:
                     wait = train.wait.take()  # GPU events in it are read at publish, not now
                     interval = rec.snapshot(step, steps, loss_sum, lr, start, wait)
                     if pending is not None:
                         rec.publish(pending)  # the previous interval: its GPU work is done by now
                     pending, start, steps = interval, interval.end, 0
                     loss_sum = torch.zeros((), device=self.rt.device)
-                if evaluate:
+                if evaluate or save:
+                    # Now, not an interval later: a non-finite loss stops before it is saved.
                     rec.publish(pending)
                     pending = None
+                if evaluate:
                     rec.eval_loss(step, self.evaluate(eval_loader))
-                    start = rec.clock.mark()  # evaluation time is not training step time
+                if save:
+                    rec.flush()  # the record up to this step is on disk, as the checkpoint is
+                    self.save(step, train, required=last or stopping)
+                if evaluate or save:
+                    start = rec.clock.mark()  # neither is training step time
+                if stopping and not last:
+                    stop.settle()
+                    raise Preempted(step, stop.signum)
             if pending is not None:
                 rec.publish(pending)
+            if stop is not None:
+                stop.settle()
         finally:
             batches.close()  # ends the running epoch: in-flight batches retired, threads joined
             if owned:
                 train.close()
+
+    # ---- checkpoints ----
+
+    def _save_due(self, step: int, now: bool) -> bool:
+        plan = self.checkpoints
+        return plan is not None and (now or (plan.every > 0 and step % plan.every == 0))
+
+    def _check_resumable(self, loader: DeviceLoader) -> None:
+        sampler = loader.sampler
+        if not (isinstance(sampler, ShardedSampler) and sampler.even):
+            raise TypeError(
+                f"checkpoints record the data position of a training ShardedSampler; this "
+                f"loader's sampler is a {type(sampler).__name__}"
+            )
+
+    def _cursor(self, step: int, loader: DeviceLoader | DataLoader) -> DataCursor:
+        """The data position after `step`: counted from the step number (pure), never from the
+        loader, whose prefetching runs ahead of training."""
+        data = _dataloader(loader)
+        sampler = data.sampler
+        start = self.start_cursor or DataCursor(sampler.seed, 0, 0, sampler.num_samples)
+        batches = (step - self.start_step) * self.cfg.grad_accum_steps
+        return advance(start, batches, batch_size=data.batch_size, world_size=self.rt.world_size)
+
+    def save(self, step: int, loader: DeviceLoader | DataLoader, *, required: bool) -> Path | None:
+        """Every rank together: each writes its RNG states; barrier; rank 0 writes the shared
+        state and seals the checkpoint; barrier; rank 0 prunes old ones. A collective.
+
+        A failure is logged on the rank where it happened (file and cause); a `required` save
+        (final, preemption) then raises, any other lets training go on from the previous one."""
+        plan, rt = self.checkpoints, self.rt
+        error: Exception | None = None
+        path = None
+        try:
+            state = {"rng": capture_rng(rt.device, _generators(loader))}
+            write_rank_files(plan.root, step, rt.rank, state, token=plan.token)
+        except Exception as err:  # noqa: BLE001 - every rank must reach the barrier below
+            error = err
+        if all_ok(error is None, rt):  # barrier: every rank's file is on disk
+            if rt.is_primary:
+                try:
+                    shared = training_state(
+                        model=unwrap(self.model), optimizer=self.optimizer,
+                        schedule=self.schedule, scaler=self.scaler, step=step,
+                        cursor=self._cursor(step, loader), config=plan.config,
+                    )  # fmt: skip
+                    path = finalize(plan.root, step, rt.world_size, shared, token=plan.token)
+                except Exception as err:  # noqa: BLE001
+                    error = err
+        elif rt.is_primary:
+            abort(plan.root, step, token=plan.token)
+        if all_ok(error is None, rt):  # barrier: sealed (or not) before anyone goes on
+            if rt.is_primary:
+                prune(plan.root, plan.keep_last)
+            return path
+        if error is not None:
+            log.error("checkpoint at step %d failed on rank %d: %s", step, rt.rank, error)
+        else:
+            log.error("checkpoint at step %d failed on another rank (its log says why)", step)
+        if required:
+            raise CheckpointError(step_dir(plan.root, step), "not saved (errors above)")
+        log.warning("training goes on; the previous checkpoint stays the newest")
+        return None
+
+    def resume(self, loaded: Loaded, loader: DeviceLoader | DataLoader) -> None:
+        """Continue from a checkpoint (checkpoint.load's result for this rank): model,
+        optimizer, schedule and scaler now; RNG states at the start of fit; the data from the
+        checkpoint's cursor, on any number of ranks."""
+        sampler = _dataloader(loader).sampler
+        cursor = DataCursor.from_dict(loaded.shared["data"])
+        if (cursor.num_samples, cursor.seed) != (sampler.num_samples, sampler.seed):
+            raise CheckpointMismatch(
+                f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
+                f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
+                f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
+            )
+        self.start_step, self.start_cursor = restore_training_state(
+            loaded.shared, model=unwrap(self.model), optimizer=self.optimizer,
+            schedule=self.schedule, scaler=self.scaler, source=str(loaded.path),
+        )  # fmt: skip
+        # mgpu's reducer re-attaches its buckets at the first forward after gradients are None.
+        self.optimizer.zero_grad(set_to_none=True)
+        if loaded.world_size == self.rt.world_size:
+            self._rng_state = loaded.rank_state["rng"]
+        else:
+            log.warning(
+                "%s was saved by %d process(es), this run has %d: every training sample is still "
+                "seen exactly once, but the run does not match an uninterrupted one bit for bit "
+                "(other batches, fresh RNG streams seeded from trainer.seed, rank and step)",
+                loaded.path, loaded.world_size, self.rt.world_size,
+            )  # fmt: skip
+            seed = np.random.SeedSequence([self.cfg.seed, self.rt.rank, self.start_step])
+            self._reseed = int(seed.generate_state(1)[0])
+        log.info(
+            "resumed from %s: step %d, epoch %d with %d of its samples done",
+            loaded.path, self.start_step, self.start_cursor.epoch, self.start_cursor.consumed,
+        )  # fmt: skip
+
+    def _restore_rng(self, loader: DeviceLoader | DataLoader) -> None:
+        if self._rng_state is not None:
+            restore_rng(self._rng_state, self.rt.device, _generators(loader))
+        elif self._reseed is not None:
+            random.seed(self._reseed)
+            np.random.seed(self._reseed)
+            torch.manual_seed(self._reseed)
+            for generator in _generators(loader).values():
+                generator.manual_seed(self._reseed)
+        self._rng_state = self._reseed = None

@@ -23,12 +23,19 @@ FAST = [
 
 
 def run_train(
-    args, *, cwd: Path, nproc: int | None = 2, env: dict | None = None, timeout: float = 240
+    args,
+    *,
+    cwd: Path,
+    nproc: int | None = 2,
+    env: dict | None = None,
+    timeout: float = 240,
+    torchrun_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=N train.py args` (or plain `python train.py` for nproc=None)."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        launcher += torchrun_args
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     full_env.update(env or {})
@@ -43,16 +50,15 @@ def run_train(
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the run's TensorBoard event files: tag -> [(step, value), ...]."""
+    """Every scalar in the run's TensorBoard event files: tag -> [(step, value), ...].
+
+    The directory is read as TensorBoard reads it: event files in order, and a resumed run's
+    purge_step drops what earlier files logged from that step on."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out: dict[str, list[tuple[int, float]]] = {}
-    for events in sorted(run_dir.glob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return out
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,15 +24,11 @@ from mgpu import checkpoint as ckpt
 from mgpu.checkpoint import (
     CheckpointError,
     CheckpointMismatch,
-    DataCursor,
-    advance,
     capture_rng,
-    epoch_order,
     finalize,
     find_latest_valid,
     load,
     prune,
-    remaining_indices,
     resolve_resume,
     restore_model,
     restore_optimizer,
@@ -44,7 +40,14 @@ from mgpu.checkpoint import (
     write_rank_files,
 )
 from mgpu.config import CheckpointConfig, ConfigError, OptimConfig
-from mgpu.loader import ShardedSampler, epochs
+from mgpu.loader import (
+    DataCursor,
+    ShardedSampler,
+    advance,
+    epoch_order,
+    epochs,
+    remaining_indices,
+)
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
 
@@ -205,11 +208,34 @@ def test_auto_resumes_from_the_newest_valid_checkpoint_and_warns(tmp_path, caplo
     text = caplog.text
     assert "step-00000003/state.pt: checksum mismatch" in text
     assert "step-00000002/manifest.json: missing manifest" in text and "OLDER" in text
-    assert resolve_resume("never", tmp_path) is None
+    assert resolve_resume("never", tmp_path / "nothing") is None
+    # the newer ones are invalid: they do not count as another run's history
     assert resolve_resume(str(step_dir(tmp_path, 1)), tmp_path) == step_dir(tmp_path, 1)
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         resolve_resume(str(step_dir(tmp_path, 3)), tmp_path)
     assert resolve_resume("auto", tmp_path / "nothing") is None
+
+
+def test_a_start_below_a_valid_newer_checkpoint_is_refused_unless_restarted(tmp_path):
+    """A fresh start, or a path older than what the run directory holds, would mix two
+    histories; after a torchrun restart the newest one there is this launch's own."""
+    other = tmp_path / "other"
+    small(other, 1)
+    for step in (2, 3):
+        small(tmp_path, step)
+    with pytest.raises(CheckpointError, match="newer than a fresh start") as info:
+        resolve_resume("never", tmp_path)
+    assert info.value.file == step_dir(tmp_path, 3)
+    with pytest.raises(CheckpointError, match="newer than resuming from"):
+        resolve_resume(str(step_dir(other, 1)), tmp_path)
+    with pytest.raises(CheckpointError, match="step-00000003: a valid checkpoint newer"):
+        resolve_resume(str(step_dir(tmp_path, 2)), tmp_path)  # going back: move 3 away first
+    assert resolve_resume(str(step_dir(tmp_path, 3)), tmp_path) == step_dir(tmp_path, 3)
+    for setting in ("never", str(step_dir(other, 1)), "auto"):
+        assert resolve_resume(setting, tmp_path, restarted=True) == step_dir(tmp_path, 3)
+    empty = tmp_path / "empty"
+    assert resolve_resume(str(step_dir(other, 1)), empty, restarted=True) == step_dir(other, 1)
+    assert resolve_resume("never", empty, restarted=True) is None
 
 
 # ---- failed saves ----
@@ -430,6 +456,37 @@ def test_remaining_indices_from_zero_is_the_sampler_shard(n, world, epoch):
         sampler = ShardedSampler(n, rank, world, shuffle=True, seed=5, even=True)
         sampler.set_epoch(epoch)
         assert remaining_indices(n, 5, epoch, 0, rank, world) == list(sampler)
+
+
+@pytest.mark.parametrize("n, consumed, world", [(23, 0, 2), (23, 6, 2), (23, 6, 3), (20, 19, 2)])
+def test_the_sampler_resumes_past_a_consumed_prefix(n, consumed, world):
+    for rank in range(world):
+        sampler = ShardedSampler(n, rank, world, shuffle=True, seed=4, even=True)
+        sampler.set_epoch(2, consumed)
+        expected = remaining_indices(n, 4, 2, consumed, rank, world)
+        assert list(sampler) == expected and len(sampler) == len(expected)
+    plain = ShardedSampler(n, 1, world, shuffle=False, seed=4, even=True)
+    plain.set_epoch(0, consumed)
+    assert list(plain) == list(range(consumed + 1, n - (n - consumed) % world, world))
+    with pytest.raises(ValueError, match="only a training sampler"):
+        ShardedSampler(n, 0, world, shuffle=False, seed=4, even=False).set_epoch(0, 2)
+
+
+def test_epochs_from_a_cursor_continue_where_the_batches_stopped():
+    """5 batches through epochs(), then epochs(start=advance(...)) on a fresh loader: the same
+    batches as going on with the first, into the next epoch."""
+    n, batch = 22, 3
+    data = TensorDataset(torch.arange(n))
+
+    def stream(start=None):
+        sampler = ShardedSampler(n, 0, 1, shuffle=True, seed=9, even=True)
+        return epochs(DataLoader(data, batch, sampler=sampler, drop_last=True), start=start)
+
+    straight = stream()
+    expected = [next(straight)[0].tolist() for _ in range(12)]
+    start = advance(DataCursor(9, 0, 0, n), 5, batch_size=batch, world_size=1)
+    resumed = stream(start)
+    assert [next(resumed)[0].tolist() for _ in range(7)] == expected[5:]
 
 
 @pytest.mark.parametrize("n", [1, 7, 12, 13])

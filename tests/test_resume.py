@@ -1,0 +1,335 @@
+"""Checkpoints wired into training, end to end with real processes: a worker killed under
+`torchrun --max-restarts`, a preempted run started again, and a run that saw a corrupt newest
+checkpoint each end with the final parameters and per-step loss record of an uninterrupted run,
+bit for bit; a resume on another number of processes sees every sample once; bad resumes,
+non-finite losses and hung collectives stop with a clear error."""
+
+import logging
+import os
+import re
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
+from conftest import read_scalars, run_train
+from faults import first_sample_of_step, recorded
+from test_checkpoint import bitflip, free_port, no_space
+from torch.utils.data import DataLoader, TensorDataset
+
+from mgpu.checkpoint import CheckpointError, find_latest_valid, load, step_dir
+from mgpu.config import OptimConfig, Precision, TrainerConfig
+from mgpu.dist import Runtime, parse_launch_env, restart_hazard
+from mgpu.loader import ShardedSampler, epoch_order
+from mgpu.models import MLP
+from mgpu.optim import build_optimizer, build_schedule
+from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
+from mgpu.trainer import CheckpointPlan, Trainer
+
+BATCH = 32  # data.batch_size's default
+RUN = [
+    "trainer.max_steps=20",
+    "trainer.log_every=1",  # a loss per step: the record compares step by step
+    "trainer.eval_every=0",
+    "ckpt.every=5",
+    "data.num_workers=0",
+]
+
+
+def faulty(fault: str, *, rank: int, step: int, marker) -> list[str]:
+    """data=ngram's samples through tests.faults.FaultyTokens, with `fault` at `step`."""
+    at = first_sample_of_step(step, BATCH)
+    return [
+        "data=custom",
+        "data._target_=tests.faults.FaultyTokens",
+        f"+data.kwargs.fault={fault}",
+        f"+data.kwargs.rank={rank}",
+        f"+data.kwargs.at_sample={at}",
+        f"+data.kwargs.marker={marker}",
+        "+data.kwargs.eval_samples=64",
+    ]
+
+
+def output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def final_state(run_dir) -> dict:
+    return torch.load(step_dir(run_dir / "checkpoints", 20) / "state.pt", weights_only=True)
+
+
+def loss_record(run_dir) -> dict[int, float]:
+    """train/loss by step, the last value logged for each step."""
+    return dict(read_scalars(run_dir)["train/loss"])
+
+
+def assert_same_run(run_dir, reference) -> None:
+    """The same final model and optimizer state and the same per-step loss, bit for bit."""
+    got, want = final_state(run_dir), final_state(reference)
+    assert got["step"] == 20 and got["data"] == want["data"]
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    for index, state in want["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["optimizer"]["state"][index][key], value), (index, key)
+    steps = [s for s, _ in read_scalars(run_dir)["train/loss"]]
+    assert steps == list(range(1, 21))  # purge_step dropped the re-run steps' first values
+    assert loss_record(run_dir) == loss_record(reference)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: 2 processes, 20 steps, checkpoints at 5, 10, 15, 20."""
+    tmp = tmp_path_factory.mktemp("reference")
+    run_dir = tmp / "run"
+    never = faulty("kill", rank=-1, step=1, marker=tmp / "unused")
+    proc = run_train([*RUN, *never, f"hydra.run.dir={run_dir}"], cwd=tmp, nproc=2)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    return run_dir
+
+
+def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, reference):
+    marker = tmp_path / "killed"
+    proc = run_train(
+        [*RUN, *faulty("kill", rank=1, step=13, marker=marker)],
+        cwd=tmp_path,
+        nproc=2,
+        torchrun_args=("--max-restarts=1",),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # mgpu.dist.restart_hazard
+    )
+    assert proc.returncode == 0, output(proc)[-3000:]
+    assert marker.exists()  # rank 1 did die, at step 13
+    # The default run directory (the agent's start time) is the same after the restart.
+    (run_dir,) = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]
+    assert "(exitcode: -9) local_rank: 1" in proc.stderr
+    assert "pytorch#135712" not in output(proc)
+    assert "resumed from " + str(step_dir(run_dir / "checkpoints", 10)) in output(proc)
+    assert_same_run(run_dir, reference)
+    left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert left == ["step-00000010", "step-00000015", "step-00000020"]  # ckpt.keep_last=3
+
+
+def test_a_preempted_run_saves_exits_and_resumes_like_an_uninterrupted_run(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    # Rank 0 sends SIGTERM to the torchrun agent at step 8, as a scheduler would; the agent
+    # passes it on to both workers. Started again, the same command finds the marker.
+    args = [
+        *RUN,
+        *faulty("term_agent", rank=0, step=8, marker=tmp_path / "m"),
+        f"hydra.run.dir={run_dir}",
+    ]
+    first = run_train(args, cwd=tmp_path, nproc=2)
+    assert first.returncode == 1  # torchrun's own: it was signalled itself (README)
+    stopped = re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint saved", output(first))
+    assert stopped, output(first)[-3000:]
+    step = int(stopped.group(1))
+    assert 8 <= step < 20 and (run_dir / "checkpoints" / f"step-{step:08d}").is_dir()
+    for rank in (0, 1):  # every rank stopped after the same step, the one saved
+        log = (run_dir / f"rank{rank}.log").read_text()
+        assert f"after step {step}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}" in log
+    second = run_train(args, cwd=tmp_path, nproc=2)
+    assert second.returncode == 0, output(second)[-3000:]
+    assert f"step {step}, epoch 0" in output(second)
+    assert_same_run(run_dir, reference)
+
+
+def test_sigterm_to_a_world_of_one_exits_with_the_preempted_code(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*RUN, *faulty("term_self", rank=0, step=3, marker=tmp_path / "m")]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, output(proc)[-3000:]
+    # One process has no one to agree with: it stops after the step the signal came in.
+    assert (run_dir / "checkpoints" / "step-00000003" / "manifest.json").is_file()
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    bitflip(step_dir(run_dir / "checkpoints", 20) / "state.pt")
+    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
+    proc = run_train([*RUN, *never, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    bad = step_dir(run_dir / "checkpoints", 20) / "state.pt"
+    assert f"skipping invalid checkpoint: {bad}: checksum mismatch" in output(proc)
+    assert "resuming from an OLDER checkpoint" in output(proc)
+    assert "step 15, epoch 0" in output(proc)
+    assert_same_run(run_dir, reference)  # step 20 again, this time intact
+
+
+def test_resume_on_another_world_size_sees_each_sample_once(tmp_path):
+    """2 processes x 8 for 6 steps, then 1 process x 16 to the end of the epoch: 200 samples,
+    12 steps of 16 per epoch, the last 8 dropped."""
+    run_dir, record = tmp_path / "run", tmp_path / "record"
+    record.mkdir()
+    data = [
+        "data=custom",
+        "data._target_=tests.faults.RecordingTokens",
+        f"+data.kwargs.record={record}",
+        "+data.kwargs.num_samples=200",
+        "+data.kwargs.eval_samples=16",
+        "data.num_workers=0",
+        "trainer.eval_every=0",
+        f"hydra.run.dir={run_dir}",
+    ]
+    first = run_train([*data, "data.batch_size=8", "trainer.max_steps=6"], cwd=tmp_path, nproc=2)
+    assert first.returncode == 0, output(first)[-3000:]
+    second = run_train(
+        [*data, "data.batch_size=16", "trainer.max_steps=12"], cwd=tmp_path, nproc=None
+    )
+    assert second.returncode == 0, output(second)[-3000:]
+    assert "saved by 2 process(es), this run has 1" in output(second)
+    assert "not match an uninterrupted one bit for bit" in output(second)
+    per_process = recorded(record)
+    assert sorted(len(seen) for seen in per_process) == [48, 48, 96]
+    seen = [i for indices in per_process for i in indices]
+    assert len(seen) == len(set(seen))  # no sample twice
+    assert set(seen) == set(epoch_order(200, 0, 0)[:192].tolist())  # and none skipped
+
+
+def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference):
+    source = tmp_path / "source"
+    shutil.copytree(reference / "checkpoints" / "step-00000015", source)
+    bitflip(source / "rank-1.pt")
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [*RUN, f"ckpt.resume={source}", f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None
+    )
+    assert proc.returncode == 1
+    assert f"{source / 'rank-1.pt'}: checksum mismatch" in output(proc)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.log"]  # no config, events, ckpt
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["model.n_embd=64", "ckpt.resume={ref}/checkpoints/step-00000020"],
+            "wte.weight [256, 128] in {ref}/checkpoints/step-00000020, [256, 64] in the model",
+        ),
+        (
+            ["ckpt.resume=never"],  # in a run directory that holds the reference's step 20
+            "step-00000020: a valid checkpoint newer than a fresh start (ckpt.resume=never)",
+        ),
+        (
+            ["data.num_samples=5000", "ckpt.resume={ref}/checkpoints/step-00000020"],
+            "trained on 100000 samples shuffled with trainer.seed=0; this run has 5000",
+        ),
+    ],
+    ids=["shape", "never-over-newer", "other-data"],
+)
+def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
+    tmp_path, reference, args, message
+):
+    run_dir = tmp_path / "run"
+    if "ckpt.resume=never" in args:
+        shutil.copytree(
+            step_dir(reference / "checkpoints", 20), step_dir(run_dir / "checkpoints", 20)
+        )
+    args = [a.format(ref=reference) for a in args] + [f"hydra.run.dir={run_dir}"]
+    proc = run_train([*RUN, "data.eval_samples=64", *args], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 1, output(proc)[-3000:]
+    assert message.format(ref=reference) in output(proc)
+    assert "Traceback" not in output(proc)
+
+
+def test_a_non_finite_loss_stops_before_the_next_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    gpt = "vocab_size=256 block_size=64 n_layer=2 n_head=4 n_embd=128".split()
+    model = ["model=custom", "model._target_=tests.faults.NanGPT", "+model.kwargs.nan_from=7"]
+    model += [f"+model.kwargs.{kv}" for kv in gpt]
+    args = [*RUN, "trainer.log_every=10", "data.eval_samples=64", *model]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 1
+    assert "training loss is nan at step 10 (the mean over steps 6-10)" in output(proc)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000005"]
+
+
+def test_a_hung_rank_fails_the_run_after_dist_timeout_s(tmp_path):
+    hang = faulty("hang", rank=1, step=3, marker=tmp_path / "m")
+    start = time.monotonic()
+    proc = run_train([*RUN, *hang, "dist.timeout_s=5"], cwd=tmp_path, nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "Timed out waiting 5000ms" in output(proc)
+    assert time.monotonic() - start < 60  # start-up, 2 steps, 5 s of waiting, tear-down
+    assert os.path.exists(tmp_path / "m")
+
+
+# ---- the pieces: signal agreement, restart hazard ----
+
+
+def preemption_worker(rank: int, port: int, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=2)
+    rt = Runtime(rank, rank, 2, "gloo", torch.device("cpu"), has_process_group=True)
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        with Preemption(rt) as preemption:
+            decisions = []
+            for step in range(1, 8):
+                if rank == 1 and step == 3:
+                    os.kill(os.getpid(), signal.SIGUSR1)  # during step 3, on one rank only
+                decisions.append(preemption.poll())
+            preemption.settle()
+        restored = signal.getsignal(signal.SIGUSR1) is before
+        result = {"decisions": decisions, "restored": restored, "signum": preemption.signum}
+        torch.save(result, f"{out}/{rank}.pt")
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_every_rank_stops_after_the_same_step_whichever_rank_got_the_signal(tmp_path):
+    mp.spawn(preemption_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in (0, 1)]
+    for result in results:
+        # step 3's exchange carries the flag; every rank reads it after step 4
+        assert result["decisions"] == [False] * 3 + [True] * 4
+        assert result["restored"]  # the previous handler is back after the with-block
+    assert [r["signum"] for r in results] == [None, int(signal.SIGUSR1)]
+
+
+def test_restarts_over_the_agents_shared_store_are_flagged():
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "2",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    launch = parse_launch_env(env)
+    assert (launch.restart_count, launch.max_restarts, launch.shared_store) == (1, 2, True)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_hazard(launch)
+    assert (
+        restart_hazard(parse_launch_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})) is None
+    )
+    assert restart_hazard(parse_launch_env({**env, "TORCHELASTIC_MAX_RESTARTS": "0"})) is None
+    assert parse_launch_env({}).restart_count == 0
+
+
+def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeypatch, caplog):
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    model = MLP(in_features=8, num_classes=5, hidden=[16])
+    optimizer = build_optimizer(OptimConfig(), model, rt.device)
+    schedule = build_schedule(OptimConfig(), optimizer, max_steps=10)
+    root = tmp_path / "checkpoints"
+    plan = CheckpointPlan(root, every=1, keep_last=3, token="t", config="trainer: {}\n")
+    tcfg = TrainerConfig(precision=Precision.fp32, grad_accum_steps=2)
+    trainer = Trainer(tcfg, model, optimizer, schedule, rt, checkpoints=plan)
+    data = TensorDataset(torch.randn(40, 8), torch.randint(0, 5, (40,)))
+    sampler = ShardedSampler(40, 0, 1, shuffle=True, seed=0, even=True)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    assert trainer.save(3, loader, required=False) == step_dir(root, 3)
+    # 3 steps x 2 micro-batches x 4 samples: 24 of epoch 0's 40; the config text rides along
+    shared = load(step_dir(root, 3), rank=0).shared
+    assert shared["data"]["consumed"] == 24 and shared["config"] == "trainer: {}\n"
+    no_space(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="mgpu.trainer"):
+        assert trainer.save(4, loader, required=False) is None
+    assert "checkpoint at step 4 failed on rank 0" in caplog.text
+    assert "No space left on device" in caplog.text and "training goes on" in caplog.text
+    with pytest.raises(CheckpointError, match="step-00000005: not saved"):
+        trainer.save(5, loader, required=True)  # final or preemption: stops the run
+    assert find_latest_valid(root) == (step_dir(root, 3), [])
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
