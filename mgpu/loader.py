@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -174,7 +175,20 @@ def build_dataloader(
         # and then; kept workers would hold processes and memory through all of training.
         persistent_workers=train and workers > 0,
         generator=torch.Generator().manual_seed(seed + rt.rank),
+        worker_init_fn=leave_preemption_to_the_trainer,
     )
+
+
+def leave_preemption_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM and SIGUSR1.
+
+    torchrun and SLURM signal every process of a worker, its DataLoader workers included; a
+    DataLoader worker killed by the signal makes the next batch raise in the trainer before the
+    preemption checkpoint is written. The trainer handles the signal (mgpu/preempt.py) and then
+    shuts its workers down itself; a worker whose trainer is gone exits on its own.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def build_loader(

@@ -20,6 +20,17 @@ def first_sample_of_step(step: int, batch_size: int) -> int:
     return (step - 1) * batch_size + 1
 
 
+def agent_pid() -> int:
+    """The torchrun agent: the training process's parent. In a DataLoader worker the training
+    process is the parent, so the agent is one level further up (read from /proc)."""
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None:
+        return os.getppid()
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # field 4, ppid
+
+
 class FaultyTokens(NgramTokens):
     """NgramTokens whose rank `rank` (RANK, 0 without torchrun) meets `fault` while fetching its
     `at_sample`-th training sample, unless `marker` exists; the fault creates it first.
@@ -51,7 +62,7 @@ class FaultyTokens(NgramTokens):
         if self.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.fault == "term_agent":
-            os.kill(os.getppid(), signal.SIGTERM)
+            os.kill(agent_pid(), signal.SIGTERM)
         elif self.fault == "term_self":
             os.kill(os.getpid(), signal.SIGTERM)
         elif self.fault == "hang":

@@ -112,13 +112,18 @@ def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, r
     assert left == ["step-00000010", "step-00000015", "step-00000020"]  # ckpt.keep_last=3
 
 
-def test_a_preempted_run_saves_exits_and_resumes_like_an_uninterrupted_run(tmp_path, reference):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_preempted_run_saves_exits_and_resumes_like_an_uninterrupted_run(
+    tmp_path, reference, workers
+):
     run_dir = tmp_path / "run"
     # Rank 0 sends SIGTERM to the torchrun agent at step 8, as a scheduler would; the agent
-    # passes it on to both workers. Started again, the same command finds the marker.
+    # passes it on to both workers. Started again, the same command finds the marker. With
+    # DataLoader workers the signal reaches them too: they must leave it to the trainer.
     args = [
         *RUN,
         *faulty("term_agent", rank=0, step=8, marker=tmp_path / "m"),
+        f"data.num_workers={workers}",
         f"hydra.run.dir={run_dir}",
     ]
     first = run_train(args, cwd=tmp_path, nproc=2)
