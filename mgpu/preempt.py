@@ -3,8 +3,9 @@ all ranks through one small collective, so that all of them stop after the same 
 checkpoint together and exit with PREEMPTED_EXIT_CODE ("preempted, resumable").
 
 The agreement costs no per-step host stall: each step issues an asynchronous all_reduce(MAX) of
-this rank's flag and reads the result of the previous step's one. A signal that arrives during
-step s is in step s's exchange and is acted on after step s+1, on every rank at once.
+this rank's flag and reads the result of the exchange issued LAG steps earlier, which the GPU
+finished long ago, so the host may still run a step ahead of the GPU. A signal that arrives
+during step s is in step s's exchange and is acted on after step s+LAG, on every rank at once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections import deque
 from types import FrameType
 
 import torch
@@ -24,6 +26,9 @@ log = logging.getLogger(__name__)
 # sysexits.h EX_TEMPFAIL: a temporary failure, try again. A preempted run saved a checkpoint and
 # resumes from it when started again with the same command (ckpt.resume=auto).
 PREEMPTED_EXIT_CODE = 75
+# Steps between issuing an exchange and reading it. With 1 the host would wait every step for
+# the previous step's GPU work; with 2 that work is a step older and done in practice.
+LAG = 2
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -49,16 +54,16 @@ class Preemption:
         self.rt, self.signals = rt, signals
         self.signum: int | None = None  # the first signal this process received
         self._previous: dict[signal.Signals, object] = {}
-        self._pending: tuple[tdist.Work, torch.cuda.Event | None] | None = None
+        # Exchanges in flight, oldest first; each has its own flag buffers, reused after it is read.
+        self._pending: deque[tuple[tdist.Work, torch.cuda.Event | None, torch.Tensor, torch.Tensor]]
+        self._pending = deque()
         self.distributed = rt.has_process_group and rt.world_size > 1
         self.nccl = rt.backend == "nccl"
-        device = rt.device if self.nccl else torch.device("cpu")
-        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
-        if self.nccl:
-            # The agreed flag comes back to pinned host memory by an async copy, on a stream of
-            # its own: waiting for the all_reduce there leaves the compute stream unstalled.
-            self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self._side = torch.cuda.Stream(device)
+        self._device = rt.device if self.nccl else torch.device("cpu")
+        # The agreed flag comes back to pinned host memory by an async copy, on a stream of its
+        # own: waiting for the all_reduce there leaves the compute stream unstalled.
+        self._side = torch.cuda.Stream(self._device) if self.nccl else None
+        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []  # buffers of read exchanges
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only a flag: saving here would run in the middle of whatever the main thread was doing,
@@ -78,41 +83,47 @@ class Preemption:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
-        self._pending = None  # an exchange left unread: its peers may be gone, do not wait
+        self._pending.clear()  # exchanges left unread: their peers may be gone, do not wait
 
     def poll(self) -> bool:
         """Whether to stop after this step: True on every rank at the same step, once any rank
-        had a signal by the previous step. A collective: every rank calls it every step."""
+        had a signal LAG steps earlier. A collective: every rank calls it every step."""
         if not self.distributed:
             return self.signum is not None
         agreed = False
-        if self._pending is not None:
-            work, copied = self._pending
-            if copied is None:
-                work.wait()  # gloo, on the host: the exchange every rank issued a step ago
-                agreed = bool(self._flag.item())
-            else:
-                copied.synchronize()  # sync point, on the previous step's exchange only
-                agreed = bool(self._host.item())
-        # The previous exchange is complete (waited for above): its buffers are free again.
-        self._flag.fill_(int(self.signum is not None))
-        work = tdist.all_reduce(self._flag, op=tdist.ReduceOp.MAX, async_op=True)
+        if len(self._pending) == LAG:
+            agreed = self._read(self._pending.popleft())
+        flag, host = self._free.pop() if self._free else self._buffers()
+        flag.fill_(int(self.signum is not None))
+        work = tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, async_op=True)
         copied = None
         if self.nccl:
             with torch.cuda.stream(self._side):
                 work.wait()  # the side stream waits for the all_reduce; nothing else does
-                self._host.copy_(self._flag, non_blocking=True)
+                host.copy_(flag, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._side)
-        self._pending = (work, copied)
+        self._pending.append((work, copied, flag, host))
+        return agreed
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        flag = torch.zeros(1, dtype=torch.int32, device=self._device)
+        host = torch.zeros(1, dtype=torch.int32, pin_memory=self.nccl)
+        return flag, host
+
+    def _read(self, exchange) -> bool:
+        work, copied, flag, host = exchange
+        if copied is None:
+            work.wait()  # gloo, on the host: an exchange every rank issued LAG steps ago
+            agreed = bool(flag.item())
+        else:
+            copied.synchronize()  # sync point, on an exchange LAG steps old: long finished
+            agreed = bool(host.item())
+        self._free.append((flag, host))  # its all_reduce and copy are done: reusable
         return agreed
 
     def settle(self) -> None:
-        """Wait for the last exchange, which every rank issued; before leaving the loop without
-        an error, so that no collective is still in flight when the process group goes."""
-        if self._pending is not None:
-            work, copied = self._pending
-            work.wait()
-            if copied is not None:
-                copied.synchronize()
-            self._pending = None
+        """Wait for the exchanges still in flight, which every rank issued; before leaving the
+        loop without an error, so that no collective is running when the process group goes."""
+        while self._pending:
+            self._read(self._pending.popleft())

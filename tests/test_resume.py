@@ -26,7 +26,7 @@ from mgpu.dist import Runtime, parse_launch_env, restart_hazard
 from mgpu.loader import ShardedSampler, epoch_order
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
-from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
+from mgpu.preempt import LAG, PREEMPTED_EXIT_CODE, Preemption
 from mgpu.trainer import CheckpointPlan, Trainer
 
 BATCH = 32  # data.batch_size's default
@@ -289,8 +289,8 @@ def test_every_rank_stops_after_the_same_step_whichever_rank_got_the_signal(tmp_
     mp.spawn(preemption_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in (0, 1)]
     for result in results:
-        # step 3's exchange carries the flag; every rank reads it after step 4
-        assert result["decisions"] == [False] * 3 + [True] * 4
+        # step 3's exchange carries the flag; every rank reads it LAG steps later
+        assert result["decisions"] == [False] * (3 + LAG - 1) + [True] * (7 - 3 - LAG + 1)
         assert result["restored"]  # the previous handler is back after the with-block
     assert [r["signum"] for r in results] == [None, int(signal.SIGUSR1)]
 
