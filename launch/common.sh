@@ -7,7 +7,9 @@ TRAIN="$MGPU_ROOT/train.py"
 
 # Restarted workers (torchrun --max-restarts) otherwise reuse the agent's old rendezvous store
 # and can dial the dead worker's address (a torch bug): every launcher starts torchrun with
-# the store not shared, so a restart resumes from its checkpoint instead of failing.
+# the store not shared, so a restart resumes from its checkpoint instead of failing. Rank 0 then
+# hosts the workers' store, which mgpu binds to loopback in single_node.sh's runs; a shared
+# store would be one more that the agent binds on every interface.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 die() {

@@ -8,6 +8,7 @@
 #
 # The run writes to outputs/<date>/<time>/ (or outputs/RUN_ID/, or hydra.run.dir) under the
 # directory you start it from. All its processes, and the ones torchrun restarts, share it.
+# Nothing of the run listens beyond loopback (README.md, "What listens on the network").
 #
 # Environment (defaults):
 #   NPROC          processes to start (all visible GPUs; 2 on a machine without GPUs)
@@ -23,11 +24,45 @@ source "$MGPU_ROOT/launch/common.sh"
 NPROC=${NPROC:-$(default_nproc)}
 if [[ -n "${RUN_ID:-}" ]]; then
   check_run_id "$RUN_ID"
-  # What --standalone does, but with the run's own id instead of a random one, so that
-  # mgpu names the run directory after it.
-  rdzv=(--nnodes=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:0 --rdzv-id="$RUN_ID")
-else
-  rdzv=(--standalone)
+fi
+
+# One machine needs no network, so nothing of the run listens where another machine could reach
+# it. torch binds a TCP store on every interface whatever address it is given, so torchrun's
+# rendezvous keeps its state in a file instead (store_type=file), and the workers meet at
+# 127.0.0.1 (--local-addr becomes their MASTER_ADDR), where mgpu binds their store and points
+# gloo and NCCL at the loopback interface (mgpu/dist.py).
+# The file is this user's alone (mktemp: 0600). Where /proc is there it is removed at once, so
+# that nothing is left behind: torchrun inherits it open through the exec below (bash leaves the
+# descriptor open across exec) and, keeping this shell's pid, reaches it as /proc/<pid>/fd/<n>.
+rdzv_file=$(mktemp "${TMPDIR:-/tmp}/mgpu-rdzv.XXXXXX")
+exec {rdzv_fd}<>"$rdzv_file"
+if [[ -e /proc/$$/fd/$rdzv_fd ]]; then
+  rm -f "$rdzv_file"
+  rdzv_file=/proc/$$/fd/$rdzv_fd
+fi
+# torchrun keeps only the last --rdzv-conf (and ignores PET_RDZV_CONF once one is given): the
+# user's settings, in their order, go into ours rather than one of them being lost.
+rdzv_conf=${PET_RDZV_CONF:+$PET_RDZV_CONF,}
+extra=()
+conf_next=0
+for arg in "${torchrun_extra[@]}"; do
+  if ((conf_next)); then
+    rdzv_conf+="$arg,"
+    conf_next=0
+  elif [[ $arg == --rdzv[-_]conf ]]; then
+    conf_next=1
+  elif [[ $arg == --rdzv[-_]conf=* ]]; then
+    rdzv_conf+="${arg#*=},"
+  else
+    extra+=("$arg")
+  fi
+done
+rdzv_conf+=store_type=file
+rdzv=(--nnodes=1 --rdzv-backend=c10d --rdzv-endpoint="$rdzv_file" --rdzv-conf="$rdzv_conf")
+rdzv+=(--local-addr=127.0.0.1)
+# mgpu names the run directory after a rendezvous id; without one, after the launch time.
+if [[ -n "${RUN_ID:-}" ]]; then
+  rdzv+=(--rdzv-id="$RUN_ID")
 fi
 exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node="$NPROC" \
-  --max-restarts="${MAX_RESTARTS:-0}" "${torchrun_extra[@]}" "$TRAIN" "$@"
+  --max-restarts="${MAX_RESTARTS:-0}" "${extra[@]}" "$TRAIN" "$@"

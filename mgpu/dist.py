@@ -6,9 +6,11 @@ and the start-up checks that all ranks resolved the same config and may run the 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -223,6 +225,48 @@ class Runtime:
         return self.rank == 0
 
 
+def loopback_world(env: LaunchEnv, timeout_s: float) -> dict[str, object]:
+    """init_process_group's store, rank and world size for a run kept on loopback, or {}.
+
+    A loopback MASTER_ADDR (launch/single_node.sh asks for 127.0.0.1) puts every rank on this
+    machine. Left to torch, rank 0's store would listen on every interface whatever MASTER_ADDR
+    says, and gloo on the address of the host's name; here rank 0 binds the store's socket to
+    MASTER_ADDR itself, and gloo and NCCL are pointed at the loopback interface, so that nothing
+    of the run listens where another machine could reach it.
+    """
+    addr = os.environ.get("MASTER_ADDR", "")
+    try:
+        loopback = ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name, which may stand for any interface
+        loopback = False
+    # With the torchrun agent's store shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset), no
+    # worker starts one: the agent has bound it already.
+    if not env.under_torchrun or env.shared_store or not loopback:
+        return {}
+    names = {name for _, name in socket.if_nameindex()}
+    lo = next((name for name in ("lo", "lo0") if name in names), None)
+    if lo is not None:
+        # Over any inherited value: one meant for multi-node runs would expose this one.
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+        os.environ["NCCL_SOCKET_IFNAME"] = f"={lo}"  # "=": this name exactly, not a prefix
+    port = int(os.environ["MASTER_PORT"])
+    listen_fd = None
+    if env.rank == 0:
+        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        listen_fd = sock.detach()  # the store's server owns it from here on
+    store = tdist.TCPStore(
+        addr,
+        port,
+        env.world_size,
+        is_master=env.rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listen_fd,
+    )
+    return {"store": store, "rank": env.rank, "world_size": env.world_size}
+
+
 @contextmanager
 def distributed(backend: str, timeout_s: float) -> Iterator[Runtime]:
     """Pin this worker's device, join the process group, and always leave it again.
@@ -244,6 +288,7 @@ def distributed(backend: str, timeout_s: float) -> Iterator[Runtime]:
                 backend=backend,
                 timeout=timedelta(seconds=timeout_s),
                 device_id=device if backend == "nccl" else None,
+                **loopback_world(env, timeout_s),
             )
         hazard = restart_hazard(env)
         if hazard is not None and env.rank == 0:

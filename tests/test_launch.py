@@ -2,6 +2,7 @@
 fake srun/scontrol, sweeps, the run name that every rank agrees on, and the start-up check that
 all ranks resolved one config."""
 
+import ipaddress
 import os
 import re
 import shlex
@@ -22,6 +23,7 @@ from mgpu.dist import (
     check_sweep_launch,
     describe_config_mismatch,
     launch_run_name,
+    loopback_world,
     parse_launch_env,
 )
 
@@ -149,14 +151,34 @@ def test_single_node_names_its_rendezvous_after_run_id(tmp_path):
     assert proc.returncode == 0, proc.stderr
     args = torchrun_args(recorded(log, "python")[0])
     assert (args.nnodes, args.nproc_per_node, args.rdzv_id) == ("1", "3", "a1")
-    assert (args.rdzv_backend, args.rdzv_endpoint, args.max_restarts) == ("c10d", "localhost:0", 0)
+    assert (args.rdzv_backend, args.max_restarts) == ("c10d", 0)
     assert args.training_script == str(ROOT / "train.py")
     assert args.training_script_args == ["optim.lr=1e-3"]
     proc, log = run_script("single_node.sh", tmp_path, NPROC="2", MAX_RESTARTS="2")
     args = torchrun_args(recorded(log, "python")[-1])
-    assert args.standalone and args.max_restarts == 2
+    # no id: torchrun's "none", and the run is named after its launch time
+    assert args.rdzv_id == "none" and args.max_restarts == 2
     proc, _ = run_script("single_node.sh", tmp_path, NPROC="2", RUN_ID="a/b")
     assert proc.returncode == 2 and "RUN_ID='a/b'" in proc.stderr
+
+
+def test_single_node_keeps_its_rendezvous_in_a_private_file_that_it_leaves_behind(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    extra = "--rdzv-conf=join_timeout=900 --log-dir=logs --rdzv_conf read_timeout=5"
+    proc, log = run_script(
+        "single_node.sh", tmp_path, NPROC="2", TMPDIR=str(tmp), TORCHRUN_ARGS=extra
+    )
+    assert proc.returncode == 0, proc.stderr
+    args = torchrun_args(recorded(log, "python")[0])
+    # the state lives in a file, held open by torchrun alone, not in a store that listens
+    assert re.fullmatch(r"/proc/\d+/fd/\d+", args.rdzv_endpoint), args.rdzv_endpoint
+    assert not list(tmp.iterdir())  # removed as soon as it was open
+    # the user's rendezvous settings are kept, the file store added to them
+    assert args.rdzv_conf == "join_timeout=900,read_timeout=5,store_type=file"
+    assert args.log_dir == "logs"
+    # the workers' MASTER_ADDR, which mgpu keeps their own sockets on
+    assert args.local_addr == "127.0.0.1"
 
 
 def test_multi_node_takes_an_elastic_range_and_needs_its_identity(tmp_path):
@@ -290,6 +312,143 @@ def test_two_agents_as_two_nodes_share_one_run_directory(tmp_path):
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # written once, by rank 0
     assert "2 process(es)" in "".join(outputs)
     assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == [1, 2]
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # the command name may hold spaces and parentheses: fields resume after the last ')'
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or one that has just exited
+        parents.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += parents.get(pid, [])
+    return tree
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets a process holds open."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (listdir's own descriptor, for one)
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:[") : -1]))
+    return inodes
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket those processes hold open."""
+    found = []
+    for pid in pids:
+        try:
+            inodes = socket_inodes(pid)
+            tables = {n: Path(f"/proc/{pid}/net/{n}").read_text() for n in ("tcp", "tcp6")}
+        except OSError:
+            continue  # exited meanwhile
+        for table, text in tables.items():
+            for fields in (line.split() for line in text.splitlines()[1:]):
+                if fields[3] != "0A" or int(fields[9]) not in inodes:  # 0A: TCP_LISTEN
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                # /proc prints the address as 32-bit words in host (little-endian) order
+                words = range(0, len(hex_addr), 8)
+                raw = b"".join(int(hex_addr[i : i + 8], 16).to_bytes(4, "little") for i in words)
+                family = socket.AF_INET if table == "tcp" else socket.AF_INET6
+                found.append((pid, socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
+
+
+def default_route_interface() -> str | None:
+    """The interface of this machine's default route (a LAN one), or None."""
+    try:
+        rows = [line.split() for line in Path("/proc/net/route").read_text().splitlines()[1:]]
+    except OSError:
+        return None
+    return next((row[0] for row in rows if len(row) > 1 and row[1] == "00000000"), None)
+
+
+def test_a_single_node_run_listens_on_loopback_only(tmp_path):
+    env = script_env(NPROC="2", RUN_ID="local")
+    lan = default_route_interface()
+    if lan is not None:
+        # What a cluster's environment may set for its multi-node runs; gloo would then listen
+        # there, as it does on the address of the host's name when nothing is set.
+        env.update(GLOO_SOCKET_IFNAME=lan, NCCL_SOCKET_IFNAME=lan)
+    # long enough to be running when inspected; stopped below
+    overrides = [*TINY, "trainer.max_steps=100000"]
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(
+            ["bash", str(LAUNCH / "single_node.sh"), *overrides],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        rank0 = tmp_path / "outputs" / "local" / "rank0.log"
+        deadline = time.monotonic() + 120
+        # a logged step: every rank has joined the process group and run collectives
+        while not (rank0.exists() and "step " in rank0.read_text()):
+            assert agent.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training step logged"
+            time.sleep(0.2)
+        tree = process_tree(agent.pid)  # the agent is torchrun: the script exec'd it
+        listening = listening_sockets(tree)
+        workers = [p for p in tree[1:] if "train.py" in Path(f"/proc/{p}/cmdline").read_text()]
+        master_port = next(
+            line.split("=", 1)[1]
+            for line in Path(f"/proc/{workers[0]}/environ").read_text().split("\0")
+            if line.startswith("MASTER_PORT=")
+        )
+    finally:
+        os.killpg(agent.pid, signal.SIGTERM)  # as a scheduler stops a run
+        try:
+            agent.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    assert len(workers) == 2
+    # the sockets looked at are the run's: rank 0's store and each worker's gloo listener
+    assert int(master_port) in {port for _, _, port in listening}, listening
+    assert set(workers) <= {pid for pid, _, _ in listening}, listening
+    exposed = [s for s in listening if not ipaddress.ip_address(s[1]).is_loopback]
+    assert not exposed, f"listening beyond loopback (pid, address, port): {exposed}"
+
+
+def test_only_a_loopback_master_addr_keeps_the_store_on_loopback(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    one = parse_launch_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    for host in ("node0", "10.0.0.5", "localhost"):  # names may stand for any interface
+        monkeypatch.setenv("MASTER_ADDR", host)
+        assert loopback_world(one, 10) == {}
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    shared = parse_launch_env(
+        {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    )
+    assert loopback_world(shared, 10) == {}  # the agent's store: not the worker's to bind
+    assert loopback_world(parse_launch_env({}), 10) == {}  # no torchrun, no process group
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # restored after the test
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
+    kept = loopback_world(one, 10)
+    assert (kept["rank"], kept["world_size"]) == (0, 1)
+    port = int(os.environ["MASTER_PORT"])
+    assert ("127.0.0.1", port) in {(a, p) for _, a, p in listening_sockets([os.getpid()])}
+    assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "=lo")
+    kept["store"].set("k", "v")
+    assert kept["store"].get("k") == b"v"
 
 
 @pytest.mark.parametrize(
