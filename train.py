@@ -3,6 +3,12 @@
 torchrun --nproc_per_node=2 train.py [key=value ...]
 """
 
+# ruff: noqa: E402 - the start time is taken before the imports, which take seconds
+
+import time
+
+STARTED_AT = time.time()  # goodput's start-up counts from here
+
 import logging
 import os
 import random
@@ -26,12 +32,17 @@ from mgpu.checkpoint import (
 from mgpu.comm import MgpuDataParallel, wrap_model
 from mgpu.config import CheckpointConfig, Config, to_config
 from mgpu.dist import Runtime, all_ok, broadcast_object, check_same_config, distributed
+from mgpu.goodput import Goodput
+from mgpu.guard import NonFiniteStep
 from mgpu.loader import build_dataset, build_loader
-from mgpu.metrics import NonFiniteLoss, Recorder, TensorBoard
+from mgpu.metrics import Recorder, TensorBoard
 from mgpu.models import build_model, compile_model
+from mgpu.models.flops import peak_tflops
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
+from mgpu.profiling import StepProfiler
 from mgpu.trainer import CheckpointPlan, Trainer
+from mgpu.watchdog import CollectiveTimeout
 
 log = logging.getLogger("mgpu")
 
@@ -79,11 +90,60 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
     return loaded, token
 
 
-def run(cfg: Config, rt: Runtime, run_dir: Path, config_text: str, preemption: Preemption) -> None:
+def mfu_inputs(cfg: Config, model, train_set, rt: Runtime) -> tuple[float | None, float | None]:
+    """The model's training FLOPs per sample and the device's peak TFLOP/s, for MFU; None
+    where either is unknown (said once in the log)."""
+    flops = None
+    count = getattr(model, "flops_per_sample", None)
+    # The dataset's declared input shape: fetching a sample to look would be a side effect on
+    # a user's dataset (and a read of their data) before training starts.
+    shape = getattr(train_set, "sample_shape", None)
+    if count is not None and shape is not None:
+        flops = count(tuple(shape))
+    peak = cfg.trainer.peak_tflops or None
+    if peak is None and rt.device.type == "cuda":
+        low = cfg.trainer.precision.value != "fp32"  # auto on CUDA: bf16 or fp16 autocast
+        peak = peak_tflops(torch.cuda.get_device_name(rt.device), low)
+    if rt.is_primary and (flops is None or peak is None):
+        why = "the device's peak"
+        if flops is None:
+            why = "the model's flops_per_sample or the dataset's sample_shape"
+        log.info("MFU not reported: %s is unknown (trainer.peak_tflops sets a peak)", why)
+    return flops, peak
+
+
+def describe(cfg: Config, rt: Runtime, params: int, config_text: str) -> str:
+    """The run in a few lines of Markdown, for TensorBoard's text tab."""
+    device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
+    return "\n".join(
+        [
+            f"- model: `{cfg.model._target_}`, {params / 1e6:.2f}M parameters",
+            f"- {rt.world_size} process(es) on {device}, backend {rt.backend}, "
+            f"engine {cfg.dist.engine.value}, precision {cfg.trainer.precision.value}",
+            f"- batch {cfg.data.batch_size} per device x {cfg.trainer.grad_accum_steps} "
+            f"accumulation x {rt.world_size} processes per optimizer step",
+            f"- torch {torch.__version__}",
+            "",
+            "```yaml",
+            config_text,
+            "```",
+        ]
+    )
+
+
+def run(
+    cfg: Config,
+    rt: Runtime,
+    run_dir: Path,
+    config_text: str,
+    preemption: Preemption,
+) -> None:
     root = checkpoint_root(run_dir)
     loaded, token = resume_point(cfg.ckpt, root, rt)  # before anything is written
     if rt.is_primary:
         (run_dir / "config.yaml").write_text(config_text)
+    # Rank 0 keeps the run's goodput file; the others count in memory only.
+    goodput = Goodput(run_dir / "goodput.json" if rt.is_primary else None, started_at=STARTED_AT)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
     if rt.device.type == "cuda" and getattr(model, "channels_last", False):
@@ -93,6 +153,7 @@ def run(cfg: Config, rt: Runtime, run_dir: Path, config_text: str, preemption: P
     eval_set = build_dataset(cfg.data, "eval")
     train_loader = build_loader(cfg.data, train_set, rt, seed=cfg.trainer.seed, train=True)
     eval_loader = build_loader(cfg.data, eval_set, rt, seed=cfg.trainer.seed, train=False)
+    flops, peak = mfu_inputs(cfg, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     if cfg.trainer.compile:
@@ -109,7 +170,12 @@ def run(cfg: Config, rt: Runtime, run_dir: Path, config_text: str, preemption: P
         tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
         max_steps=cfg.trainer.max_steps,
         comm_marks=model.reducer.exposed if isinstance(model, MgpuDataParallel) else None,
+        flops_per_sample=flops,
+        peak_tflops=peak,
+        goodput=goodput,
     )
+    tc = cfg.trainer
+    profiler = StepProfiler(tc.profile, tc.profile_start, tc.profile_steps, run_dir, rt)
     trainer = Trainer(
         cfg.trainer,
         model,
@@ -122,11 +188,15 @@ def run(cfg: Config, rt: Runtime, run_dir: Path, config_text: str, preemption: P
             root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text
         ),
         preemption=preemption,
+        profiler=profiler,
+        goodput=goodput,
     )
     if loaded is not None:
         trainer.resume(loaded, train_loader)
         del loaded  # its tensors are in the model and optimizer now
     params = sum(p.numel() for p in model.parameters())
+    tree = OmegaConf.to_container(OmegaConf.create(config_text))
+    board.describe_run(tree, describe(cfg, rt, params, config_text))
     log.info(
         "run dir %s | %d process(es), backend %s, device %s | %s, %.2fM parameters",
         run_dir,
@@ -139,6 +209,7 @@ def run(cfg: Config, rt: Runtime, run_dir: Path, config_text: str, preemption: P
     try:
         trainer.fit(train_loader, eval_loader)
     finally:
+        goodput.save()  # every way out: the end, preemption, an error
         board.close()
 
 
@@ -164,7 +235,10 @@ def main(dcfg: DictConfig) -> None:
                 PREEMPTED_EXIT_CODE,
             )
             exit_code = PREEMPTED_EXIT_CODE
-        except (CheckpointError, CheckpointMismatch, NonFiniteLoss) as err:
+        except CollectiveTimeout as err:
+            log.error("%s", err)  # the rank that waited, on whichever rank it is
+            exit_code = 1
+        except (CheckpointError, CheckpointMismatch, NonFiniteStep) as err:
             # Every rank meets these at the same point: all stop, no collective is left waiting.
             (log.error if primary else log.info)("%s", err)
             exit_code = 1

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.config import DistConfig, Engine, ReduceDtype
 from mgpu.dist import Runtime
+from mgpu.profiling import REDUCE, phase
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,10 @@ class GradReducer:
         self._finish()
 
     def _finish(self) -> None:
+        with phase(REDUCE):  # the reductions' share that backward did not hide
+            self._finish_reductions()
+
+    def _finish_reductions(self) -> None:
         start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
         if self.cuda:
             start.record()  # backward compute is done here (compute stream)

@@ -70,6 +70,11 @@ class Backend(Enum):
     gloo = "gloo"
 
 
+class NonFinite(Enum):
+    stop = "stop"
+    skip = "skip"
+
+
 class OptimizerName(Enum):
     adamw = "adamw"
     sgd = "sgd"
@@ -85,9 +90,29 @@ class TrainerConfig:
     eval_every: int = 100  # steps between evaluations (also one at the end); 0: only at the end
     seed: int = 0  # model init, sampler shuffle and dropout all derive from it
     compile: bool = False  # torch.compile the model before wrapping it for data parallelism
+    # A step whose loss or gradients are NaN/inf, on any rank: stop before the optimizer step,
+    # or skip that step on every rank (at most max_consecutive_skips in a row, then stop).
+    nonfinite: NonFinite = NonFinite.stop
+    max_consecutive_skips: int = 5
+    # Seconds the training loop may make no progress outside a collective (a data loader that
+    # never yields, a stuck evaluation) before the run fails naming the phase; 0 turns it off.
+    stall_timeout_s: float = 600.0
+    # torch.profiler traces per rank (into <run dir>/profile/) for profile_steps steps from
+    # step profile_start; NVTX ranges mark the phases of each step for Nsight Systems.
+    profile: bool = False
+    profile_start: int = 10
+    profile_steps: int = 5
+    # The device's peak dense TFLOP/s for MFU at the training precision; 0: from mgpu's table
+    # of common GPUs (MFU is not reported on a device the table lacks, unless set here).
+    peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("trainer.max_steps", self.max_steps, "1000")
+        _positive("trainer.max_consecutive_skips", self.max_consecutive_skips, "5")
+        _non_negative("trainer.stall_timeout_s", self.stall_timeout_s, "600 (0 turns it off)")
+        _positive("trainer.profile_start", self.profile_start, "10")
+        _positive("trainer.profile_steps", self.profile_steps, "5")
+        _non_negative("trainer.peak_tflops", self.peak_tflops, "989 (0: mgpu's table)")
         _positive("trainer.grad_accum_steps", self.grad_accum_steps, "4")
         _non_negative("trainer.grad_clip", self.grad_clip, "1.0 (0 turns clipping off)")
         _positive("trainer.log_every", self.log_every, "10")

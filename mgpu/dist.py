@@ -404,3 +404,25 @@ def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> No
     tdist.all_gather_object(texts, text)
     log.error("%s", describe_config_mismatch(texts))
     raise SystemExit(2)
+
+
+def store_client(rt: Runtime, timeout_s: float) -> tdist.Store | None:
+    """A new client of this launch's key-value store (torchrun's MASTER_ADDR:MASTER_PORT), for
+    side channels such as hang reports; None without a process group or if it is unreachable.
+    A short timeout: a report must not wait long on a store whose host is gone."""
+    if not (rt.has_process_group and rt.world_size > 1):
+        return None
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    try:
+        return tdist.TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception as err:  # noqa: BLE001 - the side channel is lost, nothing else
+        log.warning("the launch's store at %s:%s is unreachable: %s", host, port, err)
+        return None

@@ -9,20 +9,26 @@ log interval later, when the GPU has long finished them, so logging never drains
 from __future__ import annotations
 
 import logging
-import math
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as tdist
 
 from mgpu.dist import Runtime, all_reduce_sum_
+from mgpu.goodput import CATEGORIES, Goodput
 
 log = logging.getLogger(__name__)
 
 Mark = torch.cuda.Event | float
+# Seconds between rewrites of the goodput file at log steps (each is an fsync); checkpoints and
+# the end of training write it too.
+GOODPUT_SAVE_S = 30.0
 
 
 class Clock:
@@ -45,6 +51,59 @@ class Clock:
         return (end - start) * 1e3
 
 
+def _lines(*tags: str) -> list:
+    return ["Multiline", list(tags)]
+
+
+# The parts of a step (breakdown()), each in time/<part>_ms and time/<part>_pct.
+PARTS = ("data_wait", "compute", "exposed_comm", "optimizer", "other")
+# TensorBoard's Custom Scalars tab: the few charts that answer "how fast, and where did the
+# time go", each a group of the tags Recorder.publish writes.
+LAYOUT = {
+    "mgpu": {
+        "throughput": _lines("throughput/tokens_per_sec", "throughput/samples_per_sec"),
+        "MFU %": _lines("throughput/mfu_pct"),
+        "step breakdown, ms": _lines("time/step_ms", *(f"time/{p}_ms" for p in PARTS)),
+        "step breakdown, %": _lines(*(f"time/{p}_pct" for p in PARTS)),
+        "memory, GiB": _lines("memory/max_allocated_gib", "memory/max_reserved_gib"),
+        "ranks: step ms": _lines(*(f"ranks/step_ms_{s}" for s in ("min", "median", "max"))),
+        "ranks: data wait ms": _lines(
+            *(f"ranks/data_wait_ms_{s}" for s in ("min", "median", "max"))
+        ),
+        "ranks: compute ms": _lines(*(f"ranks/compute_ms_{s}" for s in ("min", "median", "max"))),
+        "ranks: slowest": _lines(
+            *(f"ranks/{f}_slowest_rank" for f in ("step_ms", "data_wait_ms", "compute_ms"))
+        ),
+        "goodput": _lines("goodput/pct"),
+        "goodput, s": _lines(*(f"goodput/{c}_s" for c in CATEGORIES), "goodput/wall_s"),
+    }
+}
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """[("optim.lr", 0.001), ...] for a nested dict."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += flatten(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    """The caching allocator's peaks since start and its retries (host counters: no sync)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    gib = 2.0**30
+    return {
+        "memory/max_allocated_gib": stats.get("allocated_bytes.all.peak", 0) / gib,
+        "memory/max_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / gib,
+        "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
+    }
+
+
 class TensorBoard:
     """Rank 0 writes event files into the run directory; every other rank writes nothing.
 
@@ -65,6 +124,20 @@ class TensorBoard:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
+    def describe_run(self, config: dict[str, Any], summary: str) -> None:
+        """Once per launch: the charts' layout, the run's config in the HParams tab (next to
+        the metrics it is compared by) and a text summary."""
+        if self.writer is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        self.writer.add_custom_scalars(LAYOUT)
+        flat = {k: v if isinstance(v, int | float | bool) else str(v) for k, v in flatten(config)}
+        metrics = dict.fromkeys(("train/loss", "eval/loss", "throughput/mfu_pct", "goodput/pct"), 0)
+        for record in hparams(flat, metrics):  # experiment, session start, session end
+            self.writer.file_writer.add_summary(record)
+        self.writer.add_text("run/summary", summary)
+
     def text(self, tag: str, body: str) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, body)
@@ -76,10 +149,6 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-class NonFiniteLoss(RuntimeError):
-    """The training loss read back is NaN or infinite; training stops before any further save."""
 
 
 @dataclass
@@ -153,12 +222,105 @@ class Interval:
     step: int
     steps: int
     lr: float
-    loss: torch.Tensor  # host tensor, filled by a copy that may still be in flight
+    loss: torch.Tensor  # host [mean loss, good steps], filled by a copy that may be in flight
     copied: torch.cuda.Event | None
     start: Mark
     end: Mark
     data_wait: WaitSample | None = None
     comm: list[tuple[Mark, Mark]] | None = None  # per synchronised step: backward end, comm end
+    # per step: (data requested, data ready, backward done) per micro-step, then optimizer done
+    marks: list[list[Mark]] = field(default_factory=list)
+    loss_scale: float | None = None  # fp16's GradScaler scale at the interval's end
+
+
+def breakdown(iv: Interval, clock: Clock) -> dict[str, float]:
+    """Milliseconds per step in each part of the interval's steps; they tile the interval.
+
+    On the compute stream's timeline (host time on CPU) each step is: [other] until the batch
+    is asked for, [data_wait] until the stream may use it, [compute] forward and backward, per
+    micro-step; then [optimizer] from the end of backward to the end of the step. Backward's
+    end includes the stream's wait for the last gradient buckets: that share is
+    [exposed_comm] (the reducer's marks), taken out of compute. What follows the last step's
+    end up to the interval's end mark (the loss reduction) is other too.
+    """
+    ms = dict.fromkeys(PARTS, 0.0)
+    prev = iv.start
+    for step in iv.marks:
+        *micro, done = step
+        for asked, ready, backward in zip(micro[0::3], micro[1::3], micro[2::3], strict=True):
+            ms["other"] += clock.elapsed_ms(prev, asked)
+            ms["data_wait"] += clock.elapsed_ms(asked, ready)
+            ms["compute"] += clock.elapsed_ms(ready, backward)
+            prev = backward
+        ms["optimizer"] += clock.elapsed_ms(prev, done)
+        prev = done
+    ms["other"] += clock.elapsed_ms(prev, iv.end)
+    if iv.comm:
+        ms["exposed_comm"] = exposed_ms(iv.comm, clock)
+        ms["compute"] -= ms["exposed_comm"]
+    return {k: v / iv.steps for k, v in ms.items()}
+
+
+class RankSpread:
+    """Per-rank figures, gathered at each log step by one small all_gather that the host does
+    not wait for: each exchange is read at the next log step (or at the end), when the GPU has
+    long finished it. A collective: every rank calls exchange() and take() at the same points.
+    """
+
+    def __init__(self, rt: Runtime):
+        self.rt = rt
+        self.distributed = rt.has_process_group and rt.world_size > 1
+        self.cuda = rt.device.type == "cuda"
+        self.pending: deque = deque()
+
+    def exchange(self, step: int, values: list[float]) -> None:
+        if not self.distributed:
+            self.pending.append((step, torch.tensor([values]), None, None))
+            return
+        n, world = len(values), self.rt.world_size
+        if not self.cuda:
+            out = torch.empty(world * n, dtype=torch.float64)
+            tdist.all_gather_single(out, torch.tensor(values, dtype=torch.float64))
+            self.pending.append((step, out.view(world, n), None, None))
+            return
+        # Pinned staging both ways: a copy from pageable memory would wait for the stream.
+        src = torch.tensor(values, dtype=torch.float64).pin_memory()
+        mine = src.to(self.rt.device, non_blocking=True)
+        out = torch.empty(world * n, dtype=torch.float64, device=self.rt.device)
+        tdist.all_gather_single(out, mine)  # queued behind this step's work, not awaited
+        host = torch.empty(world * n, dtype=torch.float64, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.pending.append((step, host.view(world, n), copied, src))  # src lives until read
+
+    def take(self, everything: bool = False) -> list[tuple[int, list[list[float]]]]:
+        """Exchanges issued before the latest one (all of them with `everything`)."""
+        out = []
+        while len(self.pending) > (0 if everything else 1):
+            step, table, copied, _src = self.pending.popleft()
+            if copied is not None:
+                copied.synchronize()  # sync point, on an exchange a log interval old
+            out.append((step, table.tolist()))
+        return out
+
+
+# What every rank reports at each log step: a slow loader shows in data wait, a slow or
+# throttled GPU in compute (the other ranks wait for it in exposed communication instead).
+SPREAD = ("step_ms", "data_wait_ms", "compute_ms")
+
+
+def spread_scalars(table: list[list[float]], names: tuple[str, ...]) -> dict[str, float]:
+    """min, median, max over ranks of each figure, and which rank had the max."""
+    values = {}
+    for i, name in enumerate(names):
+        column = [row[i] for row in table]
+        slowest = max(range(len(column)), key=column.__getitem__)
+        values[f"ranks/{name}_min"] = min(column)
+        values[f"ranks/{name}_median"] = statistics.median(column)
+        values[f"ranks/{name}_max"] = column[slowest]
+        values[f"ranks/{name}_slowest_rank"] = float(slowest)
+    return values
 
 
 def exposed_ms(marks: list[tuple[Mark, Mark]], clock: Clock) -> float:
@@ -178,6 +340,9 @@ class Recorder:
         tokens_per_sample: int | None,
         max_steps: int,
         comm_marks: deque | None = None,
+        flops_per_sample: float | None = None,
+        peak_tflops: float | None = None,
+        goodput: Goodput | None = None,
     ):
         self.rt, self.board, self.clock = rt, board, Clock(rt.device)
         # The reducer's (backward end, communication end) marks: rank 0's own, like data wait.
@@ -185,6 +350,12 @@ class Recorder:
         self.samples_per_step = samples_per_step  # global: batch x accumulation x world
         self.tokens_per_sample = tokens_per_sample
         self.max_steps = max_steps
+        self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops
+        self.goodput = goodput
+        self.spread = RankSpread(rt)
+        self.step_marks: list[list[Mark]] = []  # the trainer appends one list per step
+        self.scaler: torch.amp.GradScaler | None = None  # set by the trainer under fp16
+        self._saved_goodput = time.monotonic()
 
     def snapshot(
         self,
@@ -197,77 +368,123 @@ class Recorder:
     ) -> Interval:
         """Close an interval. A collective: every rank calls it at the same step.
 
-        `data_wait` is this rank's own (rank 0's is what gets written): averaging it across
-        ranks would need a collective at publish time, queued behind the current step.
+        `loss_sum`: [summed loss, count] over the interval's steps that were not skipped as
+        non-finite (the count is the same on every rank). `data_wait` is this rank's own (rank
+        0's is what gets written): averaging it across ranks would need a collective at publish
+        time, queued behind the current step.
         """
-        mean = all_reduce_sum_(loss_sum.detach() / steps, self.rt) / self.rt.world_size
+        sums = all_reduce_sum_(loss_sum.detach().clone(), self.rt)
+        mean = torch.stack((sums[0] / sums[1].clamp(min=1), sums[1] / self.rt.world_size))
         end = self.clock.mark()
+        marks, self.step_marks = self.step_marks, []
+        # fp16 only: reading the scale waits for the steps queued so far (once per log step).
+        scale = self.scaler.get_scale() if self.scaler is not None else None
         comm = None
         if self.comm_marks is not None:
             # backward (which appends these) has returned on this thread; events read later
             comm = list(self.comm_marks)
             self.comm_marks.clear()
+        loss, copied = mean, None
         if self.clock.cuda:
-            host = torch.empty((), dtype=mean.dtype, pin_memory=True)
-            host.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
+            loss = torch.empty(mean.shape, dtype=mean.dtype, pin_memory=True)
+            loss.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
             copied = torch.cuda.Event()
             copied.record()
-            return Interval(step, steps, lr, host, copied, start, end, data_wait, comm)
-        return Interval(step, steps, lr, mean, None, start, end, data_wait, comm)
+        return Interval(step, steps, lr, loss, copied, start, end, data_wait, comm, marks, scale)
 
     def publish(self, iv: Interval) -> None:
+        """Write a closed interval. A collective (the rank spread): every rank calls it."""
         if iv.copied is not None:
             iv.copied.synchronize()  # sync point on an interval that ended a log interval ago
         step_ms = self.clock.elapsed_ms(iv.start, iv.end) / iv.steps
-        loss = float(iv.loss)  # the mean over ranks: every rank reads the same value
+        loss, good = iv.loss.tolist()  # the mean over ranks: every rank reads the same value
+        values = {"train/lr": iv.lr, "time/step_ms": step_ms}
+        if good > 0:  # an interval whose every step was skipped as non-finite has no loss
+            values["train/loss"] = loss
+        if iv.loss_scale is not None:
+            values["train/loss_scale"] = iv.loss_scale
+        values.update(self._throughput(step_ms))
+        if iv.marks:
+            for part, ms in breakdown(iv, self.clock).items():
+                values[f"time/{part}_ms"] = ms
+                values[f"time/{part}_pct"] = 100.0 * ms / step_ms
+        elif iv.data_wait is not None:
+            values["time/data_wait_ms"] = iv.data_wait.total_ms() / iv.steps
+            values["time/data_wait_pct"] = 100.0 * values["time/data_wait_ms"] / step_ms
+        if iv.data_wait is not None:
+            values["time/data_host_wait_ms"] = iv.data_wait.host_s * 1e3 / iv.steps
+        values.update(memory_scalars(self.rt.device))
+        wait_ms = values.get("time/data_wait_ms", 0.0)
+        self.spread.exchange(iv.step, [step_ms, wait_ms, values.get("time/compute_ms", 0.0)])
+        for step, table in self.spread.take():
+            self.board.scalars(step, spread_scalars(table, SPREAD))
+        if self.goodput is not None:
+            self.goodput.move_to_stall(wait_ms * iv.steps / 1e3)
+            values.update(self.goodput.scalars())
+            if time.monotonic() - self._saved_goodput > GOODPUT_SAVE_S:
+                self.save_goodput()
+        self.board.scalars(iv.step, values)
+        if self.rt.is_primary:
+            self._console(iv, values, good > 0)
+
+    def _throughput(self, step_ms: float) -> dict[str, float]:
+        world = self.rt.world_size
         samples_per_sec = self.samples_per_step / (step_ms / 1e3)
         values = {
-            "train/loss": loss,
-            "train/lr": iv.lr,
-            "time/step_ms": step_ms,
             "throughput/samples_per_sec": samples_per_sec,
-            "throughput/samples_per_sec_per_device": samples_per_sec / self.rt.world_size,
+            "throughput/samples_per_sec_per_device": samples_per_sec / world,
         }
-        rate = f"{samples_per_sec:,.0f} samples/s"
         if self.tokens_per_sample:
             tokens_per_sec = samples_per_sec * self.tokens_per_sample
             values["throughput/tokens_per_sec"] = tokens_per_sec
-            values["throughput/tokens_per_sec_per_device"] = tokens_per_sec / self.rt.world_size
-            rate = f"{tokens_per_sec:,.0f} tokens/s"
+            values["throughput/tokens_per_sec_per_device"] = tokens_per_sec / world
+        if self.flops_per_sample and self.peak_tflops:
+            achieved = self.flops_per_sample * samples_per_sec / world
+            values["throughput/tflops_per_device"] = achieved / 1e12
+            values["throughput/mfu_pct"] = 100.0 * achieved / (self.peak_tflops * 1e12)
+        return values
+
+    def _console(self, iv: Interval, values: dict[str, float], has_loss: bool) -> None:
+        if "throughput/tokens_per_sec" in values:
+            rate = f"{values['throughput/tokens_per_sec']:,.0f} tokens/s"
+        else:
+            rate = f"{values['throughput/samples_per_sec']:,.0f} samples/s"
+        if "throughput/mfu_pct" in values:
+            rate += f" | MFU {values['throughput/mfu_pct']:.1f}%"
         waited = ""
-        if iv.data_wait is not None:
-            wait_ms = iv.data_wait.total_ms() / iv.steps
-            values["time/data_wait_ms"] = wait_ms
-            values["time/data_wait_pct"] = 100.0 * wait_ms / step_ms
-            values["time/data_host_wait_ms"] = iv.data_wait.host_s * 1e3 / iv.steps
+        if "time/data_wait_pct" in values:
             waited = f" | data {values['time/data_wait_pct']:.1f}%"
-        if iv.comm is not None:
-            comm_ms = exposed_ms(iv.comm, self.clock) / iv.steps
-            values["time/exposed_comm_ms"] = comm_ms
-            values["time/exposed_comm_pct"] = 100.0 * comm_ms / step_ms
-        self.board.scalars(iv.step, values)
-        if not math.isfinite(loss):
-            self.board.flush()
-            first = iv.step - iv.steps + 1
-            over = f" (the mean over steps {first}-{iv.step})" if iv.steps > 1 else ""
-            raise NonFiniteLoss(
-                f"training loss is {loss} at step {iv.step}{over}: stopping, with no checkpoint "
-                "saved after it. Resume from the last checkpoint with a lower optim.lr, or "
-                "trainer.grad_clip; trainer.log_every=1 names the first bad step"
-            )
-        if self.rt.is_primary:
-            eta = timedelta(seconds=round((self.max_steps - iv.step) * step_ms / 1e3))
-            log.info(
-                "step %d/%d | loss %.4f | lr %.2e | %s | %.1f ms/step%s | eta %s",
-                iv.step,
-                self.max_steps,
-                loss,
-                iv.lr,
-                rate,
-                step_ms,
-                waited,
-                eta,
-            )
+        step_ms = values["time/step_ms"]
+        eta = timedelta(seconds=round((self.max_steps - iv.step) * step_ms / 1e3))
+        log.info(
+            "step %d/%d | loss %s | lr %.2e | %s | %.1f ms/step%s | eta %s",
+            iv.step,
+            self.max_steps,
+            f"{values['train/loss']:.4f}" if has_loss else "-",
+            iv.lr,
+            rate,
+            step_ms,
+            waited,
+            eta,
+        )
+
+    def finish(self, step: int) -> None:
+        """At the end of training, on every rank: the rank spread still in flight (a
+        collective's result, read now), and goodput including the final eval and save."""
+        for at, table in self.spread.take(everything=True):
+            self.board.scalars(at, spread_scalars(table, SPREAD))
+        if self.goodput is not None:
+            self.board.scalars(step, self.goodput.scalars())
+        self.save_goodput()
+
+    def save_goodput(self) -> None:
+        if self.goodput is not None:
+            self.goodput.save()
+            self._saved_goodput = time.monotonic()
+
+    def skipped(self, step: int, total: int) -> None:
+        """A step skipped as non-finite (learnt a couple of steps after it ran)."""
+        self.board.scalars(step, {"train/skipped_steps": total})
 
     def flush(self) -> None:
         """Everything published so far onto disk (a checkpoint's step: what a restart keeps)."""

@@ -3,8 +3,10 @@ precision, gradient clipping, periodic and final evaluation, when to record metr
 and how all ranks save a checkpoint together, resume from one, or stop on preemption.
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
-on the device and is handed to the Recorder, which reads it a log interval later; so does the
-loader's data-wait meter. Checkpoint steps are the exception: saving reads everything back.
+on the device and is handed to the Recorder, which reads it a log interval later, with the step's
+timing marks and the loader's data-wait meter; the non-finite verdict (mgpu.guard) and the
+preemption flag are read two steps late. Checkpoint steps are the exception: saving reads
+everything back.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mgpu import watchdog
 from mgpu.checkpoint import (
     CheckpointError,
     CheckpointMismatch,
@@ -40,9 +43,12 @@ from mgpu.checkpoint import (
 from mgpu.comm import local_module, sync_gradients, unwrap
 from mgpu.config import Precision, TrainerConfig
 from mgpu.dist import Runtime, all_ok, all_reduce_sum_
+from mgpu.goodput import Goodput
+from mgpu.guard import NonFiniteGuard
 from mgpu.loader import DataCursor, DeviceLoader, ShardedSampler, advance, epochs, to_device
 from mgpu.metrics import Recorder
 from mgpu.preempt import Preempted, Preemption
+from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,10 @@ class CheckpointPlan:
     config: str  # the resolved config, as YAML
 
 
+def _no_mark() -> None:
+    return None
+
+
 def _dataloader(loader: DeviceLoader | DataLoader) -> DataLoader:
     return loader.loader if isinstance(loader, DeviceLoader) else loader
 
@@ -95,8 +105,11 @@ class Trainer:
         input_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         checkpoints: CheckpointPlan | None = None,
         preemption: Preemption | None = None,
+        profiler: StepProfiler | None = None,
+        goodput: Goodput | None = None,
     ):
         self.cfg, self.model, self.rt = cfg, model, rt
+        self.profiler, self.goodput = profiler, goodput
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
         self.checkpoints, self.preemption = checkpoints, preemption
         # Where fit starts: step 0 of epoch 0, unless resume() says otherwise.
@@ -112,6 +125,15 @@ class Trainer:
         self.channels_last = rt.device.type == "cuda" and getattr(
             unwrap(model), "channels_last", False
         )
+        # Where this rank is, for hang reports; started by fit (trainer.stall_timeout_s).
+        self.watch = watchdog.Watchdog(rt, cfg.stall_timeout_s)
+        self.guard = NonFiniteGuard(
+            cfg.nonfinite, cfg.max_consecutive_skips, rt, scaler_owns_grads=self.scaler.is_enabled()
+        )
+        if recorder is not None:
+            self.guard.on_skip = recorder.skipped
+            if self.scaler.is_enabled():
+                recorder.scaler = self.scaler  # train/loss_scale
 
     def _autocast(self) -> AbstractContextManager:
         return torch.autocast(
@@ -151,35 +173,71 @@ class Trainer:
             loader.memory_format = torch.channels_last
         return loader
 
-    def train_step(self, batches: Iterator[Any]) -> torch.Tensor:
-        """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss
-        as a device tensor (reading it on the host would stall the GPU queue).
+    def train_step(
+        self, batches: Iterator[Any], step: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss and
+        whether the step was skipped as non-finite, both device tensors (reading them on the
+        host would stall the GPU queue).
 
         `batches` yields (inputs, targets) ready for the model, as a DeviceLoader gives them
         (on the device, input transform applied); host batches are moved, not transformed."""
         accum = self.cfg.grad_accum_steps
+        # The step's marks for the Recorder's breakdown (metrics.breakdown): CUDA events on
+        # the compute stream, read a log interval later; host time on CPU.
+        marks: list = []
+        mark = self.recorder.clock.mark if self.recorder is not None else _no_mark
         total = torch.zeros((), device=self.rt.device)
+        watch = self.watch
         for micro in range(accum):
-            inputs, targets = self._prepare(next(batches))
+            watch.beat(step, watchdog.DATA)
+            marks.append(mark())
+            with phase(DATA):
+                inputs, targets = self._prepare(next(batches))
+            marks.append(mark())
+            watch.beat(step, watchdog.STEP)
             # Gradients are averaged across ranks on the last micro-step only; the earlier
             # ones accumulate locally (forward and backward both inside the no-sync region).
             with sync_gradients(self.model, enabled=micro == accum - 1):
-                with self._autocast():
+                with phase(FORWARD), self._autocast():
                     loss = cross_entropy(self.model(inputs), targets)
-                self.scaler.scale(loss / accum).backward()
+                with phase(BACKWARD):
+                    self.scaler.scale(loss / accum).backward()
+            marks.append(mark())
             total += loss.detach()
+        watch.beat(step, watchdog.UPDATE)
+        with phase(OPTIMIZER):
+            loss, bad = self._update(total / accum, step)
+        marks.append(mark())
+        if self.recorder is not None:
+            self.recorder.step_marks.append(marks)
+        self.guard.poll()  # verdicts LAG steps old: raises under trainer.nonfinite=stop
+        return loss, bad
+
+    def _update(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = None
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
-            torch.nn.utils.clip_grad_norm_(
+            norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.cfg.grad_clip, foreach=True
             )
-        # Under fp16, GradScaler.step reads found-inf on the host: a sync point torch's
-        # scaler imposes once per step. bf16 and fp32 disable the scaler and skip it.
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        elif not self.scaler.is_enabled() and grads:
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        # A collective: every rank learns whether any rank's step went non-finite.
+        bad = self.guard.check(step, loss, grads, norm)
+        if self.scaler.is_enabled():
+            # fp16: the scaler skips steps whose gradients overflow. GradScaler.step reads
+            # found-inf on the host unless the optimizer is fused: a sync point torch's scaler
+            # imposes once per step. bf16 and fp32 disable the scaler.
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.guard.step(self.optimizer, bad)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
-        return total / accum
+        return loss, bad
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> float:
@@ -188,13 +246,16 @@ class Trainer:
         model = local_module(self.model)
         model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        step = self.watch.step
         for batch in self._device_batches(loader):
+            self.watch.beat(step, watchdog.EVAL)
             inputs, targets = self._prepare(batch)
             with self._autocast():
                 logits = model(inputs)
             sums[0] += cross_entropy(logits, targets, reduction="sum").double()
             sums[1] += targets.numel()
         model.train()
+        self.watch.beat(step, watchdog.EVAL)
         all_reduce_sum_(sums, self.rt)
         total, count = sums.tolist()  # sync point: evaluation only, not the training loop
         return total / count
@@ -213,14 +274,26 @@ class Trainer:
         batches = epochs(train, start=self.start_cursor)
         self.model.train()
         self._restore_rng(train)  # the last thing before the first step
-        loss_sum = torch.zeros((), device=self.rt.device)
+        # The interval's summed loss over its good steps, and their count (skipped steps' losses
+        # are NaN/inf and would hide the rest): on the device, read by the Recorder later.
+        loss_sum = torch.zeros(2, device=self.rt.device)
         start, steps, pending = rec.clock.mark(), 0, None
+        profiler, goodput = self.profiler, self.goodput
         try:
+            self.watch.start()  # the stall clock and progress reports, until the end
             for step in range(self.start_step + 1, cfg.max_steps + 1):
+                if profiler is not None:
+                    profiler.begin_step(step)
                 lr = self.schedule.get_last_lr()[0]
-                loss_sum += self.train_step(batches)
+                loss, bad = self.train_step(batches, step)
+                if goodput is not None and step == self.start_step + 1:
+                    # From here on: the first step is where a compiled model compiles, so
+                    # start-up includes it.
+                    goodput.enter("training")
+                loss_sum += torch.stack((torch.where(bad, 0.0, loss), (~bad).float()))
                 steps += 1
                 # A collective every step, on every rank; True on all of them at the same step.
+                self.watch.beat(step, watchdog.PREEMPT)
                 stopping = stop is not None and stop.poll()
                 last = step == cfg.max_steps
                 save = self._save_due(step, last or stopping)
@@ -230,34 +303,58 @@ class Trainer:
                 # Saves close a log interval too, so a resumed run logs the same intervals as
                 # an uninterrupted one.
                 if step % cfg.log_every == 0 or last or evaluate or save:
+                    self.watch.beat(step, watchdog.LOG)
                     wait = train.wait.take()  # GPU events in it are read at publish, not now
                     interval = rec.snapshot(step, steps, loss_sum, lr, start, wait)
                     if pending is not None:
                         rec.publish(pending)  # the previous interval: its GPU work is done by now
                     pending, start, steps = interval, interval.end, 0
-                    loss_sum = torch.zeros((), device=self.rt.device)
+                    loss_sum = torch.zeros(2, device=self.rt.device)
                 if evaluate or save:
-                    # Now, not an interval later: a non-finite loss stops before it is saved.
+                    # Now, not an interval later: the record is complete up to the step that is
+                    # evaluated or saved (and a restart's purge_step starts right after it).
                     rec.publish(pending)
                     pending = None
                 if evaluate:
+                    self._enter("eval")  # the interval published above: its GPU work is done
                     rec.eval_loss(step, self.evaluate(eval_loader))
                 if save:
+                    # Every verdict up to this step, now: a non-finite step is never saved.
+                    self.guard.settle()
+                    self._enter("checkpoint")
+                    self.watch.beat(step, watchdog.SAVE)
                     rec.flush()  # the record up to this step is on disk, as the checkpoint is
-                    self.save(step, train, required=last or stopping)
+                    saved = self.save(step, train, required=last or stopping)
+                    if saved is not None and goodput is not None:  # rank 0, the one that counts
+                        goodput.checkpointed(step)
+                    rec.save_goodput()
                 if evaluate or save:
+                    self._enter("training")
                     start = rec.clock.mark()  # neither is training step time
                 if stopping and not last:
                     stop.settle()
                     raise Preempted(step, stop.signum)
+            self.guard.settle()
             if pending is not None:
                 rec.publish(pending)
+            rec.finish(cfg.max_steps)
             if stop is not None:
                 stop.settle()
+        except Exception as err:
+            if watchdog.is_timeout(err):
+                raise self.watch.timed_out(err) from err
+            raise
         finally:
+            self.watch.stop()
+            if profiler is not None:
+                profiler.close()
             batches.close()  # ends the running epoch: in-flight batches retired, threads joined
             if owned:
                 train.close()
+
+    def _enter(self, category: str) -> None:
+        if self.goodput is not None:
+            self.goodput.enter(category)
 
     # ---- checkpoints ----
 

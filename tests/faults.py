@@ -36,6 +36,8 @@ class FaultyTokens(NgramTokens):
     `at_sample`-th training sample, unless `marker` exists; the fault creates it first.
 
     kill: SIGKILL to itself, as the OOM killer or a node failure would.
+    kill_job: SIGKILL to the torchrun agent, then to itself: the whole job dies at once, as when
+    a machine loses power (the other worker finds its peer gone at the next collective).
     term_agent: SIGTERM to its parent, the torchrun agent, as a scheduler's preemption would.
     term_self: SIGTERM to itself (a world of one, without torchrun).
     hang: stop forever, as a rank stuck in a dead collective or a deadlock would. SIGTERM gets
@@ -60,6 +62,9 @@ class FaultyTokens(NgramTokens):
 
     def _inject(self) -> None:
         if self.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.fault == "kill_job":
+            os.kill(agent_pid(), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.fault == "term_agent":
             os.kill(agent_pid(), signal.SIGTERM)
@@ -93,16 +98,47 @@ def recorded(record: Path) -> list[list[int]]:
 
 
 class NanGPT(GPT):
-    """A GPT whose logits turn NaN from its `nan_from`-th training forward on."""
+    """A GPT whose logits turn NaN on its `nan_from`-th to `nan_until`-th training forwards
+    (no end by default), on rank `rank` only, or on every rank when it is None."""
 
-    def __init__(self, *, nan_from: int, **kw):
+    def __init__(self, *, nan_from: int, nan_until: int = 0, rank: int | None = None, **kw):
         super().__init__(**kw)
-        self.nan_from, self.forwards = nan_from, 0
+        self.nan_from, self.nan_until, self.forwards = nan_from, nan_until, 0
+        self.on_this_rank = rank is None or int(os.environ.get("RANK", "0")) == rank
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         logits = super().forward(idx)
-        if self.training:
+        if self.training and self.on_this_rank:
             self.forwards += 1
-            if self.forwards >= self.nan_from:
+            until = self.nan_until or float("inf")
+            if self.nan_from <= self.forwards <= until:
                 logits = logits * float("nan")
         return logits
+
+
+class SlowTokens(NgramTokens):
+    """NgramTokens whose training samples take `delay_s` each to fetch on rank `rank`: a
+    starved loader on one rank."""
+
+    def __init__(self, split: str, *, rank: int, delay_s: float, **kw):
+        super().__init__(split, **kw)
+        slow = split == "train" and int(os.environ.get("RANK", "0")) == rank
+        self.delay_s = delay_s if slow else 0.0
+
+    def __getitem__(self, index: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return super().__getitem__(index)
+
+
+class SlowGPT(GPT):
+    """A GPT whose training forward takes `delay_s` longer on rank `rank`: a slow device."""
+
+    def __init__(self, *, rank: int, delay_s: float, **kw):
+        super().__init__(**kw)
+        self.delay_s = delay_s if int(os.environ.get("RANK", "0")) == rank else 0.0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.training and self.delay_s:
+            time.sleep(self.delay_s)
+        return super().forward(idx)

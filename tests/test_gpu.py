@@ -67,3 +67,69 @@ def test_more_processes_than_gpus_stops_before_any_work(tmp_path):
     assert proc.returncode != 0
     assert f"{n} processes on this node but {n - 1} visible CUDA GPU(s)" in proc.stderr
     assert not run_dir.exists()
+
+
+# ---- faults on 2 GPUs: fp16 resume, a hung rank under NCCL ----
+
+FAULT_RUN = [
+    "trainer.max_steps=20",
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "ckpt.every=5",
+    "data.num_workers=0",
+    "data=custom",
+    "data._target_=tests.faults.FaultyTokens",
+    "+data.kwargs.rank=1",
+    "+data.kwargs.eval_samples=64",
+]
+
+
+def faulty(fault: str, step: int, marker) -> list[str]:
+    at = (step - 1) * 32 + 1  # data.batch_size 32: the first sample of `step`
+    return [
+        f"+data.kwargs.fault={fault}",
+        f"+data.kwargs.at_sample={at}",
+        f"+data.kwargs.marker={marker}",
+    ]  # noqa: E501
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fp16_run_killed_and_restarted_ends_like_an_uninterrupted_one(tmp_path):
+    """GradScaler's scale, which the first fp16 steps lower through overflows, is restored
+    exactly: the restarted run's losses and loss scales equal the uninterrupted run's."""
+    fp16 = [*FAULT_RUN, "trainer.precision=fp16"]
+    runs = {}
+    for name, fault in (("reference", "kill@999"), ("killed", "kill@13")):
+        kind, step = fault.split("@")
+        run_dir = tmp_path / name
+        proc = run_train(
+            [*fp16, *faulty(kind, int(step), tmp_path / f"{name}.m"), f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            nproc=2,
+            env={**NCCL_ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+            torchrun_args=("--max-restarts=1",),
+            timeout=600,
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        runs[name] = read_scalars(run_dir)
+    assert (tmp_path / "killed.m").exists()
+    for tag in ("train/loss", "train/loss_scale"):
+        assert runs["killed"][tag] == runs["reference"][tag], tag
+    scales = {v for _, v in runs["reference"]["train/loss_scale"]}
+    assert len(scales) > 1, scales  # overflow lowered it: the scaler's state mattered
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_hung_rank_under_nccl_ends_the_job_naming_the_lagging_rank(tmp_path):
+    """Rank 1 stops in its data loader; rank 0's host blocks at its next sync point while its
+    GPU waits in the gradient all_reduce. The stall clock ends the job well inside
+    dist.timeout_s and names rank 1 as the one behind."""
+    args = [*FAULT_RUN, *faulty("hang", 3, tmp_path / "m"), f"hydra.run.dir={tmp_path / 'run'}"]
+    args += ["dist.timeout_s=120", "trainer.stall_timeout_s=10"]
+    start = time.monotonic()
+    proc = run_train(args, cwd=tmp_path, nproc=2, env=NCCL_ENV, timeout=300)
+    elapsed = time.monotonic() - start
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "no progress for" in text and "lagging: rank 1" in text, text[-3000:]
+    assert elapsed < 90, elapsed  # start-up + 10 s of stall + tear-down, not 120 s

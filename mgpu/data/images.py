@@ -77,6 +77,7 @@ class SyntheticImages(Dataset):
         self.noise = float(noise)
         self.seed = seed
         self.tokens_per_sample = None
+        self.sample_shape = (channels, image_size, image_size)  # an input's shape (for FLOPs)
         self._split_id = SPLIT_IDS[split]
         self._len = num_samples if split == "train" else eval_samples
         self.templates = _make_templates(seed, num_classes, channels, image_size)

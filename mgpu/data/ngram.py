@@ -88,6 +88,7 @@ class NgramTokens(Dataset):
         self.branching = branching
         self.seed = seed
         self.tokens_per_sample = seq_len
+        self.sample_shape = (seq_len,)  # an input's shape (for FLOPs)
         self.entropy_nats = math.log(branching)
         self._len = num_samples if split == "train" else eval_samples
 

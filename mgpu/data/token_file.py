@@ -72,6 +72,7 @@ class TokenFile(Dataset):
         self.seq_len = seq_len
         self.vocab_size = vocab_size
         self.tokens_per_sample = seq_len
+        self.sample_shape = (seq_len,)  # an input's shape (for FLOPs)
         self.n_tokens = n_tokens
         self.num_windows = windows
         # Train takes windows [0, windows - eval_samples), eval the rest: never overlapping.

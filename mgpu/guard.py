@@ -1,0 +1,164 @@
+"""Non-finite steps: every step the ranks agree, through one small collective, on whether any
+rank's loss or the reduced gradients are NaN/inf; such a step's optimizer update is skipped on
+every rank, and the host learns of it a couple of steps later and stops or goes on
+(`trainer.nonfinite`).
+
+Why the verdict is agreed and not looked up locally: a rank whose own loss went NaN poisons the
+averaged gradients of all ranks, but a rank can also see an infinite loss with finite gradients.
+A rank that skipped alone would leave the others' parameters different from its own; a rank that
+stopped alone would leave the others waiting in the next collective until dist.timeout_s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from mgpu.config import NonFinite
+from mgpu.dist import Runtime
+
+log = logging.getLogger(__name__)
+
+# Steps between the verdict's all_reduce and the host reading it. The copy to the host is done
+# by then in practice, so reading it costs no stall (the preemption flag uses the same lag).
+LAG = 2
+
+
+class NonFiniteStep(RuntimeError):
+    """Every rank raises it at the same step: the run stops with no checkpoint saved after the
+    last good one."""
+
+
+@dataclass
+class _Verdict:
+    step: int
+    flags: torch.Tensor  # host copy: per rank 1 if its loss was non-finite; last: the gradients
+    copied: torch.cuda.Event | None  # when the copy has landed (CUDA)
+
+
+def fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step kernel can skip its own update on a device flag."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+class NonFiniteGuard:
+    """`bad = guard.check(step, loss, grad_norm)` after backward (gradients reduced, clipped or
+    not), `guard.step(optimizer, bad)` instead of `optimizer.step()`, `guard.poll()` after each
+    step, `guard.settle()` before a checkpoint and at the end. All of them on every rank."""
+
+    def __init__(
+        self, policy: NonFinite, max_consecutive: int, rt: Runtime, *, scaler_owns_grads: bool
+    ):
+        self.policy, self.max_consecutive, self.rt = policy, max_consecutive, rt
+        # Under fp16 an overflowing gradient is the loss scaler's business (it skips the step
+        # and lowers the scale); only a non-finite loss counts here.
+        self.scaler_owns_grads = scaler_owns_grads
+        self.cuda = rt.device.type == "cuda"
+        self.distributed = rt.has_process_group and rt.world_size > 1
+        self.pending: deque[_Verdict] = deque()
+        self.skipped = 0  # steps skipped so far in this launch
+        self.consecutive = 0
+        self.on_skip = None  # callable(step, skipped_total): TensorBoard, set by the trainer
+        self._warned_sync = False
+
+    def check(
+        self, step: int, loss: torch.Tensor, grads: list[torch.Tensor], grad_norm: torch.Tensor
+    ) -> torch.Tensor:
+        """The agreed verdict for this step, as a device bool; no host sync (a collective)."""
+        world = self.rt.world_size if self.distributed else 1
+        rank = self.rt.rank if self.distributed else 0
+        flags = torch.zeros(world + 1, dtype=torch.int32, device=self.rt.device)
+        flags[rank] = (~torch.isfinite(loss)).int()
+        if not self.scaler_owns_grads and grads:
+            # The reduced gradients are bit-identical on every rank, and so is this slot.
+            flags[world] = (~torch.isfinite(grad_norm)).int()
+        if self.distributed:
+            # The agreement: queued on the compute stream, the host does not wait for it.
+            tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
+        bad = flags.any()
+        if self.cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)  # read LAG steps later, once it has landed
+            copied = torch.cuda.Event()
+            copied.record()
+            self.pending.append(_Verdict(step, host, copied))
+        else:
+            self.pending.append(_Verdict(step, flags, None))
+        return bad
+
+    def step(self, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+        """optimizer.step(), unless `bad`: an update that never happens, on every rank alike."""
+        if self.cuda and fused(optimizer):
+            # The fused kernels take a device flag and leave parameters, moments and step
+            # counts untouched where it is set: the skip costs no host sync. This is the
+            # attribute protocol torch's loss scaler uses to hand its flag to these kernels.
+            optimizer.grad_scale, optimizer.found_inf = None, bad.float()
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+            return
+        if self.cuda and not self._warned_sync:
+            self._warned_sync = True
+            log.warning(
+                "%s has no fused kernel: each step reads the non-finite verdict on the host "
+                "before the optimizer step (a sync point)",
+                type(optimizer).__name__,
+            )
+        # CPU: operations run as they are issued, reading a value drains no queue. CUDA without
+        # a fused optimizer: a sync point, named in the warning above.
+        if not bool(bad):
+            optimizer.step()
+
+    def poll(self) -> None:
+        """Act on the verdicts of steps LAG or more steps old (every rank the same ones)."""
+        while len(self.pending) > LAG:
+            self._read(self.pending.popleft())
+
+    def settle(self) -> None:
+        """Act on every verdict so far: before a checkpoint (nothing bad gets saved) and at the
+        end of training. A sync point on the last steps."""
+        while self.pending:
+            self._read(self.pending.popleft())
+
+    def _read(self, verdict: _Verdict) -> None:
+        if verdict.copied is not None:
+            verdict.copied.synchronize()  # sync point, on a copy LAG steps old: long landed
+        flags = verdict.flags.tolist()
+        if not any(flags):
+            self.consecutive = 0
+            return
+        what = self._describe(flags)
+        if self.policy is NonFinite.stop:
+            raise NonFiniteStep(
+                f"step {verdict.step}: {what} (trainer.nonfinite=stop): stopped before its "
+                "optimizer update, no checkpoint saved after it. Resume from the last checkpoint "
+                "with a lower optim.lr or trainer.grad_clip, or set trainer.nonfinite=skip"
+            )
+        self.skipped += 1
+        self.consecutive += 1
+        if self.on_skip is not None:
+            self.on_skip(verdict.step, self.skipped)
+        if self.consecutive > self.max_consecutive:
+            raise NonFiniteStep(
+                f"step {verdict.step}: {what}, {self.consecutive} non-finite steps in a row "
+                f"(trainer.max_consecutive_skips={self.max_consecutive}): stopping; no checkpoint "
+                "saved after the last good step. Resume from the last checkpoint with a lower "
+                "optim.lr or trainer.grad_clip"
+            )
+        if self.rt.is_primary:
+            log.warning(
+                "step %d: %s: its optimizer update was skipped on every rank", verdict.step, what
+            )
+
+    @staticmethod
+    def _describe(flags: list[int]) -> str:
+        ranks = [r for r, bad in enumerate(flags[:-1]) if bad]
+        if ranks:
+            who = "rank " + ", ".join(map(str, ranks)) if len(ranks) < 8 else f"{len(ranks)} ranks"
+            return f"the loss is NaN/inf on {who}"
+        return "the reduced gradients are NaN/inf (every rank's loss was finite)"

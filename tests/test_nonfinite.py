@@ -1,0 +1,80 @@
+"""trainer.nonfinite: a NaN loss on one rank stops every rank at the same step (stop), or skips
+that optimizer update on every rank and counts it (skip); 2 processes over gloo, end to end."""
+
+import torch
+from conftest import read_scalars, run_train
+
+from mgpu.checkpoint import step_dir
+
+GPT = "vocab_size=256 block_size=64 n_layer=2 n_head=4 n_embd=128".split()
+RUN = [
+    "trainer.log_every=1",
+    "trainer.eval_every=0",
+    "data.num_workers=0",
+    "data.eval_samples=64",
+    "model=custom",
+    "model._target_=tests.faults.NanGPT",
+    *[f"+model.kwargs.{kv}" for kv in GPT],
+]
+
+
+def nan(first: int, last: int = 0, rank: int | None = None) -> list[str]:
+    """NaN logits on training forwards first..last (one per step: no accumulation)."""
+    args = [f"+model.kwargs.nan_from={first}", f"+model.kwargs.nan_until={last}"]
+    return args + ([f"+model.kwargs.rank={rank}"] if rank is not None else [])
+
+
+def output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def no_worker_traceback(proc) -> bool:
+    """torchrun prints its own traceback for a failed worker; the workers print none."""
+    return "/mgpu/" not in output(proc) and "train.py\", line" not in output(proc)
+
+
+def checkpoints(run_dir) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_stop_ends_every_rank_naming_the_step_and_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*RUN, "trainer.max_steps=20", "ckpt.every=5", *nan(7, rank=1)]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, timeout=120)
+    assert proc.returncode == 1, output(proc)[-3000:]
+    assert "step 7: the loss is NaN/inf on rank 1 (trainer.nonfinite=stop)" in output(proc)
+    assert no_worker_traceback(proc), output(proc)[-3000:]
+    assert checkpoints(run_dir) == ["step-00000005"]  # the last good one, nothing after it
+    losses = read_scalars(run_dir)["train/loss"]
+    assert all(step < 7 for step, _ in losses)  # the record stops before the bad step
+
+
+def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*RUN, "trainer.max_steps=12", "ckpt.every=0", "trainer.nonfinite=skip"]
+    args += nan(7, 9, rank=1)
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, timeout=120)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    state = torch.load(step_dir(run_dir / "checkpoints", 12) / "state.pt", weights_only=True)
+    # Rank 0's loss was finite throughout, yet its optimizer took 3 updates fewer: the final
+    # checkpoint's optimizer state is rank 0's.
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {12 - 3}
+    scalars = read_scalars(run_dir)
+    assert scalars["train/skipped_steps"] == [(7, 1.0), (8, 2.0), (9, 3.0)]
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6, 10, 11, 12]
+    assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars["train/loss"])
+    assert "step 7: the loss is NaN/inf on rank 1: its optimizer update was skipped" in output(
+        proc
+    )
+
+
+def test_skip_stops_after_max_consecutive_skips(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*RUN, "trainer.max_steps=20", "ckpt.every=5", "trainer.nonfinite=skip"]
+    args += ["trainer.max_consecutive_skips=2", *nan(5, rank=0)]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, timeout=120)
+    assert proc.returncode == 1, output(proc)[-3000:]
+    assert "step 7: the loss is NaN/inf on rank 0, 3 non-finite steps in a row" in output(proc)
+    assert no_worker_traceback(proc), output(proc)[-3000:]
+    # Step 5 was skipped, so its checkpoint holds the parameters after step 4: still good.
+    assert checkpoints(run_dir) == ["step-00000005"]

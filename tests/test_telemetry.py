@@ -1,0 +1,181 @@
+"""Telemetry end to end: a 2-process run on CPU/gloo with one starved loader (rank 1) and one
+slow model (rank 0) writes the step breakdown, throughput, MFU, rank spread, goodput, layout,
+HParams and profiler traces, and the figures hold together. On 2 GPUs: the exposed
+communication figure grows when overlap is taken away."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import read_scalars, run_train
+
+from mgpu.metrics import PARTS
+
+GPT = "vocab_size=256 block_size=64 n_layer=2 n_head=4 n_embd=128".split()
+STEPS, LOG_EVERY, BATCH = 24, 4, 16
+RUN = [
+    f"trainer.max_steps={STEPS}",
+    f"trainer.log_every={LOG_EVERY}",
+    "trainer.eval_every=12",
+    "ckpt.every=12",
+    "trainer.peak_tflops=1",  # CPU has no table entry: MFU against 1 TFLOP/s
+    "trainer.profile=true",
+    "trainer.profile_start=6",
+    "trainer.profile_steps=2",
+    f"data.batch_size={BATCH}",
+    "data.num_workers=0",
+    "data=custom",
+    "data._target_=tests.faults.SlowTokens",
+    "+data.kwargs.rank=1",
+    "+data.kwargs.delay_s=0.002",  # x 16 samples: 32 ms per batch on rank 1
+    "+data.kwargs.eval_samples=64",
+    "model=custom",
+    "model._target_=tests.faults.SlowGPT",
+    "+model.kwargs.rank=0",
+    "+model.kwargs.delay_s=0.06",
+    *[f"+model.kwargs.{kv}" for kv in GPT],
+]
+TAGS = [
+    *(f"time/{p}_{unit}" for p in PARTS for unit in ("ms", "pct")),
+    "time/step_ms",
+    "throughput/samples_per_sec",
+    "throughput/tokens_per_sec_per_device",
+    "throughput/mfu_pct",
+    "throughput/tflops_per_device",
+    *(
+        f"ranks/{f}_{s}"
+        for f in ("step_ms", "data_wait_ms", "compute_ms")
+        for s in ("min", "median", "max", "slowest_rank")
+    ),  # fmt: skip
+    *(f"goodput/{c}_s" for c in ("startup", "training", "eval", "checkpoint", "stall")),
+    "goodput/restart_s",
+    "goodput/wall_s",
+    "goodput/pct",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("telemetry")
+    proc = run_train([*RUN, f"hydra.run.dir={tmp / 'run'}"], cwd=tmp, nproc=2)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return tmp / "run"
+
+
+def by_step(scalars, tag) -> dict[int, float]:
+    return dict(scalars[tag])
+
+
+def test_every_tag_is_written(run_dir):
+    scalars = read_scalars(run_dir)
+    missing = [t for t in TAGS if t not in scalars]
+    assert not missing, f"missing {missing}; have {sorted(scalars)}"
+    assert sorted(by_step(scalars, "time/step_ms")) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+
+
+def test_the_parts_add_up_to_the_step_time(run_dir):
+    scalars = read_scalars(run_dir)
+    for step, step_ms in scalars["time/step_ms"]:
+        parts = [by_step(scalars, f"time/{p}_ms")[step] for p in PARTS]
+        assert all(ms >= 0 for ms in parts), (step, parts)
+        assert math.isclose(sum(parts), step_ms, rel_tol=0.05), (step, parts, step_ms)
+        pcts = sum(by_step(scalars, f"time/{p}_pct")[step] for p in PARTS)
+        assert math.isclose(pcts, 100.0, rel_tol=0.05)
+    # Rank 0 (whose figures these are) sleeps 60 ms in each forward: compute holds it.
+    assert all(ms > 60 for _, ms in scalars["time/compute_ms"])
+
+
+def test_throughput_times_step_time_is_the_global_batch(run_dir):
+    scalars = read_scalars(run_dir)
+    rates = by_step(scalars, "throughput/samples_per_sec")
+    for step, step_ms in scalars["time/step_ms"]:
+        assert math.isclose(rates[step] * step_ms / 1e3, BATCH * 2, rel_tol=1e-4)
+    tokens = by_step(scalars, "throughput/tokens_per_sec_per_device")
+    mfu = by_step(scalars, "throughput/mfu_pct")
+    for step, rate in rates.items():
+        assert math.isclose(tokens[step], rate * 64 / 2, rel_tol=1e-4)
+        assert 0 < mfu[step] < 100
+
+
+def test_rank_spread_names_the_starved_loader_and_the_slow_model(run_dir):
+    scalars = read_scalars(run_dir)
+    assert {v for _, v in scalars["ranks/data_wait_ms_slowest_rank"]} == {1.0}
+    assert {v for _, v in scalars["ranks/compute_ms_slowest_rank"]} == {0.0}
+    # Both ranks' figures are in it: rank 1 waits ~32 ms per step for data, rank 0 almost none.
+    for step, high in scalars["ranks/data_wait_ms_max"]:
+        low = by_step(scalars, "ranks/data_wait_ms_min")[step]
+        assert high > 20 and low < high / 2, (step, low, high)
+    assert sorted(by_step(scalars, "ranks/step_ms_max")) == list(
+        range(LOG_EVERY, STEPS + 1, LOG_EVERY)
+    )
+
+
+def test_goodput_parts_add_up_to_wall_time(run_dir):
+    record = json.loads((run_dir / "goodput.json").read_text())
+    (attempt,) = record["attempts"]
+    seconds = attempt["seconds"]
+    assert math.isclose(
+        sum(seconds.values()), attempt["last_update"] - attempt["started_at"], rel_tol=1e-6
+    )
+    assert seconds["startup"] > 0 and seconds["training"] > 0
+    assert seconds["eval"] > 0 and seconds["checkpoint"] > 0 and seconds["stall"] > 0
+    scalars = read_scalars(run_dir)
+    wall = scalars["goodput/wall_s"][-1][1]
+    parts = ("startup", "training", "eval", "checkpoint", "stall", "restart")
+    assert math.isclose(sum(scalars[f"goodput/{c}_s"][-1][1] for c in parts), wall, rel_tol=1e-4)
+    pct = scalars["goodput/pct"][-1][1]
+    assert math.isclose(pct, 100 * scalars["goodput/training_s"][-1][1] / wall, rel_tol=1e-4)
+
+
+def test_layout_hparams_and_summary_are_in_the_event_file(run_dir):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    (events,) = run_dir.glob("events.out.tfevents.*")
+    plugins = {}
+    for event in EventFileLoader(str(events)).Load():
+        for value in event.summary.value:
+            plugins.setdefault(value.metadata.plugin_data.plugin_name, []).append(value.tag)
+    assert "custom_scalars" in plugins
+    assert "hparams" in plugins
+    assert "run/summary" in [t.split("/text_summary")[0] for t in plugins.get("text", [])]
+
+
+def test_one_profiler_trace_per_rank_with_the_step_phases(run_dir):
+    for rank in (0, 1):
+        (trace,) = (run_dir / "profile" / f"rank{rank}").glob("*.pt.trace.json")
+        names = [e.get("name") for e in json.loads(trace.read_text())["traceEvents"]]
+        for phase in ("mgpu/data", "mgpu/forward", "mgpu/backward", "mgpu/optimizer"):
+            assert names.count(phase) == 2, (rank, phase, names.count(phase))
+        assert names.count("mgpu/reduce") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
+    """One bucket holding every gradient can only be reduced after backward: nothing overlaps."""
+    base = ["model=gpt2_small", "data.num_workers=2", "trainer.max_steps=30"]
+    base += ["trainer.log_every=10", "trainer.eval_every=0", "ckpt.every=0"]
+    exposed = {}
+    for name, cap in (("overlap", 25), ("none", 100_000)):
+        run = tmp_path / name
+        proc = run_train(
+            [
+                *base,
+                f"dist.bucket_cap_mb={cap}",
+                f"dist.first_bucket_mb={cap}",
+                f"hydra.run.dir={run}",
+            ],  # fmt: skip
+            cwd=tmp_path,
+            nproc=2,
+            timeout=600,
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        scalars = read_scalars(run)
+        exposed[name] = scalars["time/exposed_comm_ms"][-1][1]
+        for step, step_ms in scalars["time/step_ms"]:
+            parts = sum(by_step(scalars, f"time/{p}_ms")[step] for p in PARTS)
+            assert math.isclose(parts, step_ms, rel_tol=0.05)
+        assert "memory/max_allocated_gib" in scalars and "throughput/mfu_pct" in scalars
+    print(f"exposed comm ms/step: {exposed}")
+    assert exposed["none"] > 2 * exposed["overlap"], exposed
