@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import secrets
+import sys
 from pathlib import Path
 
 import hydra
@@ -246,5 +247,24 @@ def main(dcfg: DictConfig) -> None:
         raise SystemExit(exit_code)
 
 
+def exit_code_of(stop: SystemExit) -> int:
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return 1
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:  # Hydra ends with sys.exit, errors included
+        code = exit_code_of(stop)
+    # Teardown rule: by here the process group is destroyed and every file this run writes is
+    # closed. The process ends without Python's and C++'s teardown of torch's communication
+    # threads, which can abort ("terminate called without an active exception") after the
+    # work is done and turn a finished run into a failed one.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -94,9 +94,11 @@ class TrainerConfig:
     # or skip that step on every rank (at most max_consecutive_skips in a row, then stop).
     nonfinite: NonFinite = NonFinite.stop
     max_consecutive_skips: int = 5
-    # Seconds the training loop may make no progress outside a collective (a data loader that
-    # never yields, a stuck evaluation) before the run fails naming the phase; 0 turns it off.
-    stall_timeout_s: float = 600.0
+    # Seconds a rank may make no progress (a data loader that never yields, a stuck evaluation,
+    # a host blocked behind a hung NCCL collective) before it fails naming the phase and the
+    # rank behind; 0 turns it off. Below dist.timeout_s, so that on NCCL it reports before the
+    # NCCL watchdog ends the process without a word about the other ranks.
+    stall_timeout_s: float = 300.0
     # torch.profiler traces per rank (into <run dir>/profile/) for profile_steps steps from
     # step profile_start; NVTX ranges mark the phases of each step for Nsight Systems.
     profile: bool = False
@@ -109,7 +111,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _positive("trainer.max_steps", self.max_steps, "1000")
         _positive("trainer.max_consecutive_skips", self.max_consecutive_skips, "5")
-        _non_negative("trainer.stall_timeout_s", self.stall_timeout_s, "600 (0 turns it off)")
+        _non_negative("trainer.stall_timeout_s", self.stall_timeout_s, "300 (0 turns it off)")
         _positive("trainer.profile_start", self.profile_start, "10")
         _positive("trainer.profile_steps", self.profile_steps, "5")
         _non_negative("trainer.peak_tflops", self.peak_tflops, "989 (0: mgpu's table)")

@@ -66,14 +66,18 @@ class NonFiniteGuard:
         self._warned_sync = False
 
     def check(
-        self, step: int, loss: torch.Tensor, grads: list[torch.Tensor], grad_norm: torch.Tensor
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grads: list[torch.Tensor],
+        grad_norm: torch.Tensor | None,
     ) -> torch.Tensor:
         """The agreed verdict for this step, as a device bool; no host sync (a collective)."""
         world = self.rt.world_size if self.distributed else 1
         rank = self.rt.rank if self.distributed else 0
         flags = torch.zeros(world + 1, dtype=torch.int32, device=self.rt.device)
         flags[rank] = (~torch.isfinite(loss)).int()
-        if not self.scaler_owns_grads and grads:
+        if grad_norm is not None and not self.scaler_owns_grads:
             # The reduced gradients are bit-identical on every rank, and so is this slot.
             flags[world] = (~torch.isfinite(grad_norm)).int()
         if self.distributed:
@@ -92,7 +96,7 @@ class NonFiniteGuard:
 
     def step(self, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
         """optimizer.step(), unless `bad`: an update that never happens, on every rank alike."""
-        if self.cuda and fused(optimizer):
+        if fused(optimizer):
             # The fused kernels take a device flag and leave parameters, moments and step
             # counts untouched where it is set: the skip costs no host sync. This is the
             # attribute protocol torch's loss scaler uses to hand its flag to these kernels.
@@ -102,15 +106,15 @@ class NonFiniteGuard:
             finally:
                 del optimizer.grad_scale, optimizer.found_inf
             return
-        if self.cuda and not self._warned_sync:
+        if self.cuda and not self._warned_sync:  # a user's optimizer without a fused kernel
             self._warned_sync = True
             log.warning(
                 "%s has no fused kernel: each step reads the non-finite verdict on the host "
                 "before the optimizer step (a sync point)",
                 type(optimizer).__name__,
             )
-        # CPU: operations run as they are issued, reading a value drains no queue. CUDA without
-        # a fused optimizer: a sync point, named in the warning above.
+        # Without a fused kernel: on CPU reading a value drains no queue; on CUDA it is a sync
+        # point, named in the warning above.
         if not bool(bad):
             optimizer.step()
 

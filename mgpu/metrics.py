@@ -222,7 +222,8 @@ class Interval:
     step: int
     steps: int
     lr: float
-    loss: torch.Tensor  # host [mean loss, good steps], filled by a copy that may be in flight
+    # host [mean loss, good steps(, fp16 loss scale)], filled by a copy that may be in flight
+    loss: torch.Tensor
     copied: torch.cuda.Event | None
     start: Mark
     end: Mark
@@ -230,7 +231,6 @@ class Interval:
     comm: list[tuple[Mark, Mark]] | None = None  # per synchronised step: backward end, comm end
     # per step: (data requested, data ready, backward done) per micro-step, then optimizer done
     marks: list[list[Mark]] = field(default_factory=list)
-    loss_scale: float | None = None  # fp16's GradScaler scale at the interval's end
 
 
 def breakdown(iv: Interval, clock: Clock) -> dict[str, float]:
@@ -374,11 +374,15 @@ class Recorder:
         time, queued behind the current step.
         """
         sums = all_reduce_sum_(loss_sum.detach().clone(), self.rt)
-        mean = torch.stack((sums[0] / sums[1].clamp(min=1), sums[1] / self.rt.world_size))
+        parts = [sums[0] / sums[1].clamp(min=1), sums[1] / self.rt.world_size]
+        # fp16 only: the scale tensor rides the loss's copy to the host and is read an
+        # interval later (GradScaler.get_scale() would wait for every step queued so far).
+        scale = getattr(self.scaler, "_scale", None)
+        if scale is not None:
+            parts.append(scale.to(sums.dtype).reshape(()))
+        mean = torch.stack(parts)  # [loss, good steps(, loss scale)]
         end = self.clock.mark()
         marks, self.step_marks = self.step_marks, []
-        # fp16 only: reading the scale waits for the steps queued so far (once per log step).
-        scale = self.scaler.get_scale() if self.scaler is not None else None
         comm = None
         if self.comm_marks is not None:
             # backward (which appends these) has returned on this thread; events read later
@@ -390,19 +394,19 @@ class Recorder:
             loss.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
             copied = torch.cuda.Event()
             copied.record()
-        return Interval(step, steps, lr, loss, copied, start, end, data_wait, comm, marks, scale)
+        return Interval(step, steps, lr, loss, copied, start, end, data_wait, comm, marks)
 
     def publish(self, iv: Interval) -> None:
         """Write a closed interval. A collective (the rank spread): every rank calls it."""
         if iv.copied is not None:
             iv.copied.synchronize()  # sync point on an interval that ended a log interval ago
         step_ms = self.clock.elapsed_ms(iv.start, iv.end) / iv.steps
-        loss, good = iv.loss.tolist()  # the mean over ranks: every rank reads the same value
+        loss, good, *scale = iv.loss.tolist()  # the mean over ranks: the same on every rank
         values = {"train/lr": iv.lr, "time/step_ms": step_ms}
         if good > 0:  # an interval whose every step was skipped as non-finite has no loss
             values["train/loss"] = loss
-        if iv.loss_scale is not None:
-            values["train/loss_scale"] = iv.loss_scale
+        if scale:
+            values["train/loss_scale"] = scale[0]
         values.update(self._throughput(step_ms))
         if iv.marks:
             for part, ms in breakdown(iv, self.clock).items():

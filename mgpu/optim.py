@@ -24,12 +24,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module, device: torch.device):
     groups = param_groups(model, cfg.weight_decay)
+    # Fused kernels update all parameters in a few launches and can skip an update on a device
+    # flag (mgpu.guard): a non-finite step costs no host sync. CPU and CUDA run the same path.
     if cfg.name is OptimizerName.adamw:
-        # The fused kernel updates all parameters in a few launches; it exists on CUDA only.
-        return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=device.type == "cuda"
-        )
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
+    if cfg.momentum:
+        # The fused kernel fills the momentum buffers it creates on the first step only if that
+        # step is not skipped; a skipped first step would leave them uninitialised. Zeros give
+        # the same first update (dampening 0: buffer = gradient).
+        for p in (p for g in groups for p in g["params"]):
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import clip_grad_norm_
 from torch.utils.data import DataLoader
 
 from mgpu import watchdog
@@ -217,23 +218,28 @@ class Trainer:
     def _update(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = None
-        if self.cfg.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
-            norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.cfg.grad_clip, foreach=True
-            )
-        elif not self.scaler.is_enabled() and grads:
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        # A collective: every rank learns whether any rank's step went non-finite.
-        bad = self.guard.check(step, loss, grads, norm)
         if self.scaler.is_enabled():
-            # fp16: the scaler skips steps whose gradients overflow. GradScaler.step reads
-            # found-inf on the host unless the optimizer is fused: a sync point torch's scaler
-            # imposes once per step. bf16 and fp32 disable the scaler.
+            # fp16: overflowing gradients are the scaler's to skip. A non-finite loss (agreed
+            # across ranks) poisons the gradients so that the scaler skips that step too, on
+            # every rank alike, without a host read.
+            bad = self.guard.check(step, loss, grads, None)
+            if grads:
+                grads[0].add_(torch.where(bad, float("nan"), 0.0))
+            if self.cfg.grad_clip > 0:
+                self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
+                clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=True)
+            # GradScaler.step reads found-inf on the host unless the optimizer is fused (mgpu's
+            # are): then no sync.
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
+            norm = None
+            if self.cfg.grad_clip > 0:
+                norm = clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=True)
+            elif grads:
+                norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            # A collective: every rank learns whether any rank's step went non-finite.
+            bad = self.guard.check(step, loss, grads, norm)
             self.guard.step(self.optimizer, bad)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()

@@ -100,7 +100,7 @@ class Watchdog:
         idle = time.monotonic() - self.at
         record = {"step": self.step, "phase": self.phase, "since": time.time() - idle}
         try:
-            self._store.set(f"mgpu/progress/{self.rt.rank}", json.dumps(record))
+            self._store.set(self._key(self.rt.rank), json.dumps(record))
         except Exception as err:  # noqa: BLE001 - rank 0 (the store's host) may be gone
             log.debug("progress not published: %s", err)
 
@@ -123,13 +123,17 @@ class Watchdog:
         # it, so the process ends from here, without Python's teardown.
         os._exit(STALLED_EXIT_CODE)
 
+    def _key(self, rank: int) -> str:
+        # Per restart: a store that outlives a torchrun restart still holds the last attempt's.
+        return f"mgpu/progress/{self.rt.restart_count}/{rank}"
+
     def where_ranks_are(self) -> str:
         """Every rank's last published step and phase, the laggards first; or why not known."""
         if self._store is None:
             return "other ranks' progress is not known (no process group)"
         records = {}
         for rank in range(self.rt.world_size):
-            key = f"mgpu/progress/{rank}"
+            key = self._key(rank)
             try:
                 if self._store.check([key]):
                     records[rank] = json.loads(self._store.get(key))

@@ -68,3 +68,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def spawn(worker, *args, nprocs: int = 2) -> None:
+    """`worker(rank, *args)` in `nprocs` fresh processes (torch.multiprocessing spawn), each
+    ending like train.py does once its work succeeded: without the interpreter's teardown of
+    torch's communication threads, which can abort a finished process ("terminate called
+    without an active exception") and fail a test that passed. A worker's exception still
+    reaches the test with its traceback."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_then_exit, args=(worker, *args), nprocs=nprocs, join=True)
+
+
+def _run_then_exit(rank: int, worker, *args) -> None:
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu import checkpoint as ckpt
@@ -434,7 +434,7 @@ def rank_worker(rank: int, port: int, out: str):
 
 
 def test_two_processes_write_and_restore_their_own_rng(tmp_path):
-    mp.spawn(rank_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(rank_worker, free_port(), str(tmp_path), nprocs=2)
     manifest = verify(step_dir(ckpt.checkpoint_root(tmp_path), 7))
     assert manifest["world_size"] == 2
     assert sorted(e["name"] for e in manifest["files"]) == ["rank-0.pt", "rank-1.pt", "state.pt"]

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
+from conftest import spawn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mgpu.comm import wrap_model
@@ -81,7 +81,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn(worker, free_port(), str(out), nprocs=WORLD)
     return out
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
+from conftest import spawn
 from test_equivalence import free_port
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -83,7 +83,7 @@ def eval_worker(rank: int, port: int, out: str):
 
 
 def test_eval_across_three_ranks_equals_one_process_over_the_whole_set(tmp_path):
-    mp.spawn(eval_worker, args=(free_port(), str(tmp_path)), nprocs=3, join=True)
+    spawn(eval_worker, free_port(), str(tmp_path), nprocs=3)
     expected = evaluate_on(Runtime(0, 0, 1, "gloo", torch.device("cpu"), False))
     for rank in range(3):  # 13 samples over 3 ranks: 5, 4, 4, and ragged batches
         got = torch.load(tmp_path / f"{rank}.pt", weights_only=True).item()

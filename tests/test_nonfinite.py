@@ -30,7 +30,7 @@ def output(proc) -> str:
 
 def no_worker_traceback(proc) -> bool:
     """torchrun prints its own traceback for a failed worker; the workers print none."""
-    return "/mgpu/" not in output(proc) and "train.py\", line" not in output(proc)
+    return "/mgpu/" not in output(proc) and 'train.py", line' not in output(proc)
 
 
 def checkpoints(run_dir) -> list[str]:
@@ -63,9 +63,7 @@ def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
     assert scalars["train/skipped_steps"] == [(7, 1.0), (8, 2.0), (9, 3.0)]
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6, 10, 11, 12]
     assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars["train/loss"])
-    assert "step 7: the loss is NaN/inf on rank 1: its optimizer update was skipped" in output(
-        proc
-    )
+    assert "step 7: the loss is NaN/inf on rank 1: its optimizer update was skipped" in output(proc)
 
 
 def test_skip_stops_after_max_consecutive_skips(tmp_path):

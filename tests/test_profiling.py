@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
+from conftest import spawn
 from test_equivalence import free_port
 from torch import nn
 
@@ -74,7 +74,7 @@ def worker(rank: int, port: int, run_dir: str):
 
 
 def test_one_trace_per_rank_over_exactly_the_window(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(worker, free_port(), str(tmp_path), nprocs=WORLD)
     for rank in range(WORLD):
         (path,) = traces(tmp_path, rank)  # exactly one file per rank
         assert path.name.startswith(f"rank{rank}.")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
+from conftest import spawn
 from test_equivalence import free_port
 from torch import nn
 
@@ -122,7 +122,7 @@ def worker(rank: int, port: int, out_dir: str, cases: list[str]):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("reducer")
-    mp.spawn(worker, args=(free_port(), str(out), list(CASES)), nprocs=WORLD, join=True)
+    spawn(worker, free_port(), str(out), list(CASES), nprocs=WORLD)
     return out
 
 
@@ -201,7 +201,7 @@ def unused_worker(rank: int, port: int, out_dir: str):
 
 
 def test_unused_parameters_are_named_unless_find_unused(tmp_path):
-    mp.spawn(unused_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(unused_worker, free_port(), str(tmp_path), nprocs=WORLD)
     for rank in range(WORLD):
         message = (tmp_path / f"{rank}.txt").read_text()
         assert "branch.weight" in message and "branch.bias" in message, message
@@ -356,7 +356,7 @@ def edge_worker(rank: int, port: int, out_dir: str):
 @pytest.fixture(scope="module")
 def edge_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("edge")
-    mp.spawn(edge_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn(edge_worker, free_port(), str(out), nprocs=WORLD)
     return out
 
 

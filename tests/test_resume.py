@@ -14,8 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
-from conftest import read_scalars, run_train
+from conftest import read_scalars, run_train, spawn
 from faults import first_sample_of_step, recorded
 from test_checkpoint import bitflip, free_port, no_space
 from torch.utils.data import DataLoader, TensorDataset
@@ -306,7 +305,7 @@ def preemption_worker(rank: int, port: int, out: str):
 
 
 def test_every_rank_stops_after_the_same_step_whichever_rank_got_the_signal(tmp_path):
-    mp.spawn(preemption_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(preemption_worker, free_port(), str(tmp_path), nprocs=2)
     results = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in (0, 1)]
     for result in results:
         # step 3's exchange carries the flag; every rank reads it LAG steps later
