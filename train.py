@@ -8,6 +8,7 @@ torchrun --nproc_per_node=2 train.py [key=value ...]
 import time
 
 STARTED_AT = time.time()  # goodput's start-up counts from here
+JOINED = False  # whether this process joined a process group (see the teardown rule below)
 
 import logging
 import os
@@ -220,6 +221,8 @@ def main(dcfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     exit_code = 0
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s) as rt:
+        global JOINED
+        JOINED = rt.has_process_group
         resolved = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])
         text = OmegaConf.to_yaml(resolved, resolve=True)
         check_same_config(text, rt, run_dir)  # before any work: stops every rank if they differ
@@ -260,6 +263,8 @@ if __name__ == "__main__":
         code = 0
     except SystemExit as stop:  # Hydra ends with sys.exit, errors included
         code = exit_code_of(stop)
+    if not JOINED:  # no process group, no communication threads: a plain exit
+        sys.exit(code)
     # Teardown rule: by here the process group is destroyed and every file this run writes is
     # closed. The process ends without Python's and C++'s teardown of torch's communication
     # threads, which can abort ("terminate called without an active exception") after the
