@@ -120,9 +120,15 @@ class TensorBoard:
             self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self.writer is not None:
-            for tag, value in values.items():
-                self.writer.add_scalar(tag, value, step)
+        """All of a step's values in one event (one record per value would cost tens of
+        microseconds each, on the host thread that feeds the GPU)."""
+        if self.writer is not None and values:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            record = Summary(
+                value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in values.items()]
+            )
+            self.writer.file_writer.add_summary(record, step)
 
     def describe_run(self, config: dict[str, Any], summary: str) -> None:
         """Once per launch: the charts' layout, the run's config in the HParams tab (next to

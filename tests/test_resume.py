@@ -4,6 +4,7 @@ checkpoint each end with the final parameters and per-step loss record of an uni
 bit for bit; a resume on another number of processes sees every sample once; bad resumes,
 non-finite losses and hung collectives stop with a clear error."""
 
+import json
 import logging
 import os
 import re
@@ -109,6 +110,16 @@ def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, r
     assert_same_run(run_dir, reference)
     left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert left == ["step-00000010", "step-00000015", "step-00000020"]  # ckpt.keep_last=3
+    # Goodput kept one account over both attempts: the second charged the restart (the time
+    # between them and the steps after step 10 that the first trained in vain).
+    attempts = json.loads((run_dir / "goodput.json").read_text())["attempts"]
+    assert len(attempts) == 2
+    final = {tag: values[-1][1] for tag, values in read_scalars(run_dir).items()}
+    assert final["goodput/restart_s"] > 0
+    parts = ("startup", "training", "eval", "checkpoint", "stall", "restart")
+    total = sum(final[f"goodput/{p}_s"] for p in parts)
+    assert abs(total - final["goodput/wall_s"]) < 1e-3 * final["goodput/wall_s"]
+    assert final["goodput/wall_s"] >= attempts[1]["last_update"] - attempts[0]["started_at"] - 1
 
 
 def test_a_job_killed_whole_resumes_when_relaunched_with_the_same_command(tmp_path, reference):
