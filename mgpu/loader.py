@@ -6,6 +6,7 @@ batch on the device ahead of use.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import queue
@@ -24,6 +25,21 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from mgpu.config import ConfigError, DataConfig, build_from_target
 from mgpu.dist import Runtime
 from mgpu.metrics import DataWait
+
+# Epochs still running, so that interpreter exit can end them first (below).
+_LIVE_EPOCHS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _end_live_epochs() -> None:
+    """Exit-time rule: end the epochs a program left running (its `finally` joins the copy
+    thread and shuts the DataLoader down) while the interpreter is whole. Left to the
+    interpreter's teardown, a daemon copy thread inside a torch call that tries to take the
+    GIL back is killed mid-call, which aborts the process ("terminate called without an active
+    exception") after its work is done."""
+    for epoch in list(_LIVE_EPOCHS):
+        epoch.close()
+
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -403,6 +419,7 @@ class DeviceLoader:
         # Weak: a consumer that breaks out of its loop drops the last reference, and the epoch's
         # `finally` runs at once (in-flight batches retired, the copy thread joined).
         self._running = weakref.ref(epoch)
+        _LIVE_EPOCHS.add(epoch)
         return epoch
 
     def close(self) -> None:

@@ -17,6 +17,22 @@ from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
 from mgpu.trainer import Trainer  # noqa: E402
 
 STEPS, ACCUM = int(sys.argv[1]), 2
+# "race": the negative control of the sanitizer test. The compute stream no longer waits for the
+# communication stream before reading the reduced gradients, a race the sanitizer must report.
+RACE = sys.argv[2:] == ["race"]
+
+
+def _finish_without_waiting(self) -> None:
+    with torch.cuda.stream(self.stream):
+        self._wait_all()
+    self._reset()
+    self.step_done = True
+
+
+if RACE:
+    from mgpu.comm import GradReducer  # noqa: E402
+
+    GradReducer._finish_reductions = _finish_without_waiting
 
 
 def train(engine: Engine, rt) -> dict:

@@ -17,7 +17,7 @@ pytestmark = [
 WORKER = Path(__file__).with_name("reducer_worker.py")
 
 
-def run_worker(steps: int, env: dict) -> subprocess.CompletedProcess:
+def run_worker(steps: int, env: dict, *extra: str) -> subprocess.CompletedProcess:
     import os
 
     cmd = [
@@ -28,6 +28,7 @@ def run_worker(steps: int, env: dict) -> subprocess.CompletedProcess:
         "--nproc_per_node=2",
         str(WORKER),
         str(steps),
+        *extra,
     ]
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **NCCL_ENV, **env}
@@ -48,3 +49,11 @@ def test_no_stream_race_under_the_cuda_sanitizer():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data race" not in proc.stderr.lower(), proc.stderr[-3000:]
     assert "max_abs_diff" in proc.stdout
+
+
+def test_the_sanitizer_sees_a_missing_stream_wait():
+    """The control: with the compute stream's wait for the communication stream left out, the
+    same run must be reported, so the test above can fail."""
+    proc = run_worker(3, {"TORCH_CUDA_SANITIZER": "1"}, "race")
+    assert proc.returncode != 0 or "data race" in proc.stderr.lower(), proc.stderr[-3000:]
+    assert "possible data race" in proc.stderr, proc.stderr[-3000:]
