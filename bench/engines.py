@@ -149,8 +149,10 @@ def peak_memory_gib(name, engine, rt, use_compile, batch) -> float:
     model, trainer = build(name, engine, rt, use_compile)
     timed(trainer, batch, 3)
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+    if isinstance(model, MgpuDataParallel):
+        model.reducer.remove()  # its hooks and the parameters refer to each other
     del model, trainer
-    gc.collect()  # the reducer's hooks and the parameters refer to each other
+    gc.collect()
     torch.cuda.empty_cache()
     return peak
 

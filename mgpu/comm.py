@@ -132,8 +132,18 @@ class GradReducer:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Reverse registration order approximates backward order; the first step checks it.
         self._build(list(reversed(range(len(self.params)))))
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        # Kept so that remove() can take the reducer off the parameters again.
+        hook = self._on_grad_ready
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def remove(self) -> None:
+        """Take this reducer off its parameters: no hook of it runs in a later backward. Before
+        wrapping the same module again (two reducers would both act on every gradient), or to
+        free a wrapped model without a garbage collection (hooks and parameters refer to each
+        other). The parameters' gradients stay as they are."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _communicator(self, max_ctas: int):
         """The default group, or with dist.nccl_max_ctas a communicator of mgpu's own whose

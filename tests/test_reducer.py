@@ -2,6 +2,7 @@
 processes, 20 optimizer steps, for bucket sizes from one per parameter to one for everything,
 gradient accumulation, tied, frozen and unused parameters, and bf16 communication."""
 
+import copy
 import os
 
 import pytest
@@ -207,6 +208,40 @@ def test_unused_parameters_are_named_unless_find_unused(tmp_path):
         assert "branch.weight" in message and "branch.bias" in message, message
         assert "dist.find_unused=true" in message
         assert "body" not in message  # used parameters are not named
+
+
+def rewrap_worker(rank: int, port: int, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
+    try:
+        torch.manual_seed(0)
+        module = MLP(in_features=8, num_classes=3, hidden=[16])
+        reference = copy.deepcopy(module)
+        first = wrap_model(module, DistConfig(engine=Engine.mgpu), rt)
+        first.reducer.remove()
+        second = wrap_model(module, DistConfig(engine=Engine.mgpu, bucket_cap_mb=0.0001), rt)
+        torch.manual_seed(1 + rank)  # each rank its own batch
+        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+        nn.functional.cross_entropy(second(x), y).backward()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        worst = 0.0
+        for p, q in zip(module.parameters(), reference.parameters(), strict=True):
+            tdist.all_reduce(q.grad)
+            worst = max(worst, (p.grad - q.grad / WORLD).abs().max().item())
+        with open(f"{out_dir}/{rank}.txt", "w") as f:
+            f.write(f"{worst} {len(first.reducer.exposed)} {len(second.reducer.exposed)}")
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_a_removed_reducer_leaves_a_rewrapped_module_to_the_new_one(tmp_path):
+    spawn(rewrap_worker, free_port(), str(tmp_path), nprocs=WORLD)
+    for rank in range(WORLD):
+        worst, first_steps, second_steps = (tmp_path / f"{rank}.txt").read_text().split()
+        assert float(worst) < 1e-6
+        # Only the second reducer communicated: the first, removed, took no part in backward.
+        assert (first_steps, second_steps) == ("0", "1")
 
 
 def test_buckets_respect_caps_order_and_dtype():
