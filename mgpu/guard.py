@@ -51,14 +51,22 @@ class NonFiniteGuard:
     step, `guard.settle()` before a checkpoint and at the end. All of them on every rank."""
 
     def __init__(
-        self, policy: NonFinite, max_consecutive: int, rt: Runtime, *, scaler_owns_grads: bool
+        self,
+        policy: NonFinite,
+        max_consecutive: int,
+        rt: Runtime,
+        *,
+        scaler_owns_grads: bool,
+        agree: bool = True,
     ):
         self.policy, self.max_consecutive, self.rt = policy, max_consecutive, rt
         # Under fp16 an overflowing gradient is the loss scaler's business (it skips the step
         # and lowers the scale); only a non-finite loss counts here.
         self.scaler_owns_grads = scaler_owns_grads
         self.cuda = rt.device.type == "cuda"
-        self.distributed = rt.has_process_group and rt.world_size > 1
+        # Ranks that share parameters must agree; ranks that train apart (dist.engine=none, the
+        # scaling baseline) decide alone, and stay free of any per-step collective.
+        self.distributed = agree and rt.has_process_group and rt.world_size > 1
         self.pending: deque[_Verdict] = deque()
         self.skipped = 0  # steps skipped so far in this launch
         self.consecutive = 0
@@ -154,14 +162,15 @@ class NonFiniteGuard:
                 "saved after the last good step. Resume from the last checkpoint with a lower "
                 "optim.lr or trainer.grad_clip"
             )
-        if self.rt.is_primary:
+        if self.rt.is_primary or not self.distributed:  # an agreed verdict: said once
             log.warning(
                 "step %d: %s: its optimizer update was skipped on every rank", verdict.step, what
             )
 
-    @staticmethod
-    def _describe(flags: list[int]) -> str:
+    def _describe(self, flags: list[int]) -> str:
         ranks = [r for r, bad in enumerate(flags[:-1]) if bad]
+        if not self.distributed:
+            ranks = [self.rt.rank for _ in ranks]  # one slot: this rank's own
         if ranks:
             who = "rank " + ", ".join(map(str, ranks)) if len(ranks) < 8 else f"{len(ranks)} ranks"
             return f"the loss is NaN/inf on {who}"

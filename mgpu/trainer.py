@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_
 from torch.utils.data import DataLoader
 
@@ -41,7 +42,7 @@ from mgpu.checkpoint import (
     training_state,
     write_rank_files,
 )
-from mgpu.comm import local_module, sync_gradients, unwrap
+from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import Precision, TrainerConfig
 from mgpu.dist import Runtime, all_ok, all_reduce_sum_
 from mgpu.goodput import Goodput
@@ -129,7 +130,12 @@ class Trainer:
         # Where this rank is, for hang reports; started by fit (trainer.stall_timeout_s).
         self.watch = watchdog.Watchdog(rt, cfg.stall_timeout_s)
         self.guard = NonFiniteGuard(
-            cfg.nonfinite, cfg.max_consecutive_skips, rt, scaler_owns_grads=self.scaler.is_enabled()
+            cfg.nonfinite,
+            cfg.max_consecutive_skips,
+            rt,
+            scaler_owns_grads=self.scaler.is_enabled(),
+            # Wrapped for data parallelism: the ranks share their parameters and must agree.
+            agree=isinstance(model, MgpuDataParallel | DistributedDataParallel),
         )
         if recorder is not None:
             self.guard.on_skip = recorder.skipped

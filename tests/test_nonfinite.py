@@ -76,3 +76,20 @@ def test_skip_stops_after_max_consecutive_skips(tmp_path):
     assert no_worker_traceback(proc), output(proc)[-3000:]
     # Step 5 was skipped, so its checkpoint holds the parameters after step 4: still good.
     assert checkpoints(run_dir) == ["step-00000005"]
+
+
+def test_ranks_that_train_apart_decide_alone(tmp_path):
+    """dist.engine=none: no shared parameters, so no agreement (and no per-step collective):
+    rank 1 skips its own bad steps, rank 0 takes every update."""
+    run_dir = tmp_path / "run"
+    args = [*RUN, "trainer.max_steps=12", "ckpt.every=0", "trainer.nonfinite=skip"]
+    args += ["dist.engine=none", *nan(7, 9, rank=1)]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, timeout=120)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    state = torch.load(step_dir(run_dir / "checkpoints", 12) / "state.pt", weights_only=True)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {12}  # rank 0's
+    log1 = (run_dir / "rank1.log").read_text()
+    for step in (7, 8, 9):
+        said = f"step {step}: the loss is NaN/inf on rank 1: its optimizer update was skipped"
+        assert said in log1
+    assert "NaN/inf" not in (run_dir / "rank0.log").read_text()
