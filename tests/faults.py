@@ -142,3 +142,21 @@ class SlowGPT(GPT):
         if self.training and self.delay_s:
             time.sleep(self.delay_s)
         return super().forward(idx)
+
+
+class KillInSaveGPT(GPT):
+    """A GPT whose rank 0 kills itself (SIGKILL) in its `at_save`-th state_dict() call, unless
+    `marker` exists: in the middle of a checkpoint save, once the ranks' own files are written
+    and before the shared state and the manifest are."""
+
+    def __init__(self, *, at_save: int, marker: str, **kw):
+        super().__init__(**kw)
+        self.at_save, self.marker, self.saves = at_save, Path(marker), 0
+
+    def state_dict(self, *args, **kwargs):
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.saves += 1
+            if self.saves == self.at_save and not self.marker.exists():
+                self.marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().state_dict(*args, **kwargs)

@@ -122,6 +122,28 @@ def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, r
     assert final["goodput/wall_s"] >= attempts[1]["last_update"] - attempts[0]["started_at"] - 1
 
 
+def test_a_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
+    marker = tmp_path / "killed"
+    gpt = "vocab_size=256 block_size=64 n_layer=2 n_head=4 n_embd=128".split()  # model=gpt_tiny
+    model = ["model=custom", "model._target_=tests.faults.KillInSaveGPT"]
+    model += [f"+model.kwargs.{kv}" for kv in gpt]
+    model += ["+model.kwargs.at_save=3", f"+model.kwargs.marker={marker}"]  # the step-15 save
+    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [*RUN, *never, *model, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        nproc=2,
+        torchrun_args=("--max-restarts=1",),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    )
+    assert proc.returncode == 0, output(proc)[-3000:]
+    assert marker.exists()  # rank 0 did die inside the save of step 15
+    # The half-written step 15 never counted: the restart went back to step 10.
+    assert "resumed from " + str(step_dir(run_dir / "checkpoints", 10)) in output(proc)
+    assert_same_run(run_dir, reference)
+
+
 def test_a_job_killed_whole_resumes_when_relaunched_with_the_same_command(tmp_path, reference):
     run_dir, marker = tmp_path / "run", tmp_path / "killed"
     command = [*RUN, *faulty("kill_job", rank=1, step=13, marker=marker)]
