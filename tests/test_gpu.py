@@ -1,6 +1,7 @@
 """On CUDA machines (skipped elsewhere): the main job over NCCL, one process per GPU, each
 process's memory on its own GPU only; and too many processes for the GPUs stops before work."""
 
+import re
 import subprocess
 import threading
 import time
@@ -133,3 +134,30 @@ def test_a_hung_rank_under_nccl_ends_the_job_naming_the_lagging_rank(tmp_path):
     assert proc.returncode != 0
     assert "no progress for" in text and "lagging: rank 1" in text, text[-3000:]
     assert elapsed < 90, elapsed  # start-up + 10 s of stall + tear-down, not 120 s
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_preemption_with_dataloader_workers_over_nccl_saves_and_resumes(tmp_path):
+    """SIGTERM to the torchrun agent while DataLoader workers run: every rank stops after the
+    same step and saves it; the same command resumes there and finishes."""
+    run_dir = tmp_path / "run"
+    args = [
+        *(a for a in FAULT_RUN if a != "data.num_workers=0"),
+        "data.num_workers=2",
+        *faulty("term_agent", 8, tmp_path / "m"),
+        f"hydra.run.dir={run_dir}",
+    ]
+    first = run_train(args, cwd=tmp_path, nproc=2, env=NCCL_ENV, timeout=300)
+    text = first.stdout + first.stderr
+    stopped = re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint saved", text)
+    assert first.returncode == 1 and stopped, text[-3000:]  # torchrun's own code (README)
+    step = int(stopped.group(1))
+    for rank in (0, 1):
+        assert f"after step {step}: checkpoint saved" in (run_dir / f"rank{rank}.log").read_text()
+    second = run_train(args, cwd=tmp_path, nproc=2, env=NCCL_ENV, timeout=300)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert "resumed from " + str(run_dir / "checkpoints" / f"step-{step:08d}") in (
+        second.stdout + second.stderr
+    )
+    steps = [s for s, _ in read_scalars(run_dir)["train/loss"]]
+    assert steps == list(range(1, 21))  # each step once, across both launches
