@@ -9,6 +9,9 @@ import time
 import pytest
 import torch
 from conftest import FAST, read_scalars, run_train
+from faults import first_sample_of_step
+
+from mgpu.checkpoint import step_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -86,12 +89,12 @@ FAULT_RUN = [
 
 
 def faulty(fault: str, step: int, marker) -> list[str]:
-    at = (step - 1) * 32 + 1  # data.batch_size 32: the first sample of `step`
+    at = first_sample_of_step(step, 32)  # data.batch_size's default
     return [
         f"+data.kwargs.fault={fault}",
         f"+data.kwargs.at_sample={at}",
         f"+data.kwargs.marker={marker}",
-    ]  # noqa: E501
+    ]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -156,7 +159,7 @@ def test_preemption_with_dataloader_workers_over_nccl_saves_and_resumes(tmp_path
         assert f"after step {step}: checkpoint saved" in (run_dir / f"rank{rank}.log").read_text()
     second = run_train(args, cwd=tmp_path, nproc=2, env=NCCL_ENV, timeout=300)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-    assert "resumed from " + str(run_dir / "checkpoints" / f"step-{step:08d}") in (
+    assert "resumed from " + str(step_dir(run_dir / "checkpoints", step)) in (
         second.stdout + second.stderr
     )
     steps = [s for s, _ in read_scalars(run_dir)["train/loss"]]

@@ -284,34 +284,33 @@ def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
     assert "Traceback" not in output(proc)
 
 
-def test_a_hung_rank_fails_the_run_after_dist_timeout_s_naming_it(tmp_path):
+def run_with_a_hung_rank(tmp_path, *settings: str) -> tuple[str, float]:
+    """Rank 1 stops for good in its loader at step 3; the run's output and its wall time."""
     hang = faulty("hang", rank=1, step=3, marker=tmp_path / "m")
     start = time.monotonic()
-    args = [*RUN, *hang, "dist.timeout_s=5", "trainer.stall_timeout_s=0"]
-    proc = run_train(args, cwd=tmp_path, nproc=2, timeout=120)
+    proc = run_train([*RUN, *hang, *settings], cwd=tmp_path, nproc=2, timeout=120)
     assert proc.returncode != 0
-    text = output(proc)
+    assert os.path.exists(tmp_path / "m")
+    return output(proc), time.monotonic() - start
+
+
+def test_a_hung_rank_fails_the_run_after_dist_timeout_s_naming_it(tmp_path):
+    text, elapsed = run_with_a_hung_rank(tmp_path, "dist.timeout_s=5", "trainer.stall_timeout_s=0")
     # The step the loop was at: the loader fetches ahead of it.
     said = r"rank 0: a collective timed out \(dist.timeout_s\) in step \d+, forward/backward"
     assert re.search(said, text), text[-3000:]
     assert re.search(r"lagging: rank 1; rank 1: step \d+, data loading", text), text[-3000:]
     assert "Timed out waiting 5000ms" in text  # what the backend said, quoted
-    assert time.monotonic() - start < 60  # start-up, 2 steps, 5 s of waiting, tear-down
-    assert os.path.exists(tmp_path / "m")
+    assert elapsed < 60  # start-up, 2 steps, 5 s of waiting, tear-down
 
 
 def test_a_loader_that_never_yields_ends_the_run_after_stall_timeout_s(tmp_path):
-    hang = faulty("hang", rank=1, step=3, marker=tmp_path / "m")
-    start = time.monotonic()
-    args = [*RUN, *hang, "dist.timeout_s=300", "trainer.stall_timeout_s=4"]
-    proc = run_train(args, cwd=tmp_path, nproc=2, timeout=120)
-    assert proc.returncode != 0
-    text = output(proc)
-    assert re.search(r"rank 1: no progress for \d+ s .* in step \d+, data loading", text), text[
-        -3000:
-    ]
+    settings = ("dist.timeout_s=300", "trainer.stall_timeout_s=4")
+    text, elapsed = run_with_a_hung_rank(tmp_path, *settings)
+    said = r"rank 1: no progress for \d+ s .* in step \d+, data loading"
+    assert re.search(said, text), text[-3000:]
     assert "lagging: rank 1" in text
-    assert time.monotonic() - start < 60  # far below dist.timeout_s: the stall clock ended it
+    assert elapsed < 60  # far below dist.timeout_s: the stall clock ended it
 
 
 # ---- the pieces: signal agreement, restart hazard ----
