@@ -13,6 +13,13 @@ compute stream in (b) and (c), on the loader's side stream in (d) and (e); (a) s
     python bench/input_pipeline.py                  # ResNet-50 and GPT-2-small, ~3 minutes
     python bench/input_pipeline.py --workers 12 --steps 40 --repeats 3 --models resnet50
     python bench/input_pipeline.py --quick          # tiny shapes; runs on CPU (a smoke test)
+    torchrun --nproc_per_node=8 bench/input_pipeline.py --variants ad   # every GPU at once
+
+Under torchrun every process feeds its own GPU (LOCAL_RANK) from its own DataLoader workers, all
+at the same time, so workers of all GPUs compete for the host's cores, memory bandwidth and PCIe;
+the processes meet at a barrier before every measurement so they measure the same variant
+together. The default worker count is then the host's cores shared out per process. Rank 0
+writes one file with every GPU's rows and the worst GPU per variant.
 
 Writes bench/results/input_pipeline-<device>-<timestamp>.json.
 """
@@ -36,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -212,6 +220,12 @@ def feeds(
     }, {"d": inline, "e": thread}
 
 
+def together() -> None:
+    """Under torchrun: wait until every process is here, so all GPUs measure at once."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def measure(
     step, batches: Iterator, args, device: torch.device, prefetcher: DeviceLoader | None
 ) -> tuple[float, float | None]:
@@ -222,6 +236,8 @@ def measure(
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()  # benchmark only: start from an idle GPU
+    together()
+    if cuda:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
     if prefetcher is not None:
@@ -262,31 +278,62 @@ def run_workload(work: Workload, args, device: torch.device) -> list[dict]:
     for v in args.variants:
         rates = [units / s for s in seconds[v]]
         rate = statistics.median(rates)
+        wait = statistics.median(waits[v]) if v in waits else None
+        step_ms = statistics.median(seconds[v]) / args.steps * 1e3
         rows.append(
             {
                 "workload": work.name,
                 "variant": f"({v}) {VARIANTS[v]}",
+                "rank": rank(),
                 "throughput": rate,
                 "unit": work.unit,
                 "ratio_to_a": rate / base if base else None,
                 "spread": [min(rates), max(rates)],
-                "data_wait_ms_per_step": statistics.median(waits[v]) if v in waits else None,
+                "step_ms": step_ms,
+                "data_wait_ms_per_step": wait,
+                "data_wait_pct": 100 * wait / step_ms if wait is not None else None,
             }
         )
     return rows
 
 
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def worst_per_variant(rows: list[dict]) -> list[dict]:
+    """Across GPUs: each variant's slowest GPU and its largest data wait."""
+    out = []
+    for key in dict.fromkeys((r["workload"], r["variant"]) for r in rows):
+        mine = [r for r in rows if (r["workload"], r["variant"]) == key]
+        slowest = min(mine, key=lambda r: r["throughput"])
+        waited = [r for r in mine if r["data_wait_pct"] is not None]
+        longest = max(waited, key=lambda r: r["data_wait_pct"]) if waited else slowest
+        out.append(
+            {
+                **slowest,
+                "rank": f"worst of {len(mine)}",
+                "data_wait_ms_per_step": longest["data_wait_ms_per_step"],
+                "data_wait_pct": longest["data_wait_pct"],
+                "ratio_to_a": min(
+                    (r["ratio_to_a"] for r in mine if r["ratio_to_a"] is not None), default=None
+                ),
+            }
+        )
+    return out
+
+
 def print_table(rows: list[dict]) -> None:
-    head = f"{'workload':<12} {'variant':<26} {'throughput':>21} {'vs (a)':>7} {'spread':>23}"
-    print(head + "  data wait/step (mgpu meter)")
+    head = f"{'workload':<12} {'variant':<26} {'rank':>10} {'throughput':>21} {'vs (a)':>7}"
+    print(head + f" {'spread':>23}  data wait/step (mgpu meter)")
     for r in rows:
         lo, hi = r["spread"]
         ratio = f"{r['ratio_to_a']:.3f}" if r["ratio_to_a"] is not None else "-"
         wait = r["data_wait_ms_per_step"]
         print(
-            f"{r['workload']:<12} {r['variant']:<26} {r['throughput']:>12,.0f} {r['unit']:<8}"
-            f" {ratio:>7} {lo:>11,.0f}-{hi:<11,.0f}  "
-            + (f"{wait:.3f} ms" if wait is not None else "")
+            f"{r['workload']:<12} {r['variant']:<26} {r['rank']!s:>10} "
+            f"{r['throughput']:>12,.0f} {r['unit']:<8} {ratio:>7} {lo:>11,.0f}-{hi:<11,.0f}  "
+            + (f"{wait:.3f} ms ({r['data_wait_pct']:.2f}%)" if wait is not None else "")
         )
 
 
@@ -319,7 +366,9 @@ def nccl_version() -> str:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 4)))
+    # Under torchrun the host's cores are shared out among the processes on it.
+    per_process = (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    p.add_argument("--workers", type=int, default=max(1, min(12, per_process - 4)))
     p.add_argument("--prefetch-factor", type=int, default=2, help="DataLoader prefetch_factor")
     p.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps before each")
@@ -341,28 +390,54 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if "LOCAL_RANK" in os.environ:  # torchrun: one process per GPU, all measured at once
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo")  # barriers and the gather of rows only
     torch.manual_seed(0)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolutions
     env = environment(device)
-    print(f"{env['device']} | torch {env['torch']} | commit {env['commit'][:12]}")
+    primary = rank() == 0
+    if primary:
+        print(f"{env['device']} | torch {env['torch']} | commit {env['commit'][:12]}")
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             work = resnet50(args, device) if name == "resnet50" else gpt2(args, device, Path(tmp))
             notes.append(f"{work.name}: {work.note}")
-            print(f"{work.name}: {work.note}; {args.workers} workers", flush=True)
+            if primary:
+                print(f"{work.name}: {work.note}; {args.workers} workers", flush=True)
             rows += run_workload(work, args, device)
             del work
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    gpus = 1
+    if dist.is_initialized():
+        gpus = dist.get_world_size()
+        every: list[list[dict]] = [[] for _ in range(gpus)]
+        dist.all_gather_object(every, rows)
+        dist.destroy_process_group()
+        if not primary:
+            return
+        rows = [r for ranks in every for r in ranks]
+        rows = sorted(rows, key=lambda r: (r["workload"], r["variant"], r["rank"]))
+        rows += worst_per_variant(rows)
     print_table(rows)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     slug = re.sub(r"[^A-Za-z0-9]+", "-", env["device"]).strip("-").lower()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"input_pipeline-{slug}-{stamp}.json"
+    path = args.out / f"input_pipeline-{slug}-x{gpus}-{stamp}.json"
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    record = {**env, "timestamp": stamp, "settings": settings, "notes": notes, "table": rows}
+    record = {
+        **env,
+        "gpus": gpus,
+        "timestamp": stamp,
+        "settings": settings,
+        "notes": notes,
+        "table": rows,
+    }
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
 

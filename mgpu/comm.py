@@ -397,7 +397,9 @@ class MgpuDataParallel(nn.Module):
         # Every rank starts from rank 0's weights and buffers.
         _broadcast_coalesced([*module.parameters(), *module.buffers()], rt)
         self.reducer = GradReducer(module, rt, cfg)
-        self.buffers_to_sync = [b for b in module.buffers() if b.numel() > 0]
+        self.buffers_to_sync = []
+        if cfg.broadcast_buffers:
+            self.buffers_to_sync = [b for b in module.buffers() if b.numel() > 0]
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.training:
@@ -442,6 +444,7 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
         gradient_as_bucket_view=cfg.ddp_bucket_view,
         static_graph=cfg.ddp_static_graph,
         find_unused_parameters=cfg.find_unused,
+        broadcast_buffers=cfg.broadcast_buffers,
     )
 
 

@@ -131,6 +131,10 @@ class DistConfig:
     first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
     find_unused: bool = False  # reduce zeros for parameters that get no gradient in a step
+    # Buffers (BatchNorm running statistics) follow rank 0's at the start of every optimizer
+    # step. false: each rank keeps its own statistics (one collective less per step; rank 0's
+    # are the ones checkpointed and evaluated).
+    broadcast_buffers: bool = True
     # mgpu: at most this many SMs for NCCL's kernels (on a communicator of mgpu's own), leaving
     # the rest to the backward kernels they overlap with; 0: NCCL's own choice
     nccl_max_ctas: int = 0
