@@ -125,16 +125,20 @@ def build(name: str, engine: str, rt, use_compile: bool):
     return model, Trainer(tcfg, model, optimizer, schedule, rt)
 
 
-def timed(trainer: Trainer, batch, steps: int) -> float:
-    """ms per optimizer step on the GPU's own clock; the host waits only at the end."""
+def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
+    """ms per optimizer step on the GPU's own clock (the host waits only at the end), and how
+    far ahead of the GPU the host was when it had launched the last step: the GPU work still
+    queued, in ms. Near zero, the host is what bounds the step (launch-bound), not the GPU."""
     batches = iter([batch] * steps)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
         trainer.train_step(batches)
     end.record()
+    launched = time.perf_counter()
     end.synchronize()
-    return start.elapsed_time(end) / steps
+    ahead_ms = (time.perf_counter() - launched) * 1e3
+    return start.elapsed_time(end) / steps, ahead_ms
 
 
 def exposed_ms(model) -> float | None:
@@ -172,12 +176,15 @@ def bench_model(name, engines, rt, args) -> list[dict]:
     for _model, trainer in built.values():
         timed(trainer, batch, args.warmup)
     times: dict[str, list[float]] = {e: [] for e in engines}
+    ahead: dict[str, list[float]] = {e: [] for e in engines}
     exposed: dict[str, list[float]] = {e: [] for e in engines}
     for _ in range(args.rounds):
         for e in engines:
             model, trainer = built[e]
             exposed_ms(model)  # drop marks from earlier rounds
-            times[e].append(timed(trainer, batch, args.steps))
+            ms, queued = timed(trainer, batch, args.steps)
+            times[e].append(ms)
+            ahead[e].append(queued)
             x = exposed_ms(model)
             if x is not None:
                 exposed[e].append(x)
@@ -198,6 +205,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
                 "scaling_efficiency": base / ms if base else None,
                 "peak_memory_gib": memory[e],
                 "exposed_comm_ms": statistics.median(exposed[e]) if exposed[e] else None,
+                "host_ahead_ms": statistics.median(ahead[e]),
             }
         )
     return rows
@@ -233,8 +241,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
         f"NCCL {meta['nccl']}, {meta['env'] or 'default NCCL env'}"
     )
     print(
-        f"{'model':<11} {'engine':<16} {'ms/step':>8} {'per GPU':>12} {'eff':>6} "
-        f"{'vs best ddp':>11} {'peak GiB':>8} {'exposed ms':>10}"
+        f"{'model':<11} {'engine':<28} {'ms/step':>8} {'per GPU':>12} {'eff':>6} "
+        f"{'vs best ddp':>11} {'peak GiB':>8} {'exposed ms':>10} {'host ahead ms':>13}"
     )
     for row in rows:
         ddp = [
@@ -246,9 +254,10 @@ def report(rows: list[dict], meta: dict, args) -> None:
         row["speed_vs_best_torch_ddp"] = ratio
         eff, exp = row["scaling_efficiency"], row["exposed_comm_ms"]
         print(
-            f"{row['model']:<11} {row['engine']:<16} {row['step_ms']:8.2f} "
+            f"{row['model']:<11} {row['engine']:<28} {row['step_ms']:8.2f} "
             f"{row['per_gpu_throughput']:12,.0f} {eff or 0:6.3f} {ratio or 0:11.3f} "
-            f"{row['peak_memory_gib']:8.2f} {exp if exp is not None else float('nan'):10.2f}"
+            f"{row['peak_memory_gib']:8.2f} {exp if exp is not None else float('nan'):10.2f} "
+            f"{row['host_ahead_ms']:13.1f}"
         )
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)

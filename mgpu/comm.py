@@ -15,8 +15,14 @@ Stream rules (CUDA), in the order they happen in one optimizer step:
 
 Not supported: reentrant activation checkpointing (torch.utils.checkpoint with
 use_reentrant=True) runs an inner backward whose end the reducer would take for the end of the
-step; use use_reentrant=False. Every rank must run the same forwards through the wrapper: a
-forward that starts a step broadcasts BatchNorm buffers, a collective.
+step; use use_reentrant=False.
+
+Buffers (BatchNorm running statistics) follow rank 0's: with dist.broadcast_buffers they are
+broadcast on the communication stream right after the step's last gradient reduction, where the
+ranks have just met anyway, instead of at the next forward, which would add a second meeting
+point per step on the compute stream (one that waits for the slowest rank's host to launch it).
+The values the next forward sees are the ones a broadcast at its start would give; in addition,
+after the last step every rank holds rank 0's statistics.
 """
 
 from __future__ import annotations
@@ -56,21 +62,27 @@ class Bucket:
             offset += p.numel()
         self.pending = len(params)
         self.work = None
+        # Each parameter's slice, made once: attach runs every step, and building 161 strided
+        # views each time (ResNet-50) is host time on the step's critical path.
+        self.views = [self._slice(p, off) for p, off in zip(params, self.offsets, strict=True)]
+
+    def _slice(self, p: nn.Parameter, offset: int) -> torch.Tensor:
+        """The slice takes the parameter's own strides (channels_last convolution weights
+        included), as autograd's layout contract asks; any dense layout occupies exactly numel
+        consecutive elements. Other layouts (a parameter that is a strided view of a bigger
+        tensor) get contiguous gradients, never ones that spill over."""
+        dense = p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last)
+        stride = p.stride() if dense else torch.empty(p.size(), device="meta").stride()
+        return self.flat.as_strided(p.size(), stride, offset)
 
     def attach(self) -> None:
         """Point each parameter's .grad at its slice (the caller zeroes the bucket first).
 
-        Only .grad refers to a slice (no other reference is kept), so autograd accumulates into
-        it in place instead of allocating a new gradient. The slice takes the parameter's own
-        strides (channels_last convolution weights included), as autograd's layout contract
-        asks; any dense layout occupies exactly numel consecutive elements.
+        With .grad defined, autograd accumulates into it in place (backward runs without grad
+        mode) instead of allocating a new gradient: the buckets are the only gradient memory.
         """
-        for p, offset in zip(self.params, self.offsets, strict=True):
-            # Only a dense layout fits numel slots; others (a parameter that is a strided view
-            # of a bigger tensor) get contiguous gradients, never ones that spill over.
-            dense = p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last)
-            stride = p.stride() if dense else torch.empty(p.size(), device="meta").stride()
-            p.grad = self.flat.as_strided(p.size(), stride, offset)
+        for p, view in zip(self.params, self.views, strict=True):
+            p.grad = view
 
     def is_attached(self) -> bool:
         base, size = self.flat.data_ptr(), self.flat.element_size()
@@ -116,6 +128,8 @@ class GradReducer:
                 seen.setdefault(id(p), p)
         self.params = list(seen.values())
         self.names = {id(p): n for n, p in module.named_parameters()}
+        buffers = [b for b in module.buffers() if b.numel() > 0] if cfg.broadcast_buffers else []
+        self.buffers = FlatBuffers(buffers)
         self.cuda = rt.device.type == "cuda"
         # One persistent stream per reducer: a stream per step would leak.
         self.stream = torch.cuda.Stream(device=rt.device) if self.cuda else None
@@ -331,8 +345,11 @@ class GradReducer:
         start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
         if self.cuda:
             start.record()  # backward compute is done here (compute stream)
+            # The buffers were last written by this step's forwards: read them after this.
+            self.stream.wait_event(start)
             with torch.cuda.stream(self.stream):
                 self._wait_all()
+                self._broadcast_buffers()
             # The optimizer and the next backward, queued later on the compute stream, run
             # only after every reduction and copy-back has finished.
             torch.cuda.current_stream().wait_stream(self.stream)
@@ -340,10 +357,19 @@ class GradReducer:
             end.record()
         else:
             self._wait_all()
+            self._broadcast_buffers()
             end = time.perf_counter()
         self.exposed.append((start, end))
         self._reset()
         self.step_done = True
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers into every rank's, on the current stream (communication)."""
+        if self.buffers.flats and self.world > 1 and self.rt.has_process_group:
+            self.buffers.pack()
+            for flat in self.buffers.flats:
+                tdist.broadcast(flat, src=0, group=self.group)
+            self.buffers.unpack()
 
     def _wait_launched(self) -> None:
         """Wait for the reductions already launched and order the compute stream after them."""
@@ -372,6 +398,35 @@ class GradReducer:
         self.next_launch = 0
 
 
+class FlatBuffers:
+    """Buffers packed into one persistent flat tensor per dtype, so that a broadcast is one
+    collective per dtype with two multi-tensor copies around it and no allocation."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers: list[list[torch.Tensor]] = []
+        self.views: list[list[torch.Tensor]] = []
+        self.flats: list[torch.Tensor] = []
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for b in buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        for group in by_dtype.values():
+            flat = torch.empty(
+                sum(b.numel() for b in group), dtype=group[0].dtype, device=group[0].device
+            )
+            views = torch.split(flat, [b.numel() for b in group])
+            self.flats.append(flat)
+            self.buffers.append([b.data for b in group])
+            self.views.append([v.view(b.shape) for v, b in zip(views, group, strict=True)])
+
+    def pack(self) -> None:
+        for buffers, views in zip(self.buffers, self.views, strict=True):
+            torch._foreach_copy_(views, buffers)
+
+    def unpack(self) -> None:
+        for buffers, views in zip(self.buffers, self.views, strict=True):
+            torch._foreach_copy_(buffers, views)
+
+
 def _broadcast_coalesced(tensors: list[torch.Tensor], rt: Runtime) -> None:
     """Rank 0's values into every rank's tensors, one collective per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -397,17 +452,10 @@ class MgpuDataParallel(nn.Module):
         # Every rank starts from rank 0's weights and buffers.
         _broadcast_coalesced([*module.parameters(), *module.buffers()], rt)
         self.reducer = GradReducer(module, rt, cfg)
-        self.buffers_to_sync = []
-        if cfg.broadcast_buffers:
-            self.buffers_to_sync = [b for b in module.buffers() if b.numel() > 0]
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.training:
-            new_step = self.reducer.prepare()
-            if new_step and self.buffers_to_sync:
-                # BatchNorm statistics follow rank 0 (as torch DDP's broadcast_buffers does),
-                # once per optimizer step rather than once per micro-step.
-                _broadcast_coalesced(self.buffers_to_sync, self.rt)
+            self.reducer.prepare()
         out = self.module(*args, **kwargs)
         self.reducer.await_zeroed()
         return out

@@ -1,5 +1,6 @@
-"""Run under torchrun on GPUs: a tiny GPT trained with dist.engine=mgpu and with torch DDP from
-the same start on the same batches; rank 0 prints the largest parameter difference.
+"""Run under torchrun on GPUs: a tiny GPT and a tiny ResNet (BatchNorm buffers, broadcast from
+rank 0) trained with dist.engine=mgpu and with torch DDP from the same start on the same
+batches; rank 0 prints the largest difference of parameters and buffers.
 Used by test_reducer_gpu.py, also under TORCH_CUDA_SANITIZER=1."""
 
 import sys
@@ -12,11 +13,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mgpu.comm import wrap_model  # noqa: E402
 from mgpu.config import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
 from mgpu.dist import distributed  # noqa: E402
-from mgpu.models import GPT  # noqa: E402
+from mgpu.models import GPT, ResNet  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
 from mgpu.trainer import Trainer  # noqa: E402
 
 STEPS, ACCUM = int(sys.argv[1]), 2
+# Two trainings compared to 1e-5: no TF32 and no nondeterministic convolution algorithms.
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cudnn.deterministic = True
 # "race": the negative control of the sanitizer test. The compute stream no longer waits for the
 # communication stream before reading the reduced gradients, a race the sanitizer must report.
 RACE = sys.argv[2:] == ["race"]
@@ -35,9 +39,22 @@ if RACE:
     GradReducer._finish_reductions = _finish_without_waiting
 
 
-def train(engine: Engine, rt) -> dict:
+def batch(model: str, g: torch.Generator, device: torch.device) -> list:
+    if model == "gpt":
+        tokens = torch.randint(0, 64, (ACCUM, 4, 17), device=device, generator=g)
+        return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    images = torch.randn(ACCUM, 4, 3, 16, 16, device=device, generator=g)
+    labels = torch.randint(0, 10, (ACCUM, 4), device=device, generator=g)
+    return list(zip(images, labels, strict=True))
+
+
+def train(name: str, engine: Engine, rt) -> dict:
     torch.manual_seed(0)
-    model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32).to(rt.device)
+    if name == "gpt":
+        model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    else:
+        model = ResNet(num_classes=10, block="basic", layers=[1, 1, 1, 1], width=8)
+    model = model.to(rt.device)
     ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     schedule = build_schedule(ocfg, optimizer, STEPS)
@@ -52,14 +69,18 @@ def train(engine: Engine, rt) -> dict:
     )
     g = torch.Generator(device=rt.device).manual_seed(rt.rank)
     for _ in range(STEPS):
-        tokens = torch.randint(0, 64, (ACCUM, 4, 17), device=rt.device, generator=g)
-        trainer.train_step(iter([(t[:, :-1], t[:, 1:]) for t in tokens]))
-    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        trainer.train_step(iter(batch(name, g, rt.device)))
+    state = model.module.state_dict()
+    return {f"{name}.{k}": v.detach().double().clone() for k, v in state.items()}
 
 
 with distributed("nccl", timeout_s=120) as rt:
-    mine, ddp = train(Engine.mgpu, rt), train(Engine.torch_ddp, rt)
+    mine, ddp = {}, {}
+    for name in ("gpt", "resnet"):
+        mine.update(train(name, Engine.mgpu, rt))
+        ddp.update(train(name, Engine.torch_ddp, rt))
+    # Rank 0's values, buffers included (rank 1's last statistics are its own under DDP).
     diff = max((mine[k] - v).abs().max().item() for k, v in ddp.items())
-    scale = max(v.abs().max().item() for v in ddp.values())
+    scale = max(v.abs().max().item() for v in ddp.values() if v.is_floating_point())
     if rt.is_primary:
         print(f"max_abs_diff={diff:.3e} max_abs_param={scale:.3e}")

@@ -161,9 +161,7 @@ def test_matches_one_process_on_the_concatenated_batch(results, case):
     [
         ("mgpu_accum4_adamw", "ddp_accum4_adamw"),
         ("mgpu_gpt_tied", "ddp_gpt_tied"),
-        # running statistics included: rank 0's at each step's start, or each rank's own
-        ("mgpu_bn", "ddp_bn"),
-        ("mgpu_bn_own_buffers", "ddp_bn_own_buffers"),
+        ("mgpu_bn_own_buffers", "ddp_bn_own_buffers"),  # each rank's own statistics
     ],
 )
 def test_matches_torch_ddp(results, mgpu_case, ddp_case):
@@ -172,6 +170,21 @@ def test_matches_torch_ddp(results, mgpu_case, ddp_case):
         ddp = torch.load(results / f"{ddp_case}.{rank}.pt", weights_only=True)["params"]
         for key, value in ddp.items():
             torch.testing.assert_close(mine[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_batchnorm_statistics_follow_rank_0_as_with_torch_ddp(results):
+    """Every step starts from rank 0's running statistics, as with torch DDP's
+    broadcast_buffers, so parameters and rank 0's statistics match DDP's. mgpu broadcasts
+    after the step's reduction rather than at the next forward: after the last step rank 1 also
+    holds rank 0's statistics (DDP's rank 1 keeps its own from its last forward)."""
+    mine = [torch.load(results / f"mgpu_bn.{r}.pt", weights_only=True)["params"] for r in (0, 1)]
+    ddp = [torch.load(results / f"ddp_bn.{r}.pt", weights_only=True)["params"] for r in (0, 1)]
+    stats = ("1.running_mean", "1.running_var", "1.num_batches_tracked")
+    for key, value in ddp[0].items():
+        torch.testing.assert_close(mine[0][key], value, rtol=1e-6, atol=1e-7, msg=key)
+        expected = mine[0][key] if key in stats else ddp[1][key]
+        torch.testing.assert_close(mine[1][key], expected, rtol=1e-6, atol=1e-7, msg=key)
+    assert not torch.equal(ddp[1]["1.running_mean"], ddp[0]["1.running_mean"])
 
 
 def test_buckets_launch_while_backward_is_still_running(results):
