@@ -286,14 +286,14 @@ class RankSpread:
         n, world = len(values), self.rt.world_size
         if not self.cuda:
             out = torch.empty(world * n, dtype=torch.float64)
-            tdist.all_gather_single(out, torch.tensor(values, dtype=torch.float64))
+            tdist.all_gather_into_tensor(out, torch.tensor(values, dtype=torch.float64))
             self.pending.append((step, out.view(world, n), None, None))
             return
         # Pinned staging both ways: a copy from pageable memory would wait for the stream.
         src = torch.tensor(values, dtype=torch.float64).pin_memory()
         mine = src.to(self.rt.device, non_blocking=True)
         out = torch.empty(world * n, dtype=torch.float64, device=self.rt.device)
-        tdist.all_gather_single(out, mine)  # queued behind this step's work, not awaited
+        tdist.all_gather_into_tensor(out, mine)  # queued behind this step's work, not awaited
         host = torch.empty(world * n, dtype=torch.float64, pin_memory=True)
         host.copy_(out, non_blocking=True)
         copied = torch.cuda.Event()
