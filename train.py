@@ -220,7 +220,7 @@ def main(dcfg: DictConfig) -> None:
     cfg = to_config(dcfg)  # already validated before Hydra made the run directory
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     exit_code = 0
-    with distributed(cfg.dist.backend.value, cfg.dist.timeout_s) as rt:
+    with distributed(cfg.dist.backend.value, cfg.dist.timeout_s, cfg.dist.cpu_affinity) as rt:
         global JOINED
         JOINED = rt.has_process_group
         resolved = OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"])

@@ -279,16 +279,20 @@ def main() -> None:
         help="torch.compile: per block for mgpu, whole model otherwise",
     )
     parser.add_argument("--tag", default="nvlink")
+    parser.add_argument(
+        "--cpu-affinity", action="store_true", help="dist.cpu_affinity: each rank its own CPUs"
+    )
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
-    with distributed("nccl", timeout_s=600) as rt:
+    with distributed("nccl", timeout_s=600, cpu_affinity=args.cpu_affinity) as rt:
         rows = [row for name in args.models for row in bench_model(name, args.engines, rt, args)]
         if rt.is_primary:
             meta = {
                 **versions(),
                 "world_size": rt.world_size,
                 "compile": args.compile,
+                "cpu_affinity": args.cpu_affinity,
                 "command": " ".join(["torchrun", f"--nproc_per_node={rt.world_size}", *sys.argv]),
                 "steps": args.steps,
                 "rounds": args.rounds,

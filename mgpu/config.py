@@ -135,6 +135,9 @@ class DistConfig:
     # step. false: each rank keeps its own statistics (one collective less per step; rank 0's
     # are the ones checkpointed and evaluated).
     broadcast_buffers: bool = True
+    # Each worker (and its DataLoader workers) on its own equal block of the node's CPUs, so
+    # launch threads of the ranks do not compete or migrate; for launch-bound models.
+    cpu_affinity: bool = False
     # mgpu: at most this many SMs for NCCL's kernels (on a communicator of mgpu's own), leaving
     # the rest to the backward kernels they overlap with; 0: NCCL's own choice
     nccl_max_ctas: int = 0

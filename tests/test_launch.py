@@ -510,3 +510,25 @@ def test_sweep_script_runs_one_torchrun_per_point(tmp_path):
         assert (point / "rank0.log").exists() and (point / "rank1.log").exists()
         assert len(list(point.glob("events.out.tfevents.*"))) == 1
     assert "trainer.seed=2" in (sweep_dir / "sweep.txt").read_text().splitlines()[1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_cpu_affinity_gives_each_worker_its_own_block_of_cpus(tmp_path):
+    run = tmp_path / "run"
+    args = [*FAST, "trainer.max_steps=4", "dist.cpu_affinity=true", f"hydra.run.dir={run}"]
+    proc = run_train(args, cwd=tmp_path, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    blocks = []
+    for rank in (0, 1):
+        text = (run / f"rank{rank}.log").read_text()
+        first, last = map(int, re.search(rf"rank {rank} pinned to CPUs (\d+)-(\d+)", text).groups())
+        blocks.append(set(range(first, last + 1)))
+    assert blocks[0] and blocks[1] and not blocks[0] & blocks[1]
+    assert blocks[0] | blocks[1] <= set(os.sched_getaffinity(0))
+
+
+def test_cpu_affinity_with_more_workers_than_cpus_says_how_to_fix():
+    from mgpu.dist import pin_host_cpus
+
+    with pytest.raises(ValueError, match="dist.cpu_affinity=false"):
+        pin_host_cpus(0, len(os.sched_getaffinity(0)) + 1)
