@@ -31,6 +31,11 @@ Mark = torch.cuda.Event | float
 GOODPUT_SAVE_S = 30.0
 
 
+# One tensor gathered from every rank into one: all_gather_single in newer torch, which
+# deprecates all_gather_into_tensor; only the latter exists in torch 2.10 and 2.11.
+_all_gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+
+
 class Clock:
     """Marks points in the stream of work: CUDA events on a GPU, host time on CPU."""
 
@@ -286,14 +291,14 @@ class RankSpread:
         n, world = len(values), self.rt.world_size
         if not self.cuda:
             out = torch.empty(world * n, dtype=torch.float64)
-            tdist.all_gather_into_tensor(out, torch.tensor(values, dtype=torch.float64))
+            _all_gather(out, torch.tensor(values, dtype=torch.float64))
             self.pending.append((step, out.view(world, n), None, None))
             return
         # Pinned staging both ways: a copy from pageable memory would wait for the stream.
         src = torch.tensor(values, dtype=torch.float64).pin_memory()
         mine = src.to(self.rt.device, non_blocking=True)
         out = torch.empty(world * n, dtype=torch.float64, device=self.rt.device)
-        tdist.all_gather_into_tensor(out, mine)  # queued behind this step's work, not awaited
+        _all_gather(out, mine)  # queued behind this step's work, not awaited
         host = torch.empty(world * n, dtype=torch.float64, pin_memory=True)
         host.copy_(out, non_blocking=True)
         copied = torch.cuda.Event()
