@@ -94,6 +94,9 @@ class TrainerConfig:
     # or skip that step on every rank (at most max_consecutive_skips in a row, then stop).
     nonfinite: NonFinite = NonFinite.stop
     max_consecutive_skips: int = 5
+    # fp16 only: the loss scale to start from; overflowing steps halve it, 2000 clean ones
+    # double it (torch's GradScaler). Lower it if the first steps of a run all overflow.
+    loss_scale_init: float = 65536.0
     # Seconds a rank may make no progress (a data loader that never yields, a stuck evaluation,
     # a host blocked behind a hung NCCL collective) before it fails naming the phase and the
     # rank behind; 0 turns it off. Below dist.timeout_s, so that on NCCL it reports before the
@@ -111,6 +114,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _positive("trainer.max_steps", self.max_steps, "1000")
         _positive("trainer.max_consecutive_skips", self.max_consecutive_skips, "5")
+        _positive("trainer.loss_scale_init", self.loss_scale_init, "65536")
         _non_negative("trainer.stall_timeout_s", self.stall_timeout_s, "300 (0 turns it off)")
         _positive("trainer.profile_start", self.profile_start, "10")
         _positive("trainer.profile_steps", self.profile_steps, "5")

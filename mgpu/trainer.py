@@ -123,7 +123,11 @@ class Trainer:
         self.input_transform = input_transform
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it.
-        self.scaler = torch.amp.GradScaler(rt.device.type, enabled=self.amp_dtype is torch.float16)
+        self.scaler = torch.amp.GradScaler(
+            rt.device.type,
+            init_scale=cfg.loss_scale_init,
+            enabled=self.amp_dtype is torch.float16,
+        )
         self.channels_last = rt.device.type == "cuda" and getattr(
             unwrap(model), "channels_last", False
         )

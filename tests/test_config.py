@@ -48,6 +48,7 @@ def test_gpt2_small_is_the_124m_shape():
         ("optim.lr=-1", "optim.lr"),
         ("data.batch_size=0", "data.batch_size"),
         ("trainer.max_steps=0", "trainer.max_steps"),
+        ("trainer.loss_scale_init=0", "trainer.loss_scale_init"),
         ("+optim.lrr=1", "optim.lrr"),
         ("data.seq_len=128", "data.seq_len"),  # longer than the tiny GPT's block_size of 64
     ],

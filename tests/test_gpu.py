@@ -100,8 +100,10 @@ def faulty(fault: str, step: int, marker) -> list[str]:
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fp16_run_killed_and_restarted_ends_like_an_uninterrupted_one(tmp_path):
     """GradScaler's scale, which the first fp16 steps lower through overflows, is restored
-    exactly: the restarted run's losses and loss scales equal the uninterrupted run's."""
-    fp16 = [*FAULT_RUN, "trainer.precision=fp16"]
+    exactly: the restarted run's losses and loss scales equal the uninterrupted run's. The
+    scale starts at 2**30 so that the first steps overflow and lower it (at torch's 2**16 the
+    tiny GPT never overflowed in 20 steps on H200s, and the scaler's state did not matter)."""
+    fp16 = [*FAULT_RUN, "trainer.precision=fp16", f"trainer.loss_scale_init={2.0**30}"]
     runs = {}
     for name, fault in (("reference", "kill@999"), ("killed", "kill@13")):
         kind, step = fault.split("@")
