@@ -1,6 +1,7 @@
 """On CUDA machines (skipped elsewhere): the main job over NCCL, one process per GPU, each
 process's memory on its own GPU only; and too many processes for the GPUs stops before work."""
 
+import os
 import re
 import subprocess
 import threading
@@ -23,7 +24,10 @@ NCCL_ENV = {
 
 
 class GpuProcessSampler(threading.Thread):
-    """Polls nvidia-smi for (pid, gpu) pairs while a run is going on."""
+    """Polls nvidia-smi for (pid, gpu) pairs of the run's processes while it is going on.
+
+    The pytest process itself is left out: earlier GPU tests in the same session (checkpoint
+    round trips, the prefetcher's) leave it holding a CUDA context on GPU 0."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -39,7 +43,8 @@ class GpuProcessSampler(threading.Thread):
             )
             for line in out.stdout.splitlines():
                 pid, gpu = (part.strip() for part in line.split(","))
-                self.pairs.add((pid, gpu))
+                if pid != str(os.getpid()):
+                    self.pairs.add((pid, gpu))
             time.sleep(0.5)
 
 
