@@ -43,7 +43,8 @@ from mgpu.models.flops import peak_tflops
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from mgpu.profiling import StepProfiler
-from mgpu.trainer import CheckpointPlan, Trainer
+from mgpu.resume import CheckpointPlan
+from mgpu.trainer import Trainer
 from mgpu.watchdog import CollectiveTimeout
 
 log = logging.getLogger("mgpu")

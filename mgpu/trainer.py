@@ -1,6 +1,6 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
 precision, gradient clipping, periodic and final evaluation, when to record metrics, and when
-and how all ranks save a checkpoint together, resume from one, or stop on preemption.
+all ranks save a checkpoint together (mgpu.resume says how) or stop on preemption.
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later, with the step's
@@ -12,14 +12,11 @@ everything back.
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,29 +25,17 @@ from torch.nn.utils import clip_grad_norm_
 from torch.utils.data import DataLoader
 
 from mgpu import watchdog
-from mgpu.checkpoint import (
-    CheckpointError,
-    CheckpointMismatch,
-    Loaded,
-    abort,
-    capture_rng,
-    finalize,
-    prune,
-    restore_rng,
-    restore_training_state,
-    step_dir,
-    training_state,
-    write_rank_files,
-)
+from mgpu.checkpoint import Loaded
 from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import Precision, TrainerConfig
-from mgpu.dist import Runtime, all_ok, all_reduce_sum_
+from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteGuard
-from mgpu.loader import DataCursor, DeviceLoader, ShardedSampler, advance, epochs, to_device
+from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.metrics import Recorder
 from mgpu.preempt import Preempted, Preemption
 from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
+from mgpu.resume import CheckpointPlan, RunCheckpoints
 
 log = logging.getLogger(__name__)
 
@@ -69,29 +54,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
 
 
-@dataclass
-class CheckpointPlan:
-    """Where and when fit saves (ckpt.*), and what every save carries besides training state."""
-
-    root: Path  # <run dir>/checkpoints
-    every: int  # steps between saves; 0: only the final one (and a preemption's)
-    keep_last: int
-    token: str  # the same on every rank of one launch, new for each (checkpoint.staging_dir)
-    config: str  # the resolved config, as YAML
-
-
 def _no_mark() -> None:
     return None
-
-
-def _dataloader(loader: DeviceLoader | DataLoader) -> DataLoader:
-    return loader.loader if isinstance(loader, DeviceLoader) else loader
-
-
-def _generators(loader: DeviceLoader | DataLoader) -> dict[str, torch.Generator]:
-    """The RNGs a checkpoint carries besides the global ones: the DataLoader's (worker seeds)."""
-    generator = _dataloader(loader).generator
-    return {"loader": generator} if generator is not None else {}
 
 
 class Trainer:
@@ -113,11 +77,7 @@ class Trainer:
         self.cfg, self.model, self.rt = cfg, model, rt
         self.profiler, self.goodput = profiler, goodput
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
-        self.checkpoints, self.preemption = checkpoints, preemption
-        # Where fit starts: step 0 of epoch 0, unless resume() says otherwise.
-        self.start_step, self.start_cursor = 0, None
-        self._rng_state: dict | None = None  # a checkpoint's RNG states, restored by fit
-        self._reseed: int | None = None  # or, resuming on another world size, a fresh seed
+        self.preemption = preemption
         # Applied on the device to the inputs of a plain DataLoader given to fit/evaluate. A
         # DeviceLoader (what build_loader returns) applies its own, per data.device_transform.
         self.input_transform = input_transform
@@ -128,6 +88,7 @@ class Trainer:
             init_scale=cfg.loss_scale_init,
             enabled=self.amp_dtype is torch.float16,
         )
+        self.ckpt = RunCheckpoints(checkpoints, cfg, rt, model, optimizer, schedule, self.scaler)
         self.channels_last = rt.device.type == "cuda" and getattr(
             unwrap(model), "channels_last", False
         )
@@ -284,12 +245,11 @@ class Trainer:
             )
             return
         train, owned = self._prefetcher(train_loader)
-        if self.checkpoints is not None:
-            self._check_resumable(train)
+        self.ckpt.check_resumable(train)
         train.wait.take()  # data wait counts from here
-        batches = epochs(train, start=self.start_cursor)
+        batches = epochs(train, start=self.ckpt.start_cursor)
         self.model.train()
-        self._restore_rng(train)  # the last thing before the first step
+        self.ckpt.restore_rng(train)  # the last thing before the first step
         # The interval's summed loss over its good steps, and their count (skipped steps' losses
         # are NaN/inf and would hide the rest): on the device, read by the Recorder later.
         loss_sum = torch.zeros(2, device=self.rt.device)
@@ -312,7 +272,7 @@ class Trainer:
                 self.watch.beat(step, watchdog.PREEMPT)
                 stopping = stop is not None and stop.poll()
                 last = step == cfg.max_steps
-                save = self._save_due(step, last or stopping)
+                save = self.ckpt.due(step, last or stopping)
                 evaluate = eval_loader is not None and (
                     last or (cfg.eval_every > 0 and step % cfg.eval_every == 0 and not stopping)
                 )
@@ -372,110 +332,16 @@ class Trainer:
         if self.goodput is not None:
             self.goodput.enter(category)
 
-    # ---- checkpoints ----
+    # ---- checkpoints (mgpu.resume) ----
 
-    def _save_due(self, step: int, now: bool) -> bool:
-        plan = self.checkpoints
-        return plan is not None and (now or (plan.every > 0 and step % plan.every == 0))
-
-    def _check_resumable(self, loader: DeviceLoader) -> None:
-        sampler = loader.sampler
-        if not (isinstance(sampler, ShardedSampler) and sampler.even):
-            raise TypeError(
-                f"checkpoints record the data position of a training ShardedSampler; this "
-                f"loader's sampler is a {type(sampler).__name__}"
-            )
-
-    def _cursor(self, step: int, loader: DeviceLoader | DataLoader) -> DataCursor:
-        """The data position after `step`: counted from the step number (pure), never from the
-        loader, whose prefetching runs ahead of training."""
-        data = _dataloader(loader)
-        sampler = data.sampler
-        start = self.start_cursor or DataCursor(sampler.seed, 0, 0, sampler.num_samples)
-        batches = (step - self.start_step) * self.cfg.grad_accum_steps
-        return advance(start, batches, batch_size=data.batch_size, world_size=self.rt.world_size)
+    @property
+    def start_step(self) -> int:
+        return self.ckpt.start_step
 
     def save(self, step: int, loader: DeviceLoader | DataLoader, *, required: bool) -> Path | None:
-        """Every rank together: each writes its RNG states; barrier; rank 0 writes the shared
-        state and seals the checkpoint; barrier; rank 0 prunes old ones. A collective.
-
-        A failure is logged on the rank where it happened (file and cause); a `required` save
-        (final, preemption) then raises, any other lets training go on from the previous one."""
-        plan, rt = self.checkpoints, self.rt
-        error: Exception | None = None
-        path = None
-        try:
-            state = {"rng": capture_rng(rt.device, _generators(loader))}
-            write_rank_files(plan.root, step, rt.rank, state, token=plan.token)
-        except Exception as err:  # noqa: BLE001 - every rank must reach the barrier below
-            error = err
-        if all_ok(error is None, rt):  # barrier: every rank's file is on disk
-            if rt.is_primary:
-                try:
-                    shared = training_state(
-                        model=unwrap(self.model), optimizer=self.optimizer,
-                        schedule=self.schedule, scaler=self.scaler, step=step,
-                        cursor=self._cursor(step, loader), config=plan.config,
-                    )  # fmt: skip
-                    path = finalize(plan.root, step, rt.world_size, shared, token=plan.token)
-                except Exception as err:  # noqa: BLE001
-                    error = err
-        elif rt.is_primary:
-            abort(plan.root, step, token=plan.token)
-        if all_ok(error is None, rt):  # barrier: sealed (or not) before anyone goes on
-            if rt.is_primary:
-                prune(plan.root, plan.keep_last)
-            return path
-        if error is not None:
-            log.error("checkpoint at step %d failed on rank %d: %s", step, rt.rank, error)
-        else:
-            log.error("checkpoint at step %d failed on another rank (its log says why)", step)
-        if required:
-            raise CheckpointError(step_dir(plan.root, step), "not saved (errors above)")
-        log.warning("training goes on; the previous checkpoint stays the newest")
-        return None
+        """Every rank together saves step `step` (RunCheckpoints.save). A collective."""
+        return self.ckpt.save(step, loader, required=required)
 
     def resume(self, loaded: Loaded, loader: DeviceLoader | DataLoader) -> None:
-        """Continue from a checkpoint (checkpoint.load's result for this rank): model,
-        optimizer, schedule and scaler now; RNG states at the start of fit; the data from the
-        checkpoint's cursor, on any number of ranks."""
-        sampler = _dataloader(loader).sampler
-        cursor = DataCursor.from_dict(loaded.shared["data"])
-        if (cursor.num_samples, cursor.seed) != (sampler.num_samples, sampler.seed):
-            raise CheckpointMismatch(
-                f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
-                f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
-                f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
-            )
-        self.start_step, self.start_cursor = restore_training_state(
-            loaded.shared, model=unwrap(self.model), optimizer=self.optimizer,
-            schedule=self.schedule, scaler=self.scaler, source=str(loaded.path),
-        )  # fmt: skip
-        # mgpu's reducer re-attaches its buckets at the first forward after gradients are None.
-        self.optimizer.zero_grad(set_to_none=True)
-        if loaded.world_size == self.rt.world_size:
-            self._rng_state = loaded.rank_state["rng"]
-        else:
-            log.warning(
-                "%s was saved by %d process(es), this run has %d: every training sample is still "
-                "seen exactly once, but the run does not match an uninterrupted one bit for bit "
-                "(other batches, fresh RNG streams seeded from trainer.seed, rank and step)",
-                loaded.path, loaded.world_size, self.rt.world_size,
-            )  # fmt: skip
-            seed = np.random.SeedSequence([self.cfg.seed, self.rt.rank, self.start_step])
-            self._reseed = int(seed.generate_state(1)[0])
-        log.info(
-            "resumed from %s: step %d, epoch %d with %d of its samples done",
-            loaded.path, self.start_step, self.start_cursor.epoch, self.start_cursor.consumed,
-        )  # fmt: skip
-
-    def _restore_rng(self, loader: DeviceLoader | DataLoader) -> None:
-        if self._rng_state is not None:
-            restore_rng(self._rng_state, self.rt.device, _generators(loader))
-        elif self._reseed is not None:
-            random.seed(self._reseed)
-            np.random.seed(self._reseed)
-            torch.manual_seed(self._reseed)
-            for generator in _generators(loader).values():
-                generator.manual_seed(self._reseed)
-        self._rng_state = self._reseed = None
+        """Continue from a checkpoint (checkpoint.load's result for this rank)."""
+        self.ckpt.resume(loaded, loader)

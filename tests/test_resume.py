@@ -27,7 +27,8 @@ from mgpu.loader import ShardedSampler, epoch_order
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import LAG, PREEMPTED_EXIT_CODE, Preemption
-from mgpu.trainer import CheckpointPlan, Trainer
+from mgpu.resume import CheckpointPlan
+from mgpu.trainer import Trainer
 
 BATCH = 32  # data.batch_size's default
 RUN = [
