@@ -176,8 +176,8 @@ class GradReducer:
         self.callback_queued = False
         self.ready: set[int] = set()  # ids of parameters whose gradient is final this step
 
-    def prepare(self) -> bool:
-        """Before a forward: start a new step if the last one ended; returns whether it did.
+    def prepare(self) -> None:
+        """Before a forward: start a new step if the last one ended.
 
         A step ends when a synchronised backward finishes (or, before the first, at once). If
         the optimizer cleared the gradients (zero_grad(set_to_none=True)), each parameter's
@@ -188,7 +188,7 @@ class GradReducer:
         if self.callback_queued:
             self._recover()  # the last backward raised before its final callback ran
         if not self.step_done:
-            return False
+            return
         self.step_done = False
         self.steps_started += 1
         if self.steps_started == 2:
@@ -208,7 +208,6 @@ class GradReducer:
             )
         else:
             self.attached = set(self.bucket_of)
-        return True
 
     def _attach(self, p: nn.Parameter) -> None:
         """The parameter's first gradient of this step: copy it into its bucket slice and make
@@ -216,8 +215,8 @@ class GradReducer:
 
         Autograd hands over a fresh gradient when .grad is None, so one copy (read and write
         once) puts it in the bucket. Zeroing the buckets and accumulating into them in place
-        instead writes every gradient twice and reads it twice (measured 0.6 ms a step on
-        GPT-2-small). Later micro-steps of the step accumulate into the slice in place.
+        instead writes every gradient twice and reads it twice. Later micro-steps of the step
+        accumulate into the slice in place.
         """
         view = self.bucket_of[id(p)].views[self.slot[id(p)]]
         if p.grad is None:
@@ -361,11 +360,8 @@ class GradReducer:
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers into every rank's, on the current stream (communication)."""
-        if self.buffers.flats and self.world > 1 and self.rt.has_process_group:
-            self.buffers.pack()
-            for flat in self.buffers.flats:
-                tdist.broadcast(flat, src=0, group=self.group)
-            self.buffers.unpack()
+        if self.world > 1 and self.rt.has_process_group:
+            self.buffers.broadcast(self.group)
 
     def _wait_launched(self) -> None:
         """Wait for the reductions already launched and order the compute stream after them."""
@@ -395,8 +391,9 @@ class GradReducer:
 
 
 class FlatBuffers:
-    """Buffers packed into one persistent flat tensor per dtype, so that a broadcast is one
-    collective per dtype with two multi-tensor copies around it and no allocation."""
+    """Tensors (buffers every step; parameters too, once, at wrap time) packed into one flat
+    tensor per dtype, kept, so that a broadcast is one collective per dtype with two
+    multi-tensor copies around it and no allocation."""
 
     def __init__(self, buffers: list[torch.Tensor]):
         self.buffers: list[list[torch.Tensor]] = []
@@ -414,28 +411,13 @@ class FlatBuffers:
             self.buffers.append([b.data for b in group])
             self.views.append([v.view(b.shape) for v, b in zip(views, group, strict=True)])
 
-    def pack(self) -> None:
-        for buffers, views in zip(self.buffers, self.views, strict=True):
+    def broadcast(self, group=None) -> None:
+        """Rank 0's values into every rank's tensors, on the current stream."""
+        for buffers, views, flat in zip(self.buffers, self.views, self.flats, strict=True):
             torch._foreach_copy_(views, buffers)
-
-    def unpack(self) -> None:
-        for buffers, views in zip(self.buffers, self.views, strict=True):
+            tdist.broadcast(flat, src=0, group=group)
+            # One multi-tensor copy back, not a kernel per tensor: ResNet-50 has 160 buffers.
             torch._foreach_copy_(buffers, views)
-
-
-def _broadcast_coalesced(tensors: list[torch.Tensor], rt: Runtime) -> None:
-    """Rank 0's values into every rank's tensors, one collective per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        tdist.broadcast(flat, src=0)
-        # One multi-tensor copy back, not a kernel per tensor: ResNet-50 has 160 buffers.
-        views = torch.split(flat, [t.numel() for t in group])
-        torch._foreach_copy_(
-            [t.data for t in group], [v.view_as(t) for v, t in zip(views, group, strict=True)]
-        )
 
 
 class MgpuDataParallel(nn.Module):
@@ -446,7 +428,7 @@ class MgpuDataParallel(nn.Module):
         self.module = module
         self.rt = rt
         # Every rank starts from rank 0's weights and buffers.
-        _broadcast_coalesced([*module.parameters(), *module.buffers()], rt)
+        FlatBuffers([*module.parameters(), *module.buffers()]).broadcast()
         self.reducer = GradReducer(module, rt, cfg)
 
     def forward(self, *args, **kwargs):

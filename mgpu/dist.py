@@ -279,7 +279,8 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
     backend = check_launch(backend, env)
     if cpu_affinity:
         # Before CUDA, NCCL and DataLoader workers start threads: they inherit the mask.
-        cpus = pin_host_cpus(env.local_rank, env.local_world_size)
+        pin_host_cpus(env.local_rank, env.local_world_size)
+        cpus = sorted(os.sched_getaffinity(0))  # what the kernel now allows, not what we asked
         log.info("rank %d pinned to CPUs %d-%d", env.rank, cpus[0], cpus[-1])
     on_cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if on_cuda else torch.device("cpu")
