@@ -4,6 +4,8 @@ what it wrote."""
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,18 @@ def _run_then_exit(rank: int, worker, *args) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextmanager
+def gloo_runtime(rank: int, port: int, world: int = 2) -> Iterator:
+    """A spawned worker's CPU process group (gloo) and its Runtime, torn down on the way out."""
+    import torch.distributed as tdist
+
+    from mgpu.dist import Runtime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield Runtime(rank, rank, world, "gloo", torch.device("cpu"), has_process_group=True)
+    finally:
+        tdist.destroy_process_group()

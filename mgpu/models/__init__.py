@@ -1,5 +1,7 @@
 """Model zoo for mgpu: GPT (language), ResNet and MLP (vision), and their training-FLOP counts."""
 
+from collections import Counter
+
 from torch import nn
 
 from mgpu.config import ModelConfig, build_from_target
@@ -8,7 +10,15 @@ from mgpu.models.gpt import GPT
 from mgpu.models.mlp import MLP
 from mgpu.models.resnet import ResNet
 
-__all__ = ["GPT", "MLP", "ResNet", "build_model", "compile_model", "count_training_flops"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "ResNet",
+    "build_model",
+    "compile_model",
+    "count_training_flops",
+    "repeated_blocks",
+]
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
@@ -16,16 +26,41 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return build_from_target("model", cfg._target_, cfg.model_kwargs())
 
 
-def compile_model(model: nn.Module) -> nn.Module:
+def _is_block(module: nn.Module) -> bool:
+    """A composite module with parameters: a single layer is not a block worth compiling alone."""
+    return next(module.children(), None) is not None and next(module.parameters(), None) is not None
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, outermost first: the children of every nn.ModuleList or
+    nn.Sequential that holds two or more blocks (composite modules with parameters) of one
+    class, such as GPT's transformer blocks and ResNet's residual blocks. A block's own insides
+    are not searched again."""
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            kinds = Counter(type(c) for c in module.children() if _is_block(c))
+            if any(n >= 2 for n in kinds.values()):
+                found.extend(c for c in module.children() if _is_block(c))
+                return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:
     """torch.compile that keeps gradient communication overlapped with backward.
 
     A whole-model compile runs backward as one graph that hands every gradient over at its end,
-    so no bucket could be reduced while backward runs. Compiling each repeated block (every
-    element of an nn.ModuleList, e.g. GPT's transformer blocks) instead yields gradients block
-    by block. Models without a ModuleList are compiled whole. Module.compile works in place, so
-    parameter names (and checkpoints) stay as they were.
+    so no bucket could be reduced while backward runs. Compiling each repeated block instead
+    (see repeated_blocks) yields gradients block by block; what lies between the blocks (GPT's
+    embeddings and head, ResNet's stem and classifier) stays eager. Models without repeated
+    blocks are compiled whole. Module.compile works in place, so parameter names (and
+    checkpoints) stay as they were.
     """
-    blocks = [b for m in model.modules() if isinstance(m, nn.ModuleList) for b in m]
-    for block in blocks or [model]:
-        block.compile()
+    for block in repeated_blocks(model) or [model]:
+        block.compile(backend=backend)
     return model
