@@ -68,6 +68,9 @@ ENGINES = {
     # diagnostic: mgpu's hooks, buckets, events and stream waits with the all-reduce left out,
     # to split mgpu's overhead into its own machinery and the cost of communicating
     "mgpu_nocomm": DistConfig(engine=Engine.mgpu),
+    # with --compile: the whole model compiled as one graph, as torch DDP's engines are, so
+    # every gradient appears at the end of backward (mgpu's default compiles block by block)
+    "mgpu_whole_compile": DistConfig(engine=Engine.mgpu, broadcast_buffers=False),
     "torch_ddp_bf16": DistConfig(
         engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True
     ),  # + bf16 compress hook, see build()
@@ -115,7 +118,8 @@ def build(name: str, engine: str, rt, use_compile: bool):
     schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
     cfg = ENGINES[engine]
     if use_compile:
-        model = compile_model(model) if cfg.engine is Engine.mgpu else torch.compile(model)
+        per_block = cfg.engine is Engine.mgpu and engine != "mgpu_whole_compile"
+        model = compile_model(model) if per_block else torch.compile(model)
     model = wrap_model(model, cfg, rt)
     if engine == "torch_ddp_bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)

@@ -61,6 +61,9 @@ def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:
     blocks are compiled whole. Module.compile works in place, so parameter names (and
     checkpoints) stay as they were.
     """
-    for block in repeated_blocks(model) or [model]:
-        block.compile(backend=backend)
+    blocks = repeated_blocks(model)
+    for block in blocks or [model]:
+        # Static shapes: blocks of one class with different shapes (ResNet's stages) each get
+        # their own graph rather than one graph with symbolic sizes.
+        block.compile(backend=backend, dynamic=False if blocks else None)
     return model
