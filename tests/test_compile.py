@@ -1,6 +1,6 @@
-"""trainer.compile keeps the overlap: compile_model compiles each repeated block (GPT's transformer
-blocks, ResNet's residual blocks) so that gradients still come out block by block and buckets
-still launch while backward runs, and training matches the eager model. Two gloo processes;
+"""trainer.compile keeps the overlap: compile_model compiles each repeated block (the elements of a
+ModuleList, as GPT's transformer blocks) so that gradients still come out block by block and
+buckets still launch while backward runs, and training matches the eager model. Two gloo processes;
 the `aot_eager` backend compiles through the same graph capture as inductor without a C++
 toolchain, so CI can run it."""
 
@@ -55,11 +55,14 @@ class Stack(nn.Module):
     def __init__(self):
         super().__init__()
         self.stem = nn.Linear(8, 16)
-        self.blocks = nn.Sequential(*(Block(16) for _ in range(N_BLOCKS)))
+        self.blocks = nn.ModuleList(Block(16) for _ in range(N_BLOCKS))
         self.head = nn.Linear(16, 5)
 
     def forward(self, x):
-        return self.head(self.blocks(self.stem(x)))
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 def batch(step: int):
@@ -132,10 +135,10 @@ def test_buckets_of_compiled_blocks_launch_while_backward_runs(results):
         assert results["eager", rank]["launched_at_compiled_backward"] == [[]] * STEPS
 
 
-def test_repeated_blocks_are_the_transformer_and_residual_blocks():
+def test_repeated_blocks_are_the_elements_of_module_lists():
     gpt = GPT(vocab_size=32, block_size=8, n_layer=3, n_head=2, n_embd=16)
     assert repeated_blocks(gpt) == list(gpt.blocks)
-    resnet = ResNet(num_classes=10, block="basic", layers=[2, 1], stem="cifar")
-    assert repeated_blocks(resnet) == list(resnet.stages)  # three residual blocks
-    # single layers are not blocks: an MLP has none and is compiled whole
+    assert repeated_blocks(nn.ModuleList([gpt])) == [gpt]  # outermost only
+    # nn.Sequential stacks are compiled whole (see compile_model)
+    assert repeated_blocks(ResNet(num_classes=10, block="basic", layers=[2, 1])) == []
     assert repeated_blocks(MLP(in_features=8, num_classes=5, hidden=[16, 16])) == []
