@@ -145,6 +145,27 @@ def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, ahead_ms
 
 
+def kernel_table(trainer: Trainer, batch, steps: int = 3, top: int = 25) -> dict:
+    """GPU time per step by kernel (and copy/memset), from torch.profiler over `steps` steps
+    taken after the timed rounds. Kernels on different streams can run at once, so the total
+    is GPU work, not step time: it shows what an engine adds to the GPU's work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed(trainer, batch, steps)
+    rows = [
+        (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "gpu_work_ms": sum(ms for _, ms, _ in rows),
+        "kernels_per_step": sum(n for _, _, n in rows),
+        "top": [{"kernel": k[:120], "ms": ms, "calls": n} for k, ms, n in rows[:top]],
+    }
+
+
 def exposed_ms(model) -> float | None:
     if not isinstance(model, MgpuDataParallel):
         return None
@@ -192,6 +213,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
             x = exposed_ms(model)
             if x is not None:
                 exposed[e].append(x)
+    kernels = {e: kernel_table(built[e][1], batch) for e in engines} if args.kernels else {}
     _, per_gpu_batch, shape, _ = MODELS[name]
     units = per_gpu_batch * (shape if isinstance(shape, int) else 1)
     base = statistics.median(times["none"]) if "none" in times else None
@@ -210,6 +232,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
                 "peak_memory_gib": memory[e],
                 "exposed_comm_ms": statistics.median(exposed[e]) if exposed[e] else None,
                 "host_ahead_ms": statistics.median(ahead[e]),
+                **({"kernels": kernels[e]} if e in kernels else {}),
             }
         )
     return rows
@@ -263,6 +286,15 @@ def report(rows: list[dict], meta: dict, args) -> None:
             f"{row['peak_memory_gib']:8.2f} {exp if exp is not None else float('nan'):10.2f} "
             f"{row['host_ahead_ms']:13.1f}"
         )
+    for row in rows:
+        if "kernels" in row:
+            k = row["kernels"]
+            print(
+                f"\n{row['model']} {row['engine']}: GPU work {k['gpu_work_ms']:.2f} ms/step in "
+                f"{k['kernels_per_step']:.0f} kernels and copies"
+            )
+            for t in k["top"][:12]:
+                print(f"  {t['ms']:7.3f} ms {t['calls']:6.1f}x  {t['kernel'][:90]}")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     path = out / f"engines-{args.tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -283,6 +315,11 @@ def main() -> None:
         help="torch.compile: per block for mgpu, whole model otherwise",
     )
     parser.add_argument("--tag", default="nvlink")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="after timing, profile 3 steps per engine: GPU time by kernel (in the JSON)",
+    )
     parser.add_argument(
         "--cpu-affinity", action="store_true", help="dist.cpu_affinity: each rank its own CPUs"
     )
