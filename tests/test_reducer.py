@@ -4,13 +4,15 @@ gradient accumulation, tied, frozen and unused parameters, and bf16 communicatio
 
 import copy
 import os
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as tdist
-from conftest import spawn
+from conftest import gloo_runtime, spawn
 from test_equivalence import free_port
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgpu.comm import MgpuDataParallel, assign_buckets, wrap_model
 from mgpu.config import (
@@ -445,3 +447,44 @@ def test_rank_dependent_unused_branch_matches_torch_ddp(edge_results):
 def test_buckets_are_rebuilt_in_the_order_backward_produced_gradients(edge_results):
     got = torch.load(edge_results / "reordered.mgpu.0.pt", weights_only=True)
     assert got["first_bucket"][0].startswith("second."), got["first_bucket"]
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the operators dispatched on this thread (CPU backward runs on the caller's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def copy_count_worker(rank: int, port: int, out_dir: str):
+    with gloo_runtime(rank, port, WORLD) as rt:
+        counts = {}
+        for cap in (1e-6, 1e3):  # a bucket per parameter; one bucket for everything
+            torch.manual_seed(0)
+            cfg = DistConfig(engine=Engine.mgpu, bucket_cap_mb=cap, first_bucket_mb=cap)
+            model = wrap_model(MLP(in_features=8, num_classes=5, hidden=[16, 16]), cfg, rt)
+            x, y = batch("mlp", 0, MICRO)
+            for step in range(3):
+                model.zero_grad(set_to_none=True)  # as the optimizer does each step
+                loss = nn.functional.cross_entropy(model(x), y)
+                with CountOps() as ops:
+                    loss.backward()
+                counts[cap, step] = dict(ops.counts), len(model.reducer.buckets)
+            model.reducer.remove()
+        torch.save(counts, f"{out_dir}/{rank}.pt")
+
+
+def test_gradients_go_into_the_buckets_with_one_copy_per_bucket(tmp_path):
+    """Host work per step scales with buckets, not parameters: each bucket's fresh gradients are
+    copied in by one multi-tensor copy, with no copy launched per parameter."""
+    spawn(copy_count_worker, free_port(), str(tmp_path), nprocs=WORLD)
+    for rank in range(WORLD):
+        for (cap, step), (ops, buckets) in torch.load(tmp_path / f"{rank}.pt").items():
+            assert buckets == (6 if cap < 1 else 1), (cap, buckets)
+            assert ops.get("_foreach_copy_", 0) == buckets, (cap, step, ops)
+            assert ops.get("copy_", 0) == 0, (cap, step, ops)
