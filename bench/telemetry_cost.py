@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt2_small", choices=list(WORKLOADS))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
@@ -138,10 +139,8 @@ def report(args, rt, times: dict[str, list[float]]) -> None:
             {"variant": v, "ms_per_step": ms, "samples": samples, "vs_log_at_end": ms / never}
         )
         print(f"{v:<16} {ms:>9.2f} {ms / never:>14.4f}")
-    out = (
-        Path(__file__).parent / "results" / f"telemetry_cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    )
-    out.parent.mkdir(exist_ok=True)
+    out = args.out / f"telemetry_cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         **(versions() if torch.cuda.is_available() else {"device": "cpu"}),
         "world_size": rt.world_size,

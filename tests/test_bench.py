@@ -1,0 +1,37 @@
+"""The benchmark scripts that can run on a CPU still run and write their results file: they are
+not tests, but a refactor that breaks one should not wait for a GPU machine to show it."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def run(args: list[str], tmp_path) -> dict:
+    proc = subprocess.run(
+        [*args, "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (written,) = tmp_path.glob("*.json")
+    return json.loads(written.read_text())
+
+
+def test_telemetry_cost_runs_with_two_processes(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = run([*torchrun, "bench/telemetry_cost.py", "--model", "gpt_tiny", "--steps", "3",
+                  "--rounds", "1"], tmp_path)  # fmt: skip
+    assert result["meta"]["world_size"] == 2
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"log_every_step", "log_at_end", "no_recorder"}
+    assert all(r["ms_per_step"] > 0 for r in rows.values())
+
+
+def test_input_pipeline_quick_runs(tmp_path):
+    result = run([sys.executable, "bench/input_pipeline.py", "--quick"], tmp_path)
+    assert result["table"] and result["device"] == "cpu", result
