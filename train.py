@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from mgpu.checkpoint import (
     CheckpointError,
-    CheckpointMismatch,
     Loaded,
     checkpoint_root,
     load,
@@ -44,6 +43,9 @@ from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from mgpu.profiling import StepProfiler
 from mgpu.resume import CheckpointPlan
+from mgpu.state import (
+    CheckpointMismatch,
+)
 from mgpu.trainer import Trainer
 from mgpu.watchdog import CollectiveTimeout
 

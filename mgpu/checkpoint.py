@@ -1,6 +1,7 @@
-"""Crash-safe checkpoints: the on-disk layout, atomic writes sealed by a manifest of checksums,
-weights_only loading whose errors name the file and the failed check, per-rank RNG state, pruning,
-and the resume policy. The data cursor a checkpoint records lives beside the sampler (loader.py).
+"""Crash-safe checkpoint files: the on-disk layout, atomic writes sealed by a manifest of checksums,
+weights_only loading whose errors name the file and the failed check, pruning, and the resume
+policy. What the files hold, and how it is put back into live objects, is mgpu.state's; the data
+cursor a checkpoint records lives beside the sampler (loader.py).
 
 Layout (the run directory must be on a filesystem that every rank sees):
 
@@ -21,21 +22,15 @@ import json
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
-
-from mgpu.loader import DataCursor
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +47,6 @@ class CheckpointError(RuntimeError):
     def __init__(self, file: Path | str, check: str):
         super().__init__(f"{file}: {check}")
         self.file, self.check = Path(file), check
-
-
-class CheckpointMismatch(ValueError):
-    """Saved model or optimizer state that does not fit the one being restored; names the keys."""
 
 
 # ---- layout ----
@@ -457,143 +448,3 @@ def prune(root: Path, keep_last: int) -> list[Path]:
         except OSError as err:
             log.warning("prune: could not delete %s (%s)", path, err)
     return removed
-
-
-# ---- what goes in: training state and RNG ----
-
-
-def capture_rng(
-    device: torch.device, generators: Mapping[str, torch.Generator] | None = None
-) -> dict:
-    """This rank's RNG states as weights_only-loadable types. CUDA: `device` only, never another
-    GPU; `generators` are extra torch.Generators by name (e.g. the DataLoader's)."""
-    version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    return {
-        "python": {
-            "version": version,
-            "internal": torch.tensor(internal, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        },
-        "numpy": {
-            "kind": kind,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
-    }
-
-
-def restore_rng(
-    state: dict, device: torch.device, generators: Mapping[str, torch.Generator] | None = None
-) -> None:
-    """Undo capture_rng: the next draws equal those the saving process would have made."""
-    py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
-    keys = npy["keys"].numpy().astype(np.uint32)
-    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda":
-        if state["cuda"] is None:
-            log.warning("checkpoint has no CUDA RNG state (saved on CPU); CUDA RNG not restored")
-        else:
-            torch.cuda.set_rng_state(state["cuda"], device)
-    for name, g in (generators or {}).items():
-        if name in state["generators"]:
-            g.set_state(state["generators"][name])
-        else:
-            log.warning("checkpoint has no state for generator %r; it keeps its seed", name)
-
-
-def training_state(
-    *, model: nn.Module, optimizer, schedule, scaler, step: int, cursor: DataCursor, config: str
-) -> dict:
-    """The replicated state rank 0 saves. `model` is the unwrapped module (comm.unwrap), so the
-    keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML."""
-    return {
-        "step": step,
-        "data": cursor.to_dict(),  # also holds the epoch
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-        "scaler": scaler.state_dict(),
-        "config": config,
-    }
-
-
-def restore_training_state(
-    state: dict, *, model: nn.Module, optimizer, schedule, scaler, source: str = "checkpoint"
-) -> tuple[int, DataCursor]:
-    """Load training_state's output into live objects; returns (step, data cursor)."""
-    restore_model(model, state["model"], source=source)
-    restore_optimizer(optimizer, state["optimizer"], model=model, source=source)
-    schedule.load_state_dict(state["schedule"])
-    if scaler.is_enabled() and not state["scaler"]:
-        log.warning("%s was saved without loss scaling; the fp16 scaler starts afresh", source)
-    else:
-        scaler.load_state_dict(state["scaler"])  # a no-op when this run's scaler is disabled
-    return int(state["step"]), DataCursor.from_dict(state["data"])
-
-
-def _listed(kind: str, keys: list[str], limit: int = 12) -> str:
-    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
-    return f"\n  {kind}: " + ", ".join(keys[:limit]) + more
-
-
-def restore_model(model: nn.Module, state_dict: Mapping, *, source: str = "checkpoint") -> None:
-    """model.load_state_dict after comparing keys and shapes, so that a mismatch names every
-    missing, unexpected and reshaped key instead of torch's generic message."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    reshaped = [
-        f"{k} {list(state_dict[k].shape)} in {source}, {list(v.shape)} in the model"
-        for k, v in own.items()
-        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
-    ]
-    if missing or unexpected or reshaped:
-        msg = f"the model does not match {source}:"
-        msg += _listed("missing from the checkpoint", missing) if missing else ""
-        msg += _listed("not in the model", unexpected) if unexpected else ""
-        msg += _listed("shape differs", reshaped) if reshaped else ""
-        if any(k.startswith(("module.", "_orig_mod.")) for k in [*own, *state_dict]):
-            msg += "\n  (save and restore the unwrapped module: mgpu.comm.unwrap(model))"
-        raise CheckpointMismatch(msg)
-    model.load_state_dict(state_dict, strict=True)
-
-
-def restore_optimizer(
-    optimizer, state_dict: Mapping, *, model: nn.Module | None = None, source: str = "checkpoint"
-) -> None:
-    """optimizer.load_state_dict after comparing parameter groups and state shapes; with `model`
-    a mismatch is named by parameter name, else by index."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-    label = [names.get(id(p), f"parameter #{i}") for i, p in enumerate(params)]
-    saved_groups, own_groups = state_dict["param_groups"], optimizer.param_groups
-    problems = []
-    if len(saved_groups) != len(own_groups):
-        n, m = len(saved_groups), len(own_groups)
-        problems.append(f"{n} parameter groups in {source}, {m} in the optimizer")
-    for g, (saved, own) in enumerate(zip(saved_groups, own_groups, strict=False)):
-        if len(saved["params"]) != len(own["params"]):
-            n, m = len(saved["params"]), len(own["params"])
-            problems.append(f"group {g}: {n} parameters in {source}, {m} in the optimizer")
-    for index, per_param in state_dict["state"].items() if not problems else ():
-        p = params[index]
-        # Only states shaped like their parameter (exp_avg, momentum) are compared; scalars
-        # such as Adam's step, and factored states, have other shapes by design.
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor) and value.dim() == p.dim() > 0:
-                if value.shape != p.shape:
-                    saved_shape, own_shape = list(value.shape), list(p.shape)
-                    problems.append(
-                        f"{label[index]}: {key} {saved_shape} in {source}, parameter {own_shape}"
-                    )
-    if problems:
-        raise CheckpointMismatch(f"the optimizer does not match {source}:" + _listed("", problems))
-    optimizer.load_state_dict(state_dict)

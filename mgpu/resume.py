@@ -1,6 +1,7 @@
 """A training run's checkpoints: when one is due, every rank saving one together, and resuming
 from one (model, optimizer, schedule, loss scaler, data position, RNG states), on the same or
-another number of ranks. The files, their checks and what they hold are mgpu.checkpoint's.
+another number of ranks. The files and their checks are mgpu.checkpoint's; what they hold,
+mgpu.state's.
 
 Saving is the training loop's one planned sync point: it reads everything back to the host.
 """
@@ -19,22 +20,24 @@ from torch.utils.data import DataLoader
 
 from mgpu.checkpoint import (
     CheckpointError,
-    CheckpointMismatch,
     Loaded,
     abort,
-    capture_rng,
     finalize,
     prune,
-    restore_rng,
-    restore_training_state,
     step_dir,
-    training_state,
     write_rank_files,
 )
 from mgpu.comm import unwrap
 from mgpu.config import TrainerConfig
 from mgpu.dist import Runtime, all_ok
 from mgpu.loader import DataCursor, DeviceLoader, ShardedSampler, advance
+from mgpu.state import (
+    CheckpointMismatch,
+    capture_rng,
+    restore_rng,
+    restore_training_state,
+    training_state,
+)
 
 log = logging.getLogger(__name__)
 

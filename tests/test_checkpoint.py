@@ -23,19 +23,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from mgpu import checkpoint as ckpt
 from mgpu.checkpoint import (
     CheckpointError,
-    CheckpointMismatch,
-    capture_rng,
     finalize,
     find_latest_valid,
     load,
     prune,
     resolve_resume,
-    restore_model,
-    restore_optimizer,
-    restore_rng,
-    restore_training_state,
     step_dir,
-    training_state,
     verify,
     write_rank_files,
 )
@@ -50,6 +43,15 @@ from mgpu.loader import (
 )
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
+from mgpu.state import (
+    CheckpointMismatch,
+    capture_rng,
+    restore_model,
+    restore_optimizer,
+    restore_rng,
+    restore_training_state,
+    training_state,
+)
 
 CPU = torch.device("cpu")
 
