@@ -64,7 +64,7 @@ class Bucket:
         self.work = None
         # this step's fresh gradients, not yet copied into their slices (see GradReducer._flush)
         self.arrived: list[nn.Parameter] = []
-        # Each parameter's slice, made once: _attach runs every step, and building 161 strided
+        # Each parameter's slice, made once: _flush runs every step, and building 161 strided
         # views each time (ResNet-50) is host time on the step's critical path.
         self.views = [self._slice(p, off) for p, off in zip(params, self.offsets, strict=True)]
 
@@ -183,7 +183,7 @@ class GradReducer:
 
         A step ends when a synchronised backward finishes (or, before the first, at once). If
         the optimizer cleared the gradients (zero_grad(set_to_none=True)), each parameter's
-        first gradient of the step is copied into its slice by the hook (see _attach);
+        first gradient of the step is copied into its slice when its bucket launches (see _flush);
         gradients zeroed in place stay attached, and gradients left alone keep accumulating,
         as they would without data parallelism.
         """
@@ -211,21 +211,11 @@ class GradReducer:
         else:
             self.attached = set(self.bucket_of)
 
-    def _attach(self, p: nn.Parameter) -> None:
-        """Make the parameter's bucket slice its .grad, holding its gradient of this step (zeros
-        if it has none: an unused parameter under find_unused contributes zeros)."""
-        view = self.bucket_of[id(p)].views[self.slot[id(p)]]
-        if p.grad is None:
-            view.zero_()
-        else:
-            view.copy_(p.grad)
-        p.grad = view
-        self.attached.add(id(p))
-
     def _flush(self, bucket: Bucket) -> None:
         """Copy the bucket's fresh gradients of this step into their slices, all in one
         multi-tensor copy, and make the slices their .grad; on the current stream, the one that
-        produced them (the compute stream), before anything reads the bucket.
+        produced them (the compute stream), before anything reads the bucket. A parameter with
+        no gradient (unused, under find_unused) gets a zeroed slice: it contributes zeros.
 
         Autograd hands over a fresh gradient when .grad is None, so one copy (read and write
         once) puts it in the bucket; zeroing the buckets and accumulating into them in place
@@ -252,11 +242,9 @@ class GradReducer:
         the same point (a rank-local failure desynchronises collectives, as with torch DDP)."""
         log.warning("mgpu reducer: the previous backward did not finish; resetting its state")
         self._wait_launched()
-        for b in self.buckets:
-            b.arrived.clear()
-        for p in self.params:  # every .grad a slice again, as a finished backward leaves them
-            if id(p) not in self.attached:
-                self._attach(p)
+        for b in self.buckets:  # every .grad a slice again, as a finished backward leaves them
+            b.arrived = [p for p in b.params if id(p) not in self.attached]
+            self._flush(b)
         self._reset()
         self.callback_queued = False
         self.step_done = True
@@ -353,8 +341,8 @@ class GradReducer:
                 "(requires_grad=False)"
             )
         for p in missing:
-            if id(p) not in self.attached:
-                self._attach(p)  # zeros, on the compute stream, before its bucket launches
+            if id(p) not in self.attached:  # zeros, copied in before its bucket launches
+                self.bucket_of[id(p)].arrived.append(p)
         for b in self.buckets[self.next_launch :]:
             b.pending = 0  # unused parameters contribute their zeros
         self._launch_ready()

@@ -3,7 +3,6 @@ processes, 20 optimizer steps, for bucket sizes from one per parameter to one fo
 gradient accumulation, tied, frozen and unused parameters, and bf16 communication."""
 
 import copy
-import os
 from collections import Counter
 
 import pytest
@@ -99,10 +98,7 @@ def build(rt, case: str, reference: bool):
 
 
 def worker(rank: int, port: int, out_dir: str, cases: list[str]):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
-    try:
+    with gloo_runtime(rank, port, WORLD) as rt:
         for case in cases:
             model_name, _, accum, _, _ = CASES[case]
             model, trainer = build(rt, case, reference=False)
@@ -125,8 +121,6 @@ def worker(rank: int, port: int, out_dir: str, cases: list[str]):
                 {"params": state, "syncs": syncs, "ready_at_launch": ready_at_launch},
                 f"{out_dir}/{case}.{rank}.pt",
             )
-    finally:
-        tdist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +206,7 @@ def test_frozen_and_unused_parameters_are_left_alone(results):
 
 
 def unused_worker(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
-    try:
+    with gloo_runtime(rank, port, WORLD) as rt:
         model = wrap_model(Branchy(use_branch=False), DistConfig(engine=Engine.mgpu), rt)
         x, y = batch("mlp", 0, MICRO)
         try:
@@ -225,8 +216,6 @@ def unused_worker(rank: int, port: int, out_dir: str):
             message = str(err)
         with open(f"{out_dir}/{rank}.txt", "w") as f:
             f.write(message)
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_unused_parameters_are_named_unless_find_unused(tmp_path):
@@ -239,10 +228,7 @@ def test_unused_parameters_are_named_unless_find_unused(tmp_path):
 
 
 def rewrap_worker(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
-    try:
+    with gloo_runtime(rank, port, WORLD) as rt:
         torch.manual_seed(0)
         module = MLP(in_features=8, num_classes=3, hidden=[16])
         reference = copy.deepcopy(module)
@@ -259,8 +245,6 @@ def rewrap_worker(rank: int, port: int, out_dir: str):
             worst = max(worst, (p.grad - q.grad / WORLD).abs().max().item())
         with open(f"{out_dir}/{rank}.txt", "w") as f:
             f.write(f"{worst} {len(first.reducer.exposed)} {len(second.reducer.exposed)}")
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_a_removed_reducer_leaves_a_rewrapped_module_to_the_new_one(tmp_path):
@@ -392,10 +376,7 @@ def edge_run(case: str, rt, engine: Engine, rank: int, world: int):
 
 
 def edge_worker(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
-    try:
+    with gloo_runtime(rank, port, WORLD) as rt:
         for case in EDGE:
             # torch DDP is the reference only where one process is not (and it cannot survive
             # the boom case: an internal assert on the next step)
@@ -412,8 +393,6 @@ def edge_worker(rank: int, port: int, out_dir: str):
                     info["learned"] = reducer.observed is None
                     info["first_bucket"] = [reducer.names[id(p)] for p in reducer.buckets[0].params]
                 torch.save(info, f"{out_dir}/{case}.{engine.value}.{rank}.pt")
-    finally:
-        tdist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
