@@ -172,7 +172,8 @@ def test_a_preempted_run_saves_exits_and_resumes_like_an_uninterrupted_run(
         f"hydra.run.dir={run_dir}",
     ]
     first = run_train(args, cwd=tmp_path, nproc=2)
-    assert first.returncode == 1  # torchrun's own: it was signalled itself (README)
+    # torchrun's own code: it was signalled itself (README)
+    assert first.returncode == 1, output(first)[-3000:]
     stopped = re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint saved", output(first))
     assert stopped, output(first)[-3000:]
     step = int(stopped.group(1))
