@@ -68,6 +68,10 @@ ENGINES = {
     # diagnostic: mgpu's hooks, buckets, events and stream waits with the all-reduce left out,
     # to split mgpu's overhead into its own machinery and the cost of communicating
     "mgpu_nocomm": DistConfig(engine=Engine.mgpu),
+    # diagnostic: every GPU training alone, plus the one per-step collective that every
+    # data-parallel engine adds on top of its gradient reduction (the non-finite agreement):
+    # what a single meeting point per step costs, with no gradient traffic at all
+    "none_agree": DistConfig(engine=Engine.none),
     # with --compile: the whole model compiled as one graph, as torch DDP's engines are, so
     # every gradient appears at the end of backward (mgpu's default compiles block by block)
     "mgpu_whole_compile": DistConfig(engine=Engine.mgpu, broadcast_buffers=False),
@@ -126,7 +130,10 @@ def build(name: str, engine: str, rt, use_compile: bool):
     if engine == "mgpu_nocomm":
         skip_collectives(model.reducer)
     tcfg = TrainerConfig(precision=Precision.bf16, grad_clip=1.0)
-    return model, Trainer(tcfg, model, optimizer, schedule, rt)
+    trainer = Trainer(tcfg, model, optimizer, schedule, rt)
+    if engine == "none_agree":
+        trainer.guard.distributed = True
+    return model, trainer
 
 
 def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
@@ -163,6 +170,62 @@ def kernel_table(trainer: Trainer, batch, steps: int = 3, top: int = 25) -> dict
         "gpu_work_ms": sum(ms for _, ms, _ in rows),
         "kernels_per_step": sum(n for _, _, n in rows),
         "top": [{"kernel": k[:120], "ms": ms, "calls": n} for k, ms, n in rows[:top]],
+    }
+
+
+def idle_table(trainer: Trainer, batch, steps: int = 3, top: int = 12) -> dict:
+    """Where the GPU sits idle: from torch.profiler over `steps` steps (after the timed rounds),
+    every moment between the first and the last kernel when no kernel, copy or memset runs on
+    any stream of this GPU, per step, with the gaps grouped by the kernels around them (the one
+    that ended before, the one that started after). A gap before a forward's first kernel is
+    the host launching late. An NCCL kernel that waits for another rank counts as busy: its
+    wait shows as its length in --kernels, not here."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed(trainer, batch, steps)
+    spans = sorted(
+        (e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id(), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0
+    )
+    every = gaps(spans, steps, top)
+    # The compute stream (the busiest): its own gaps are waits on the host, on another stream
+    # (the reducer's) or on a collective of its own, whatever else the GPU is doing meanwhile.
+    busiest = max(every["busy_ms_by_stream"], key=every["busy_ms_by_stream"].get, default=None)
+    compute = gaps([s for s in spans if str(s[2]) == busiest], steps, top)
+    return {
+        **every,
+        "compute_stream": busiest,
+        "compute_idle_ms": compute["idle_ms"],
+        "compute_gaps": compute["gaps"],
+        "steps": steps,
+    }
+
+
+def gaps(spans: list[tuple[int, int, int, str]], steps: int, top: int) -> dict:
+    """GPU idle time from (start_ns, end_ns, stream, name) spans sorted by start: per step, by
+    stream (busy time), and the largest groups of gaps keyed by the kernels around them."""
+    busy: dict[int, float] = {}
+    groups: dict[tuple[str, str], list[float]] = {}
+    idle_ns, reach, last = 0, None, ""
+    for start, end, stream, name in spans:
+        busy[stream] = busy.get(stream, 0) + (end - start) / 1e6 / steps
+        if reach is not None and start > reach:
+            idle_ns += start - reach
+            groups.setdefault((last[:70], name[:70]), []).append((start - reach) / 1e6)
+        if reach is None or end > reach:
+            reach, last = end, name
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    return {
+        "idle_ms": idle_ns / 1e6 / steps,
+        "span_ms": (reach - spans[0][0]) / 1e6 / steps if spans else 0.0,
+        "busy_ms_by_stream": {str(k): v for k, v in sorted(busy.items())},
+        "gaps": [
+            {"after": a, "before": b, "ms": sum(v) / steps, "count": len(v) / steps}
+            for (a, b), v in rows[:top]
+        ],
     }
 
 
@@ -214,6 +277,13 @@ def bench_model(name, engines, rt, args) -> list[dict]:
             if x is not None:
                 exposed[e].append(x)
     kernels = {e: kernel_table(built[e][1], batch) for e in engines} if args.kernels else {}
+    idle = {e: idle_table(built[e][1], batch) for e in engines} if args.idle else {}
+    # Every rank's own median: a synchronous engine runs at its slowest rank's pace, while
+    # `none` shows each GPU's (efficiency is taken against rank 0's, the one that reports).
+    local = torch.tensor([statistics.median(times[e]) for e in engines], device=rt.device)
+    by_rank = [torch.empty_like(local) for _ in range(rt.world_size)]
+    torch.distributed.all_gather(by_rank, local)
+    by_rank = torch.stack(by_rank).T.tolist()  # sync point: after timing
     _, per_gpu_batch, shape, _ = MODELS[name]
     units = per_gpu_batch * (shape if isinstance(shape, int) else 1)
     base = statistics.median(times["none"]) if "none" in times else None
@@ -232,7 +302,9 @@ def bench_model(name, engines, rt, args) -> list[dict]:
                 "peak_memory_gib": memory[e],
                 "exposed_comm_ms": statistics.median(exposed[e]) if exposed[e] else None,
                 "host_ahead_ms": statistics.median(ahead[e]),
+                "step_ms_by_rank": by_rank[engines.index(e)],
                 **({"kernels": kernels[e]} if e in kernels else {}),
+                **({"idle": idle[e]} if e in idle else {}),
             }
         )
     return rows
@@ -295,6 +367,22 @@ def report(rows: list[dict], meta: dict, args) -> None:
             )
             for t in k["top"][:12]:
                 print(f"  {t['ms']:7.3f} ms {t['calls']:6.1f}x  {t['kernel'][:90]}")
+    for row in rows:
+        ranks = " ".join(f"{ms:.2f}" for ms in row["step_ms_by_rank"])
+        print(f"{row['model']} {row['engine']}: ms/step by rank {ranks}")
+        if "idle" in row:
+            g = row["idle"]
+            streams = ", ".join(f"{k}: {v:.2f}" for k, v in g["busy_ms_by_stream"].items())
+            print(
+                f"  GPU idle {g['idle_ms']:.3f} of {g['span_ms']:.2f} ms/step; "
+                f"busy ms/step by stream {streams}"
+            )
+            print(f"  compute stream {g['compute_stream']} idle {g['compute_idle_ms']:.3f} ms/step")
+            for t in g["compute_gaps"]:
+                print(
+                    f"  {t['ms']:7.3f} ms {t['count']:5.1f}x  after {t['after'][:45]!r} "
+                    f"before {t['before'][:45]!r}"
+                )
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     path = out / f"engines-{args.tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -319,6 +407,11 @@ def main() -> None:
         "--kernels",
         action="store_true",
         help="after timing, profile 3 steps per engine: GPU time by kernel (in the JSON)",
+    )
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="after timing, profile 3 steps per engine: where the GPU sits idle (in the JSON)",
     )
     parser.add_argument(
         "--cpu-affinity", action="store_true", help="dist.cpu_affinity: each rank its own CPUs"
