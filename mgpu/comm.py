@@ -11,7 +11,10 @@ Stream rules (CUDA), in the order they happen in one optimizer step:
    communication stream. Clipping and the optimizer, queued later on the compute stream, see
    reduced gradients, and the next backward cannot write into a bucket still being reduced.
 3. The buckets are allocated once and never freed while training, so the caching allocator
-   never hands their memory to anyone else mid-flight.
+   never hands their memory to anyone else mid-flight. A bucket of one parameter has no memory
+   of its own: the all-reduce reads and writes that parameter's .grad, which autograd made on
+   the compute stream. It stays .grad until the optimizer clears it, and the optimizer runs
+   after the wait of rule 2, so its memory, too, is reused only after the reduction is done.
 
 Not supported: reentrant activation checkpointing (torch.utils.checkpoint with
 use_reentrant=True) runs an inner backward whose end the reducer would take for the end of the
@@ -51,11 +54,17 @@ class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], reduce_dtype: torch.dtype | None):
         self.index, self.params = index, params
         p0 = params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+        numel = sum(p.numel() for p in params)
+        # A bucket of one row-major parameter is reduced in that parameter's own gradient, which
+        # autograd makes row-major too: there is nothing to pack, and copying it in would read
+        # and write what is often the model's largest gradient (GPT-2's tied embedding, 154 MB)
+        # at the very end of backward, where nothing hides it.
+        self.own = len(params) == 1 and p0.is_contiguous()
+        self.flat = None if self.own else torch.zeros(numel, dtype=p0.dtype, device=p0.device)
         # bf16 communication needs its own buffer: half the bytes on the wire, fp32 kept here.
         self.wire = None
         if reduce_dtype is not None and reduce_dtype != p0.dtype:
-            self.wire = torch.empty_like(self.flat, dtype=reduce_dtype)
+            self.wire = torch.empty(numel, dtype=reduce_dtype, device=p0.device)
         self.offsets, offset = [], 0
         for p in params:
             self.offsets.append(offset)
@@ -66,7 +75,15 @@ class Bucket:
         self.arrived: list[nn.Parameter] = []
         # Each parameter's slice, made once: _flush runs every step, and building 161 strided
         # views each time (ResNet-50) is host time on the step's critical path.
-        self.views = [self._slice(p, off) for p, off in zip(params, self.offsets, strict=True)]
+        self.views = (
+            []
+            if self.own
+            else [self._slice(p, off) for p, off in zip(params, self.offsets, strict=True)]
+        )
+
+    def tensor(self) -> torch.Tensor:
+        """What the all-reduce averages: the flat bucket, or the one parameter's gradient."""
+        return self.params[0].grad.view(-1) if self.own else self.flat
 
     def _slice(self, p: nn.Parameter, offset: int) -> torch.Tensor:
         """The slice takes the parameter's own strides (channels_last convolution weights
@@ -78,6 +95,11 @@ class Bucket:
         return self.flat.as_strided(p.size(), stride, offset)
 
     def is_attached(self) -> bool:
+        """Whether every .grad is where the all-reduce will read it: its slice of the bucket,
+        or for a bucket of its own, any row-major gradient of the parameter's shape."""
+        if self.own:
+            grad = self.params[0].grad
+            return grad is not None and grad.is_contiguous()
         base, size = self.flat.data_ptr(), self.flat.element_size()
         return all(
             p.grad is not None and p.grad.data_ptr() == base + off * size
@@ -215,7 +237,8 @@ class GradReducer:
         """Copy the bucket's fresh gradients of this step into their slices, all in one
         multi-tensor copy, and make the slices their .grad; on the current stream, the one that
         produced them (the compute stream), before anything reads the bucket. A parameter with
-        no gradient (unused, under find_unused) gets a zeroed slice: it contributes zeros.
+        no gradient (unused, under find_unused) gets a zeroed slice: it contributes zeros. A
+        bucket of its own (Bucket.own) keeps its fresh gradient as it is (zeros if none came).
 
         Autograd hands over a fresh gradient when .grad is None, so one copy (read and write
         once) puts it in the bucket; zeroing the buckets and accumulating into them in place
@@ -224,6 +247,13 @@ class GradReducer:
         handful of buckets. Later micro-steps of the step accumulate into the slices in place.
         """
         if not bucket.arrived:
+            return
+        if bucket.own:  # its gradient is reduced where autograd put it
+            (p,) = bucket.arrived
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.attached.add(id(p))
+            bucket.arrived.clear()
             return
         slot, views = self.slot, bucket.views
         fresh = [p for p in bucket.arrived if p.grad is not None]
@@ -309,9 +339,9 @@ class GradReducer:
             self._all_reduce(bucket)
 
     def _all_reduce(self, bucket: Bucket) -> None:
-        tensor = bucket.flat
+        tensor = bucket.tensor()
         if bucket.wire is not None:
-            bucket.wire.copy_(bucket.flat)
+            bucket.wire.copy_(tensor)
             tensor = bucket.wire
         if self.op is tdist.ReduceOp.SUM:
             # gloo has no average: divide first, as torch DDP does (a sum of averages cannot
@@ -395,7 +425,7 @@ class GradReducer:
         for b in self.buckets:
             b.work.wait()  # CUDA: the current (communication) stream waits; no host block
             if b.wire is not None:
-                b.flat.copy_(b.wire)
+                b.tensor().copy_(b.wire)
             b.work = None
 
     def _reset(self) -> None:

@@ -65,6 +65,22 @@ CASES = {
     "ddp_gpt_tied": ("gpt", "torch_ddp", 2, "sgd", {}),
     "mgpu_frozen_unused": ("branchy_unused", "mgpu", 1, "sgd", {"find_unused": True}),
     "mgpu_bf16_wire": ("mlp", "mgpu", 1, "sgd", {"reduce_dtype": ReduceDtype.bf16}),
+    # buckets of one parameter, reduced in the parameter's own .grad (Bucket.own)
+    "mgpu_accum4_per_param": ("mlp", "mgpu", 4, "adamw", {"bucket_cap_mb": 1e-6}),
+    "mgpu_frozen_unused_per_param": (
+        "branchy_unused",
+        "mgpu",
+        1,
+        "sgd",
+        {"find_unused": True, "bucket_cap_mb": 1e-6},
+    ),
+    "mgpu_bf16_wire_per_param": (
+        "mlp",
+        "mgpu",
+        1,
+        "sgd",
+        {"reduce_dtype": ReduceDtype.bf16, "bucket_cap_mb": 1e-6},
+    ),
     # BatchNorm: statistics differ per rank (per-rank batches), so no single-process reference
     "mgpu_bn": ("bn", "mgpu", 1, "sgd", {}),
     "ddp_bn": ("bn", "torch_ddp", 1, "sgd", {}),
@@ -190,9 +206,10 @@ def test_buckets_launch_while_backward_is_still_running(results):
     assert per_step == [1, 2, 3, 4, 5, 6], got["ready_at_launch"][:12]
 
 
-def test_bf16_wire_is_close_but_not_identical(results):
+@pytest.mark.parametrize("case", ["mgpu_bf16_wire", "mgpu_bf16_wire_per_param"])
+def test_bf16_wire_is_close_but_not_identical(results, case):
     expected = reference_state("mgpu_default")
-    got = torch.load(results / "mgpu_bf16_wire.0.pt", weights_only=True)["params"]
+    got = torch.load(results / f"{case}.0.pt", weights_only=True)["params"]
     diffs = [(got[k] - v).abs().max().item() for k, v in expected.items()]
     assert max(diffs) < 2e-2 and max(diffs) > 0  # bf16 rounding shows, but training agrees
 
@@ -453,17 +470,21 @@ def copy_count_worker(rank: int, port: int, out_dir: str):
                 loss = nn.functional.cross_entropy(model(x), y)
                 with CountOps() as ops:
                     loss.backward()
-                counts[cap, step] = dict(ops.counts), len(model.reducer.buckets)
+                buckets = model.reducer.buckets
+                counts[cap, step] = dict(ops.counts), len(buckets), sum(b.own for b in buckets)
             model.reducer.remove()
         torch.save(counts, f"{out_dir}/{rank}.pt")
 
 
-def test_gradients_go_into_the_buckets_with_one_copy_per_bucket(tmp_path):
+def test_gradients_go_into_the_buckets_with_one_copy_per_bucket_and_none_for_one_parameter(
+    tmp_path,
+):
     """Host work per step scales with buckets, not parameters: each bucket's fresh gradients are
-    copied in by one multi-tensor copy, with no copy launched per parameter."""
+    copied in by one multi-tensor copy, with no copy launched per parameter. A bucket of one
+    parameter is reduced in that parameter's own gradient: no copy at all."""
     spawn(copy_count_worker, free_port(), str(tmp_path), nprocs=WORLD)
     for rank in range(WORLD):
-        for (cap, step), (ops, buckets) in torch.load(tmp_path / f"{rank}.pt").items():
-            assert buckets == (6 if cap < 1 else 1), (cap, buckets)
-            assert ops.get("_foreach_copy_", 0) == buckets, (cap, step, ops)
+        for (cap, step), (ops, buckets, own) in torch.load(tmp_path / f"{rank}.pt").items():
+            assert (buckets, own) == ((6, 6) if cap < 1 else (1, 0)), (cap, buckets, own)
+            assert ops.get("_foreach_copy_", 0) == buckets - own, (cap, step, ops)
             assert ops.get("copy_", 0) == 0, (cap, step, ops)
