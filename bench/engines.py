@@ -152,14 +152,29 @@ def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, ahead_ms
 
 
+def profiled(trainer: Trainer, batch, steps: int, warmup: int = 2):
+    """torch.profiler (CUDA activity) over `steps` training steps. Tracing starts `warmup` steps
+    before the recorded ones: a profiler starts at a different moment on each rank, and until
+    the steps' collectives have brought the ranks together again, an NCCL kernel would count
+    that difference as its own time."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    plan = schedule(wait=0, warmup=warmup, active=steps, repeat=1)  # one cycle: kept after
+    batches = iter([batch] * (warmup + steps))
+    with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
+        for i in range(warmup + steps):
+            trainer.train_step(batches)
+            if i == warmup + steps - 1:
+                torch.cuda.synchronize()  # the last step's kernels land inside the trace
+            prof.step()
+    return prof
+
+
 def kernel_table(trainer: Trainer, batch, steps: int = 3, top: int = 25) -> dict:
     """GPU time per step by kernel (and copy/memset), from torch.profiler over `steps` steps
     taken after the timed rounds. Kernels on different streams can run at once, so the total
     is GPU work, not step time: it shows what an engine adds to the GPU's work."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed(trainer, batch, steps)
+    prof = profiled(trainer, batch, steps)
     rows = [
         (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
         for e in prof.key_averages()
@@ -181,10 +196,8 @@ def idle_table(trainer: Trainer, batch, steps: int = 3, top: int = 12) -> dict:
     the host launching late. An NCCL kernel that waits for another rank counts as busy: its
     wait shows as its length in --kernels, not here."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed(trainer, batch, steps)
+    prof = profiled(trainer, batch, steps)
     spans = sorted(
         (e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id(), e.name())
         for e in prof.profiler.kineto_results.events()
