@@ -72,6 +72,9 @@ ENGINES = {
     # data-parallel engine adds on top of its gradient reduction (the non-finite agreement):
     # what a single meeting point per step costs, with no gradient traffic at all
     "none_agree": DistConfig(engine=Engine.none),
+    # diagnostic: every bucket packed into a flat buffer, a bucket of one parameter included
+    # (mgpu's default reduces such a bucket in the parameter's own .grad, with no copy)
+    "mgpu_packed": DistConfig(engine=Engine.mgpu),
     # with --compile: the whole model compiled as one graph, as torch DDP's engines are, so
     # every gradient appears at the end of backward (mgpu's default compiles block by block)
     "mgpu_whole_compile": DistConfig(engine=Engine.mgpu, broadcast_buffers=False),
@@ -129,6 +132,9 @@ def build(name: str, engine: str, rt, use_compile: bool):
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if engine == "mgpu_nocomm":
         skip_collectives(model.reducer)
+    if engine == "mgpu_packed":
+        model.reducer.in_place = False
+        model.reducer._build(list(reversed(range(len(model.reducer.params)))))
     tcfg = TrainerConfig(precision=Precision.bf16, grad_clip=1.0)
     trainer = Trainer(tcfg, model, optimizer, schedule, rt)
     if engine == "none_agree":
@@ -154,9 +160,10 @@ def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
 
 def profiled(trainer: Trainer, batch, steps: int, warmup: int = 2):
     """torch.profiler (CUDA activity) over `steps` training steps. Tracing starts `warmup` steps
-    before the recorded ones: a profiler starts at a different moment on each rank, and until
-    the steps' collectives have brought the ranks together again, an NCCL kernel would count
-    that difference as its own time."""
+    before the recorded ones: a profiler starts at a different moment on each rank, and an NCCL
+    kernel would count that difference as its own time. The recorded window opens on an empty
+    queue with the ranks together (the host is otherwise a step ahead, and the queued step's
+    kernels would fall into the window), and closes once its last kernel has run."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     plan = schedule(wait=0, warmup=warmup, active=steps, repeat=1)  # one cycle: kept after
@@ -164,8 +171,12 @@ def profiled(trainer: Trainer, batch, steps: int, warmup: int = 2):
     with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
         for i in range(warmup + steps):
             trainer.train_step(batches)
+            if i == warmup - 1:
+                torch.cuda.synchronize()
+                torch.distributed.barrier()
+                torch.cuda.synchronize()  # the barrier's own kernel stays out of the window
             if i == warmup + steps - 1:
-                torch.cuda.synchronize()  # the last step's kernels land inside the trace
+                torch.cuda.synchronize()
             prof.step()
     return prof
 

@@ -51,7 +51,13 @@ log = logging.getLogger(__name__)
 class Bucket:
     """Parameters whose gradients live side by side in one flat tensor, reduced in one call."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], reduce_dtype: torch.dtype | None):
+    def __init__(
+        self,
+        index: int,
+        params: list[nn.Parameter],
+        reduce_dtype: torch.dtype | None,
+        in_place: bool = True,
+    ):
         self.index, self.params = index, params
         p0 = params[0]
         numel = sum(p.numel() for p in params)
@@ -59,7 +65,7 @@ class Bucket:
         # autograd makes row-major too: there is nothing to pack, and copying it in would read
         # and write what is often the model's largest gradient (GPT-2's tied embedding, 154 MB)
         # at the very end of backward, where nothing hides it.
-        self.own = len(params) == 1 and p0.is_contiguous()
+        self.own = in_place and len(params) == 1 and p0.is_contiguous()
         self.flat = None if self.own else torch.zeros(numel, dtype=p0.dtype, device=p0.device)
         # bf16 communication needs its own buffer: half the bytes on the wire, fp32 kept here.
         self.wire = None
@@ -160,6 +166,9 @@ class GradReducer:
         # so that a run that never reads them does not grow without limit.
         self.exposed: deque = deque(maxlen=10_000)
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        # Buckets of one parameter reduced in its own .grad (Bucket.own); False packs every
+        # bucket, for measuring what that saves (bench/engines.py mgpu_packed).
+        self.in_place = True
         # Reverse registration order approximates backward order; the first step checks it.
         self._build(list(reversed(range(len(self.params)))))
         # Kept so that remove() can take the reducer off the parameters again.
@@ -193,7 +202,9 @@ class GradReducer:
     def _build(self, order: list[int]) -> None:
         ordered = [self.params[i] for i in order]
         groups = assign_buckets(ordered, self.cap_bytes, self.first_cap_bytes)
-        self.buckets = [Bucket(i, g, self.reduce_dtype) for i, g in enumerate(groups)]
+        self.buckets = [
+            Bucket(i, g, self.reduce_dtype, self.in_place) for i, g in enumerate(groups)
+        ]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.slot = {id(p): i for b in self.buckets for i, p in enumerate(b.params)}
         self.next_launch = 0
