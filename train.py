@@ -23,6 +23,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from mgpu.board import TensorBoard
 from mgpu.checkpoint import (
     CheckpointError,
     Loaded,
@@ -36,7 +37,7 @@ from mgpu.dist import Runtime, all_ok, broadcast_object, check_same_config, dist
 from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteStep
 from mgpu.loader import build_dataset, build_loader
-from mgpu.metrics import Recorder, TensorBoard
+from mgpu.metrics import Recorder
 from mgpu.models import build_model, compile_model
 from mgpu.models.flops import peak_tflops
 from mgpu.optim import build_optimizer, build_schedule

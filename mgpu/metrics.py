@@ -1,6 +1,6 @@
 """Training telemetry: step time from marks on the device's own timeline, the interval's loss
-copied to the host without stalling, the time steps waited for data, and what rank 0 writes to
-TensorBoard and the console.
+copied to the host without stalling, the time steps waited for data, and the values rank 0
+publishes each log interval (to TensorBoard through mgpu.board, and to the console).
 
 Nothing here waits on the GPU at the step it is recorded. An interval's numbers are published one
 log interval later, when the GPU has long finished them, so logging never drains the GPU queue.
@@ -14,14 +14,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as tdist
 
 from mgpu.dist import Runtime, all_reduce_sum_
-from mgpu.goodput import CATEGORIES, Goodput
+from mgpu.goodput import Goodput
+
+if TYPE_CHECKING:
+    from mgpu.board import TensorBoard
 
 log = logging.getLogger(__name__)
 
@@ -56,44 +58,8 @@ class Clock:
         return (end - start) * 1e3
 
 
-def _lines(*tags: str) -> list:
-    return ["Multiline", list(tags)]
-
-
 # The parts of a step (breakdown()), each in time/<part>_ms and time/<part>_pct.
 PARTS = ("data_wait", "compute", "exposed_comm", "optimizer", "other")
-# TensorBoard's Custom Scalars tab: the few charts that answer "how fast, and where did the
-# time go", each a group of the tags Recorder.publish writes.
-LAYOUT = {
-    "mgpu": {
-        "throughput": _lines("throughput/tokens_per_sec", "throughput/samples_per_sec"),
-        "MFU %": _lines("throughput/mfu_pct"),
-        "step breakdown, ms": _lines("time/step_ms", *(f"time/{p}_ms" for p in PARTS)),
-        "step breakdown, %": _lines(*(f"time/{p}_pct" for p in PARTS)),
-        "memory, GiB": _lines("memory/max_allocated_gib", "memory/max_reserved_gib"),
-        "ranks: step ms": _lines(*(f"ranks/step_ms_{s}" for s in ("min", "median", "max"))),
-        "ranks: data wait ms": _lines(
-            *(f"ranks/data_wait_ms_{s}" for s in ("min", "median", "max"))
-        ),
-        "ranks: compute ms": _lines(*(f"ranks/compute_ms_{s}" for s in ("min", "median", "max"))),
-        "ranks: slowest": _lines(
-            *(f"ranks/{f}_slowest_rank" for f in ("step_ms", "data_wait_ms", "compute_ms"))
-        ),
-        "goodput": _lines("goodput/pct"),
-        "goodput, s": _lines(*(f"goodput/{c}_s" for c in CATEGORIES), "goodput/wall_s"),
-    }
-}
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    """[("optim.lr", 0.001), ...] for a nested dict."""
-    out = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out += flatten(value, f"{prefix}{key}.")
-        else:
-            out.append((f"{prefix}{key}", value))
-    return out
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
@@ -107,59 +73,6 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
         "memory/max_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / gib,
         "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
     }
-
-
-class TensorBoard:
-    """Rank 0 writes event files into the run directory; every other rank writes nothing.
-
-    `purge_step`: a resumed run's first step. TensorBoard then drops what earlier event files in
-    the directory hold from that step on (steps an interrupted attempt logged after its last
-    checkpoint), so each step shows once, with the value of the run that continued.
-    """
-
-    def __init__(self, run_dir: Path, enabled: bool, purge_step: int | None = None):
-        self.writer = None
-        if enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
-
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        """All of a step's values in one event (one record per value would cost tens of
-        microseconds each, on the host thread that feeds the GPU)."""
-        if self.writer is not None and values:
-            from tensorboard.compat.proto.summary_pb2 import Summary
-
-            record = Summary(
-                value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in values.items()]
-            )
-            self.writer.file_writer.add_summary(record, step)
-
-    def describe_run(self, config: dict[str, Any], summary: str) -> None:
-        """Once per launch: the charts' layout, the run's config in the HParams tab (next to
-        the metrics it is compared by) and a text summary."""
-        if self.writer is None:
-            return
-        from torch.utils.tensorboard.summary import hparams
-
-        self.writer.add_custom_scalars(LAYOUT)
-        flat = {k: v if isinstance(v, int | float | bool) else str(v) for k, v in flatten(config)}
-        metrics = dict.fromkeys(("train/loss", "eval/loss", "throughput/mfu_pct", "goodput/pct"), 0)
-        for record in hparams(flat, metrics):  # experiment, session start, session end
-            self.writer.file_writer.add_summary(record)
-        self.writer.add_text("run/summary", summary)
-
-    def text(self, tag: str, body: str) -> None:
-        if self.writer is not None:
-            self.writer.add_text(tag, body)
-
-    def flush(self) -> None:
-        if self.writer is not None:
-            self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 @dataclass
