@@ -29,10 +29,11 @@ from mgpu.board import TensorBoard  # noqa: E402
 from mgpu.comm import MgpuDataParallel, wrap_model  # noqa: E402
 from mgpu.config import DistConfig, OptimConfig, OptimizerName, Precision, TrainerConfig  # noqa: E402
 from mgpu.dist import distributed  # noqa: E402
-from mgpu.loader import DeviceLoader, ShardedSampler, epochs  # noqa: E402
+from mgpu.loader import DeviceLoader, epochs  # noqa: E402
 from mgpu.metrics import Recorder  # noqa: E402
 from mgpu.models import GPT  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
+from mgpu.sampler import ShardedSampler  # noqa: E402
 from mgpu.trainer import Trainer  # noqa: E402
 
 VARIANTS = ("log_every_step", "log_at_end", "no_recorder")

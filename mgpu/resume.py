@@ -30,7 +30,8 @@ from mgpu.checkpoint import (
 from mgpu.comm import unwrap
 from mgpu.config import TrainerConfig
 from mgpu.dist import Runtime, all_ok
-from mgpu.loader import DataCursor, DeviceLoader, ShardedSampler, advance
+from mgpu.loader import DeviceLoader
+from mgpu.sampler import DataCursor, ShardedSampler, advance
 from mgpu.state import (
     CheckpointMismatch,
     capture_rng,

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mgpu.loader import DataCursor
+from mgpu.sampler import DataCursor
 
 log = logging.getLogger(__name__)
 

@@ -33,16 +33,10 @@ from mgpu.checkpoint import (
     write_rank_files,
 )
 from mgpu.config import CheckpointConfig, ConfigError, OptimConfig
-from mgpu.loader import (
-    DataCursor,
-    ShardedSampler,
-    advance,
-    epoch_order,
-    epochs,
-    remaining_indices,
-)
+from mgpu.loader import epochs
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
+from mgpu.sampler import DataCursor, ShardedSampler, advance, epoch_order, remaining_indices
 from mgpu.state import (
     CheckpointMismatch,
     capture_rng,

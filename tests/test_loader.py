@@ -12,8 +12,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.config import Precision, TrainerConfig
 from mgpu.dist import Runtime
-from mgpu.loader import ShardedSampler, epochs, to_device
+from mgpu.loader import epochs, to_device
 from mgpu.models import MLP
+from mgpu.sampler import ShardedSampler
 from mgpu.trainer import Trainer
 
 

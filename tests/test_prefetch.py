@@ -21,7 +21,6 @@ from mgpu.config import ConfigError, ImageDataConfig, NgramDataConfig
 from mgpu.dist import Runtime
 from mgpu.loader import (
     DeviceLoader,
-    ShardedSampler,
     build_dataset,
     build_loader,
     epochs,
@@ -29,6 +28,7 @@ from mgpu.loader import (
     tensors,
     to_device,
 )
+from mgpu.sampler import ShardedSampler
 
 Pair = namedtuple("Pair", "left right")
 

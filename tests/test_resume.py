@@ -23,11 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from mgpu.checkpoint import CheckpointError, find_latest_valid, load, step_dir
 from mgpu.config import OptimConfig, Precision, TrainerConfig
 from mgpu.dist import Runtime, parse_launch_env, restart_hazard
-from mgpu.loader import ShardedSampler, epoch_order
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import LAG, PREEMPTED_EXIT_CODE, Preemption
 from mgpu.resume import CheckpointPlan
+from mgpu.sampler import ShardedSampler, epoch_order
 from mgpu.trainer import Trainer
 
 BATCH = 32  # data.batch_size's default

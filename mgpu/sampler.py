@@ -1,0 +1,126 @@
+"""Which samples each rank takes, and in what order: the rank-sharded sampler, reshuffled every
+epoch from (seed, epoch), and the data cursor a checkpoint records, so that a run resumes, on any
+number of ranks, with exactly the samples it had not yet seen."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch.utils.data import Sampler
+
+
+class ShardedSampler(Sampler[int]):
+    """Each rank's share of the sample indices, reshuffled every epoch from (seed, epoch).
+
+    Training (`even=True`) drops the tail that does not divide by the world size, so every rank
+    takes the same number of steps per epoch: ranks that disagree on that would deadlock in the
+    gradient all-reduce. Evaluation (`even=False`) gives every sample to exactly one rank, with
+    no padded duplicates; ranks then differ by at most one sample.
+
+    Rank r takes entries r, r + world, ... of the epoch's order, so after k batches of b on
+    every rank the samples consumed are exactly the order's first k * b * world entries: a
+    DataCursor. `set_epoch(epoch, consumed)` starts an epoch past such a prefix, on any number
+    of ranks (resume).
+    """
+
+    def __init__(
+        self, num_samples: int, rank: int, world_size: int, *, shuffle: bool, seed: int, even: bool
+    ):
+        if even and num_samples < world_size:
+            raise ValueError(
+                f"the dataset has {num_samples} samples, fewer than the "
+                f"{world_size} processes; use more data or fewer processes"
+            )
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.shuffle, self.seed, self.even = shuffle, seed, even
+        self.epoch, self.consumed = 0, 0
+
+    def set_epoch(self, epoch: int, consumed: int = 0) -> None:
+        """Call before iterating an epoch; all ranks must pass the same epoch and `consumed`
+        (the entries of the epoch's order that earlier steps took, over all ranks)."""
+        if consumed and not self.even:
+            raise ValueError("only a training sampler (even=True) can start past a prefix")
+        if not 0 <= consumed <= self.num_samples:
+            raise ValueError(f"consumed={consumed} is outside the {self.num_samples} samples")
+        self.epoch, self.consumed = epoch, consumed
+
+    def __len__(self) -> int:
+        if self.even:
+            return (self.num_samples - self.consumed) // self.world_size
+        return len(range(self.rank, self.num_samples, self.world_size))
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.even:
+            return iter(range(self.rank, self.num_samples, self.world_size))
+        if self.shuffle:
+            return iter(
+                remaining_indices(
+                    self.num_samples, self.seed, self.epoch, self.consumed, self.rank,
+                    self.world_size,
+                )
+            )  # fmt: skip
+        end = self.consumed + len(self) * self.world_size
+        return iter(range(self.consumed + self.rank, end, self.world_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataCursor:
+    """Where training stands in the sample stream: all ranks together have consumed the first
+    `consumed` entries of epoch `epoch`'s permutation of `num_samples` indices drawn from `seed`.
+
+    Consumed samples are always a prefix of the permutation (ShardedSampler's docstring), so
+    the cursor does not depend on the number of ranks that consumed them.
+    """
+
+    seed: int
+    epoch: int
+    consumed: int
+    num_samples: int
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("seed", "epoch", "consumed", "num_samples")}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> DataCursor:
+        return cls(int(d["seed"]), int(d["epoch"]), int(d["consumed"]), int(d["num_samples"]))
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The training order of one epoch: a permutation drawn from (seed, epoch) alone."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=g)
+
+
+def remaining_indices(
+    num_samples: int, seed: int, epoch: int, consumed: int, rank: int, world_size: int
+) -> list[int]:
+    """Rank `rank`'s samples for the rest of an epoch whose first `consumed` permutation entries
+    are done: the rest dealt round-robin over `world_size` ranks.
+
+    Tail rule: the last (num_samples - consumed) % world_size entries are dropped so every rank
+    takes the same number of steps. With consumed=0 this is ShardedSampler's training shard; at
+    the world size that consumed them, it continues that shard exactly.
+    """
+    if not 0 <= consumed <= num_samples:
+        raise ValueError(f"consumed={consumed} is outside the epoch's {num_samples} samples")
+    end = consumed + (num_samples - consumed) // world_size * world_size
+    return epoch_order(num_samples, seed, epoch)[consumed + rank : end : world_size].tolist()
+
+
+def advance(cursor: DataCursor, batches: int, *, batch_size: int, world_size: int) -> DataCursor:
+    """The cursor after every rank took `batches` more batches (drop_last), rolling into the
+    next epoch as the sampler and DataLoader do. Pure: count batches from the step number, not
+    from the loader, whose prefetching runs ahead of training."""
+    epoch, consumed, n = cursor.epoch, cursor.consumed, cursor.num_samples
+    if n // world_size < batch_size:
+        raise ValueError(f"{n} samples give no batch of {batch_size} on {world_size} ranks")
+    while True:
+        left = (n - consumed) // world_size // batch_size  # whole batches left per rank
+        take = min(batches, left)
+        consumed += take * batch_size * world_size
+        batches -= take
+        if batches == 0:
+            return DataCursor(cursor.seed, epoch, consumed, n)
+        epoch, consumed = epoch + 1, 0
