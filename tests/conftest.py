@@ -2,6 +2,7 @@
 what it wrote."""
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -70,6 +71,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def spawn(worker, *args, nprocs: int = 2) -> None:

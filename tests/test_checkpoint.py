@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import random
-import socket
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
-from conftest import spawn
+from conftest import free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu import checkpoint as ckpt
@@ -391,12 +390,6 @@ def test_a_pickled_object_is_refused_without_fallback(tmp_path):
 TOKEN = "launch-1"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def draws(gen):
     return {
         "python": [random.random() for _ in range(3)],
@@ -407,10 +400,8 @@ def draws(gen):
 
 
 def rank_worker(rank: int, port: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=2)
     root = ckpt.checkpoint_root(out)
-    try:
+    with gloo_runtime(rank, port, 2):
         random.seed(10 + rank), np.random.seed(10 + rank), torch.manual_seed(10 + rank)
         gen = torch.Generator().manual_seed(20 + rank)
         state = {"rank": rank, "rng": capture_rng(CPU, {"loader": gen})}
@@ -425,8 +416,6 @@ def rank_worker(rank: int, port: int, out: str):
         restore_rng(loaded.rank_state["rng"], CPU, {"loader": gen})
         result = {"rank": loaded.rank_state["rank"], "expected": expected, "got": draws(gen)}
         torch.save(result, f"{out}/result-{rank}.pt")
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_two_processes_write_and_restore_their_own_rng(tmp_path):

@@ -6,8 +6,7 @@ toolchain, so CI can run it."""
 
 import pytest
 import torch
-from conftest import gloo_runtime, spawn
-from test_equivalence import free_port
+from conftest import free_port, gloo_runtime, spawn
 from torch import nn
 
 from mgpu.comm import wrap_model

@@ -2,13 +2,9 @@
 each step with the parameters of one process stepping on the concatenated batch, and gradient
 accumulation over 4 micro-steps equals one step on the 4x batch, communicating once per step."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as tdist
-from conftest import spawn
+from conftest import free_port, gloo_runtime, spawn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from mgpu.comm import wrap_model
@@ -50,10 +46,7 @@ def count_allreduce(state, bucket):
 
 
 def worker(rank: int, port: int, out_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
-    try:
+    with gloo_runtime(rank, port, WORLD) as rt:
         for name, accum, optim, clip in CASES:
             model, trainer = build(rt, accum, optim, clip, "torch_ddp")
             calls = {"calls": 0}
@@ -68,14 +61,6 @@ def worker(rank: int, port: int, out_dir: str):
                 trainer.train_step(iter(micro))
             state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
             torch.save({"params": state, "calls": calls["calls"]}, f"{out_dir}/{name}.{rank}.pt")
-    finally:
-        tdist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

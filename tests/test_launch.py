@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, read_scalars, run_train
+from conftest import FAST, ROOT, free_port, read_scalars, run_train
 from torch.distributed.run import parse_args
 
 from mgpu.dist import (
@@ -44,12 +44,6 @@ def script_env(**extra: str) -> dict[str, str]:
         env.pop(key, None)
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the run name ----

@@ -1,13 +1,9 @@
 """Sharded sampling and evaluation: every rank gets equal training steps, a new shuffle every
 epoch, and evaluation sees each sample exactly once across ranks."""
 
-import os
-
 import pytest
 import torch
-import torch.distributed as tdist
-from conftest import spawn
-from test_equivalence import free_port
+from conftest import free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.config import Precision, TrainerConfig
@@ -74,13 +70,9 @@ def evaluate_on(rt: Runtime) -> float:
 
 
 def eval_worker(rank: int, port: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=3)
-    try:
-        loss = evaluate_on(Runtime(rank, rank, 3, "gloo", torch.device("cpu"), True))
+    with gloo_runtime(rank, port, 3) as rt:
+        loss = evaluate_on(rt)
         torch.save(torch.tensor(loss, dtype=torch.float64), f"{out}/{rank}.pt")
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_eval_across_three_ranks_equals_one_process_over_the_whole_set(tmp_path):

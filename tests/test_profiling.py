@@ -4,14 +4,12 @@ phase ranges that are a shared no-op and no files."""
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as tdist
-from conftest import spawn
-from test_equivalence import free_port
+from conftest import free_port, gloo_runtime, spawn
 from torch import nn
 
 from mgpu import profiling
@@ -64,13 +62,8 @@ def steps_in(path: Path) -> list[str]:
 
 
 def worker(rank: int, port: int, run_dir: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    rt = Runtime(rank, rank, WORLD, "gloo", torch.device("cpu"), has_process_group=True)
-    try:
+    with gloo_runtime(rank, port, WORLD) as rt:
         train(StepProfiler(True, 3, 2, Path(run_dir), rt), 1, 8, reduce=True)
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_one_trace_per_rank_over_exactly_the_window(tmp_path):

@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as tdist
-from conftest import gloo_runtime, spawn
-from test_equivalence import free_port
+from conftest import free_port, gloo_runtime, spawn
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

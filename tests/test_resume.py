@@ -14,10 +14,9 @@ import time
 
 import pytest
 import torch
-import torch.distributed as tdist
-from conftest import read_scalars, run_train, spawn
+from conftest import free_port, gloo_runtime, read_scalars, run_train, spawn
 from faults import first_sample_of_step, recorded
-from test_checkpoint import bitflip, free_port, no_space
+from test_checkpoint import bitflip, no_space
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.checkpoint import CheckpointError, find_latest_valid, load, step_dir
@@ -319,11 +318,8 @@ def test_a_loader_that_never_yields_ends_the_run_after_stall_timeout_s(tmp_path)
 
 
 def preemption_worker(rank: int, port: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=2)
-    rt = Runtime(rank, rank, 2, "gloo", torch.device("cpu"), has_process_group=True)
     before = signal.getsignal(signal.SIGUSR1)
-    try:
+    with gloo_runtime(rank, port, 2) as rt:
         with Preemption(rt) as preemption:
             decisions = []
             for step in range(1, 8):
@@ -334,8 +330,6 @@ def preemption_worker(rank: int, port: int, out: str):
         restored = signal.getsignal(signal.SIGUSR1) is before
         result = {"decisions": decisions, "restored": restored, "signum": preemption.signum}
         torch.save(result, f"{out}/{rank}.pt")
-    finally:
-        tdist.destroy_process_group()
 
 
 def test_every_rank_stops_after_the_same_step_whichever_rank_got_the_signal(tmp_path):
