@@ -112,8 +112,8 @@ def build(rt, case: str, reference: bool):
     return model, Trainer(tcfg, model, optimizer, schedule, rt)
 
 
-def worker(rank: int, port: int, out_dir: str, cases: list[str]):
-    with gloo_runtime(rank, port, WORLD) as rt:
+def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int = WORLD):
+    with gloo_runtime(rank, port, world) as rt:
         for case in cases:
             model_name, _, accum, _, _ = CASES[case]
             model, trainer = build(rt, case, reference=False)
@@ -127,8 +127,8 @@ def worker(rank: int, port: int, out_dir: str, cases: list[str]):
 
                 reducer._launch = record
             for step in range(STEPS):
-                x, y = batch(model_name, step, WORLD * accum * MICRO)
-                starts = [(m * WORLD + rank) * MICRO for m in range(accum)]
+                x, y = batch(model_name, step, world * accum * MICRO)
+                starts = [(m * world + rank) * MICRO for m in range(accum)]
                 trainer.train_step(iter([(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]))
             syncs = len(model.reducer.exposed) if isinstance(model, MgpuDataParallel) else -1
             state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
@@ -145,12 +145,12 @@ def results(tmp_path_factory):
     return out
 
 
-def reference_state(case: str):
+def reference_state(case: str, world: int = WORLD):
     model_name, _, accum, _, _ = CASES[case]
     rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
     model, trainer = build(rt, case, reference=True)
     for step in range(STEPS):
-        trainer.train_step(iter([batch(model_name, step, WORLD * accum * MICRO)]))
+        trainer.train_step(iter([batch(model_name, step, world * accum * MICRO)]))
     return model.state_dict()
 
 
@@ -165,6 +165,28 @@ def test_matches_one_process_on_the_concatenated_batch(results, case):
             )
         if CASES[case][1] == "mgpu":
             assert got["syncs"] == STEPS  # one reduction per optimizer step, none per micro-step
+
+
+def test_a_larger_ring_matches_one_process_on_the_concatenated_batch(tmp_path):
+    """Four ranks (gloo processes on the CPU, standing in for a larger ring): the averages,
+    the order rank 0 broadcasts, buckets of one parameter, tied and unused parameters."""
+    world = 4
+    cases = [
+        "mgpu_default",
+        "mgpu_accum4_per_param",
+        "mgpu_gpt_tied",
+        "mgpu_frozen_unused_per_param",
+    ]
+    spawn(worker, free_port(), str(tmp_path), cases, world, nprocs=world)
+    for case in cases:
+        expected = reference_state(case, world)
+        for rank in range(world):
+            got = torch.load(tmp_path / f"{case}.{rank}.pt", weights_only=True)
+            for key, value in expected.items():
+                torch.testing.assert_close(
+                    got["params"][key], value, rtol=1e-6, atol=1e-6, msg=f"{case} rank {rank} {key}"
+                )
+            assert got["syncs"] == STEPS
 
 
 @pytest.mark.parametrize(
