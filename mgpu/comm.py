@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 
 class Bucket:
-    """Parameters whose gradients live side by side in one flat tensor, reduced in one call."""
+    """Parameters whose gradients live side by side in one flat tensor, reduced in one call; or
+    one parameter whose gradient is reduced where it is (`own`)."""
 
     def __init__(
         self,
