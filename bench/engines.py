@@ -72,6 +72,10 @@ ENGINES = {
     # data-parallel engine adds on top of its gradient reduction (the non-finite agreement):
     # what a single meeting point per step costs, with no gradient traffic at all
     "none_agree": DistConfig(engine=Engine.none),
+    # the reduction's NCCL kernels on a high-priority stream (ProcessGroupNCCL's
+    # is_high_priority_stream): the GPU's block scheduler serves them before backward's queued
+    # kernels, instead of after
+    "mgpu_hipri": DistConfig(engine=Engine.mgpu),
     # diagnostic: every bucket packed into a flat buffer, a bucket of one parameter included
     # (mgpu's default reduces such a bucket in the parameter's own .grad, with no copy)
     "mgpu_packed": DistConfig(engine=Engine.mgpu),
@@ -132,6 +136,9 @@ def build(name: str, engine: str, rt, use_compile: bool):
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if engine == "mgpu_nocomm":
         skip_collectives(model.reducer)
+    if engine == "mgpu_hipri":  # a collective: every rank builds its engines in one order
+        options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+        model.reducer.group = torch.distributed.new_group(backend="nccl", pg_options=options)
     if engine == "mgpu_packed":
         model.reducer.in_place = False
         model.reducer._build(list(reversed(range(len(model.reducer.params)))))
