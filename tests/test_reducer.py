@@ -154,17 +154,22 @@ def reference_state(case: str, world: int = WORLD):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "bf16" not in c and c not in PER_RANK_STATS])
-def test_matches_one_process_on_the_concatenated_batch(results, case):
-    expected = reference_state(case)
-    for rank in range(WORLD):
-        got = torch.load(results / f"{case}.{rank}.pt", weights_only=True)
+def assert_matches_reference(out_dir, case: str, world: int = WORLD) -> None:
+    """Every rank's parameters after the run equal one process's on the concatenated batch."""
+    expected = reference_state(case, world)
+    for rank in range(world):
+        got = torch.load(out_dir / f"{case}.{rank}.pt", weights_only=True)
         for key, value in expected.items():
             torch.testing.assert_close(
                 got["params"][key], value, rtol=1e-6, atol=1e-6, msg=f"{case} rank {rank} {key}"
             )
         if CASES[case][1] == "mgpu":
             assert got["syncs"] == STEPS  # one reduction per optimizer step, none per micro-step
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "bf16" not in c and c not in PER_RANK_STATS])
+def test_matches_one_process_on_the_concatenated_batch(results, case):
+    assert_matches_reference(results, case)
 
 
 def test_a_larger_ring_matches_one_process_on_the_concatenated_batch(tmp_path):
@@ -179,14 +184,7 @@ def test_a_larger_ring_matches_one_process_on_the_concatenated_batch(tmp_path):
     ]
     spawn(worker, free_port(), str(tmp_path), cases, world, nprocs=world)
     for case in cases:
-        expected = reference_state(case, world)
-        for rank in range(world):
-            got = torch.load(tmp_path / f"{case}.{rank}.pt", weights_only=True)
-            for key, value in expected.items():
-                torch.testing.assert_close(
-                    got["params"][key], value, rtol=1e-6, atol=1e-6, msg=f"{case} rank {rank} {key}"
-                )
-            assert got["syncs"] == STEPS
+        assert_matches_reference(tmp_path, case, world)
 
 
 @pytest.mark.parametrize(
