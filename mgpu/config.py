@@ -44,6 +44,13 @@ def _non_negative(key: str, value: float, example: str) -> None:
     _require(value >= 0, key, value, f"must be >= 0, e.g. {key}={example}")
 
 
+def _auto_or_bool(key: str, value: Any) -> bool | str:
+    """A key that takes auto, true or false (as typed, or as Hydra parsed it): auto or a bool."""
+    text = str(value).lower()
+    _require(text in ("auto", "true", "false"), key, value, "must be auto, true or false")
+    return "auto" if text == "auto" else text == "true"
+
+
 # Enum member names are what users type (`trainer.precision=bf16`); OmegaConf rejects any other
 # value at composition time with the allowed list.
 class Precision(Enum):
@@ -89,7 +96,20 @@ class TrainerConfig:
     log_every: int = 10  # steps between TensorBoard/console records
     eval_every: int = 100  # steps between evaluations (also one at the end); 0: only at the end
     seed: int = 0  # model init, sampler shuffle and dropout all derive from it
-    compile: bool = False  # torch.compile the model before wrapping it for data parallelism
+    # torch.compile before wrapping for data parallelism (mgpu.models.compile_model says what is
+    # compiled, and the loss with it): true, false, or auto (on for CUDA, off on CPU, where
+    # compiling costs more than it saves on the small models a CPU trains).
+    compile: Any = "auto"
+    # torch.compile's backend for the model and the loss: inductor generates fused GPU kernels;
+    # aot_eager captures the same graphs without generating code (checks compile on any host).
+    compile_backend: str = "inductor"
+    # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
+    # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.
+    # cudnn_benchmark: cuDNN times its convolution algorithms for each new input shape and keeps
+    # the fastest (the first steps of each shape are slower; results may differ in the last bits
+    # from one process to the next, so set it false for bitwise repeatable convolutions).
+    tf32: bool = True
+    cudnn_benchmark: bool = True
     # A step whose loss or gradients are NaN/inf, on any rank: stop before the optimizer step,
     # or skip that step on every rank (at most max_consecutive_skips in a row, then stop).
     nonfinite: NonFinite = NonFinite.stop
@@ -124,6 +144,11 @@ class TrainerConfig:
         _positive("trainer.log_every", self.log_every, "10")
         _non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
         _non_negative("trainer.seed", self.seed, "0")
+        self.compile = _auto_or_bool("trainer.compile", self.compile)
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether `trainer.compile` means compiling on this device ("cuda", "cpu")."""
+        return device_type == "cuda" if self.compile == "auto" else self.compile
 
 
 @dataclass
@@ -202,7 +227,9 @@ class CheckpointConfig:
 class DataConfig:
     _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)
     batch_size: int = 32  # per device, per micro-step
-    num_workers: int = 2  # DataLoader worker processes per rank
+    # DataLoader worker processes per rank: a number, or auto (this node's CPUs shared out per
+    # local process, less two for the training process's own threads; mgpu.loader.worker_count).
+    num_workers: Any = "auto"
     pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
     prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)
     prefetch_depth: int = 2  # batches copied to the GPU ahead of use, on the loader's side stream
@@ -210,7 +237,10 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _positive("data.batch_size", self.batch_size, "32")
-        _non_negative("data.num_workers", self.num_workers, "4")
+        if self.num_workers != "auto":
+            ok = isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
+            why = "must be auto or a number of worker processes >= 0, e.g. data.num_workers=8"
+            _require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
         _positive("data.prefetch_factor", self.prefetch_factor, "2")
         _positive("data.prefetch_depth", self.prefetch_depth, "2")
         _require(

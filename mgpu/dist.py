@@ -219,6 +219,7 @@ class Runtime:
     device: torch.device
     has_process_group: bool
     restart_count: int = 0  # torchrun's restarts of this launch; > 0: an earlier attempt failed
+    local_world_size: int = 1  # training processes on this node (they share its CPUs)
 
     @property
     def is_primary(self) -> bool:
@@ -308,6 +309,7 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
                 device=device,
                 has_process_group=env.under_torchrun,
                 restart_count=env.restart_count,
+                local_world_size=env.local_world_size,
             )
         finally:
             if tdist.is_initialized():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
+import os
 import queue
 import signal
 import threading
@@ -60,7 +61,7 @@ def build_dataloader(
             f"data.batch_size={cfg.batch_size}: each of the {rt.world_size} processes gets only "
             f"{len(sampler)} training samples, less than one batch; lower data.batch_size"
         )
-    workers = cfg.num_workers
+    workers = worker_count(cfg.num_workers, rt.local_world_size)
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -78,6 +79,21 @@ def build_dataloader(
         generator=torch.Generator().manual_seed(seed + rt.rank),
         worker_init_fn=leave_preemption_to_the_trainer,
     )
+
+
+# Cores left to each training process by data.num_workers=auto: its Python thread that launches
+# the GPU work, and the prefetcher's copy thread. A launch-bound model (ResNet-50) slows down when
+# DataLoader workers take every core.
+TRAINER_CORES = 2
+
+
+def worker_count(setting: int | str, local_processes: int) -> int:
+    """`data.num_workers`: a number as it is; auto, the CPUs this process may use shared out
+    among the training processes of this node, less TRAINER_CORES each, at least 1."""
+    if setting != "auto":
+        return int(setting)
+    share = len(os.sched_getaffinity(0)) // max(1, local_processes)
+    return max(1, share - TRAINER_CORES)
 
 
 def leave_preemption_to_the_trainer(worker_id: int) -> None:

@@ -54,6 +54,25 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
 
 
+def training_loss(cfg: TrainerConfig, device: torch.device) -> Callable:
+    """The training loss, compiled where trainer.compile is on. Eager, the fp32 upcast, log-softmax
+    and their backward each make a pass over the logits; over GPT-2's 16x1024x50304 logits that
+    is ~30 GB of memory traffic, about 10 ms a step on an H100. Compiled, they fuse into a pass or
+    two. The loss region holds no parameters, so gradient buckets still launch as before."""
+    if not cfg.compiles(device.type):
+        return cross_entropy
+    return torch.compile(cross_entropy, backend=cfg.compile_backend)
+
+
+def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
+    """trainer.tf32 and trainer.cudnn_benchmark, for this process (torch keeps them globally)."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+
+
 def _no_mark() -> None:
     return None
 
@@ -82,6 +101,7 @@ class Trainer:
         # DeviceLoader (what build_loader returns) applies its own, per data.device_transform.
         self.input_transform = input_transform
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
+        self.loss_fn = training_loss(cfg, rt.device)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it.
         self.scaler = torch.amp.GradScaler(
             rt.device.type,
@@ -172,7 +192,7 @@ class Trainer:
             # ones accumulate locally (forward and backward both inside the no-sync region).
             with sync_gradients(self.model, enabled=micro == accum - 1):
                 with phase(FORWARD), self._autocast():
-                    loss = cross_entropy(self.model(inputs), targets)
+                    loss = self.loss_fn(self.model(inputs), targets)
                 with phase(BACKWARD):
                     self.scaler.scale(loss / accum).backward()
             marks.append(mark())

@@ -1,0 +1,312 @@
+"""mgpu's real training path against the loop a strong user writes by hand, on one GPU, in one job.
+
+    python bench/vs_plain.py [--models gpt2_small resnet50] [--modes eager compiled]
+    python bench/vs_plain.py --quick            # tiny shapes on the CPU: checks the script
+
+plain: the 60-line loop nanoGPT popularised: the same model class, whole-model torch.compile
+(compiled mode), fused AdamW/SGD with the same hyperparameters, the same clipping and precision,
+TF32 and cuDNN autotuning on, one batch of the same dataset resident on the GPU.
+mgpu: `Trainer.fit` built by mgpu.run.build_run from the same Hydra config, as train.py builds it
+(DataLoader workers, side-stream prefetcher, non-finite guard, telemetry, LR schedule, clipping,
+a final evaluation and checkpoint after the timed steps); its step time is what its own telemetry
+wrote to TensorBoard (time/step_ms per log interval), the figure a user sees.
+
+Order per model and mode: plain rounds, then mgpu's run (one interval per round after a warm-up
+interval), then plain rounds again, so that drift in the machine's state falls on both sides.
+Plain variants (--plain-variants) are levers timed in the same rounds: `blocks` compiles each
+transformer block alone (mgpu's old compile), `blocks_loss` adds the loss as its own region.
+Writes bench/results/vs_plain-<device>-<time>.json with a top-level "ratio" object
+(mgpu throughput over plain throughput per model and mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.engines import versions  # noqa: E402
+from mgpu.config import Config, to_config  # noqa: E402
+from mgpu.dist import distributed  # noqa: E402
+from mgpu.loader import build_dataset  # noqa: E402
+from mgpu.models import build_model, repeated_blocks  # noqa: E402
+from mgpu.models.flops import peak_tflops  # noqa: E402
+from mgpu.run import build_run  # noqa: E402
+from mgpu.trainer import autocast_dtype, cross_entropy, set_math_modes  # noqa: E402
+
+MODELS = {  # the runs of the fast-path issue's table
+    "gpt2_small": [
+        "model=gpt2_small",
+        "data=ngram",
+        "data.vocab_size=50304",
+        "data.seq_len=1024",
+        "data.batch_size=16",
+    ],
+    "resnet50": ["experiment=resnet50"],
+}
+QUICK = {  # CPU-sized stand-ins, to check the script
+    "gpt2_small": [
+        "model=gpt_tiny",
+        "data.vocab_size=256",
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "data.num_workers=0",
+    ],
+    "resnet50": [
+        "model=resnet_tiny",
+        "data.num_classes=10",
+        "data.image_size=32",
+        "data.batch_size=8",
+        "data.num_workers=0",
+    ],
+}
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+class PlainLoop:
+    """The hand-written loop. `variant`: whole (torch.compile(model), the reference; eager when
+    compile is off), blocks (each repeated block compiled alone), blocks_loss (the same plus the
+    loss compiled as its own region)."""
+
+    def __init__(self, cfg: Config, device: torch.device, compiled: bool, variant: str):
+        torch.manual_seed(cfg.trainer.seed)
+        model = build_model(cfg.model).to(device)
+        self.channels_last = getattr(model, "channels_last", False) and device.type == "cuda"
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.raw = model
+        self.loss = cross_entropy
+        backend = cfg.trainer.compile_backend
+        if compiled and variant == "whole":
+            model = torch.compile(model, backend=backend)
+        elif compiled:
+            for block in repeated_blocks(model) or [model]:
+                block.compile(backend=backend)
+            if variant == "blocks_loss":
+                self.loss = torch.compile(cross_entropy, backend=backend)
+        self.model = model
+        o = cfg.optim
+        if o.name.value == "adamw":
+            self.optimizer = torch.optim.AdamW(
+                model.parameters(),
+                lr=o.lr,
+                betas=tuple(o.betas),
+                eps=o.eps,
+                weight_decay=o.weight_decay,
+                fused=True,
+            )
+        else:
+            self.optimizer = torch.optim.SGD(
+                model.parameters(),
+                lr=o.lr,
+                momentum=o.momentum,
+                weight_decay=o.weight_decay,
+                fused=True,
+            )
+        self.clip = cfg.trainer.grad_clip
+        self.amp = autocast_dtype(cfg.trainer.precision, device)
+        self.device = device
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+            loss = self.loss(self.model(x), y)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class Timer:
+    """ms between two points of the device's work (CUDA events; host time on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def run(self, fn, steps: int) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / steps
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / steps
+
+
+def resident_batch(cfg: Config, plain: PlainLoop, device: torch.device):
+    """One batch of the run's own dataset on the device, in the model's layout and dtype."""
+    data = build_dataset(cfg.data, "train")
+    items = [data[i] for i in range(cfg.data.batch_size)]
+    x = torch.stack([item[0] for item in items]).to(device)
+    y = torch.stack([item[1] for item in items]).to(device)
+    transform = getattr(data, "device_transform", None)
+    if transform is not None and cfg.data.device_transform == "auto":
+        x = transform(x)
+    if plain.channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y, data
+
+
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # board.py writes here
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def mgpu_run(cfg_overrides: list[str], rt, steps: int, rounds: int) -> dict:
+    """train.py's path for (rounds + 1) log intervals of `steps` steps; the first is warm-up."""
+    overrides = [
+        *cfg_overrides,
+        f"trainer.max_steps={steps * (rounds + 1)}",
+        f"trainer.log_every={steps}",
+        "trainer.eval_every=0",
+        "ckpt.every=0",
+    ]
+    dcfg = compose_config(overrides)
+    cfg = to_config(dcfg)
+    text = OmegaConf.to_yaml(OmegaConf.masked_copy(dcfg, [k for k in dcfg if k != "hydra"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        build_run(cfg, rt, run_dir, text).fit()
+        scalars = tensorboard_scalars(run_dir)
+
+    def timed(tag: str) -> list[float]:  # the intervals after the warm-up one
+        return [v for s, v in scalars.get(tag, []) if s > steps]
+
+    return {
+        "ms": timed("time/step_ms"),
+        "mfu_pct": timed("throughput/mfu_pct"),
+        "data_wait_pct": timed("time/data_wait_pct"),
+        "loss": timed("train/loss"),
+    }
+
+
+def bench(name: str, mode: str, args, rt) -> dict:
+    compiled = mode == "compiled"
+    overrides = [*MODELS[name], f"trainer.compile={str(compiled).lower()}", *args.override]
+    if args.quick:
+        overrides += QUICK[name]
+    cfg = to_config(compose_config(overrides))
+    set_math_modes(cfg.trainer, rt.device)
+    timer = Timer(rt.device)
+    # The block-wise levers only differ from "whole" for models with repeated blocks (GPT).
+    levers = compiled and bool(repeated_blocks(build_model(cfg.model)))
+    variants = ["whole"] + (args.plain_variants if levers else [])
+    plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
+    x, y, data = resident_batch(cfg, plains["whole"], rt.device)
+    plain_ms: dict[str, list[float]] = {v: [] for v in variants}
+
+    def plain_rounds(n: int) -> None:
+        for _ in range(n):
+            for v, loop in plains.items():
+                plain_ms[v].append(timer.run(lambda loop=loop: loop.step(x, y), args.steps))
+
+    for loop in plains.values():  # warm-up: compiles, autotunes, fills the allocator
+        timer.run(lambda loop=loop: loop.step(x, y), args.warmup)
+    first = args.rounds // 2
+    plain_rounds(first)
+    mgpu = mgpu_run(overrides, rt, args.steps, args.rounds)
+    plain_rounds(args.rounds - first)
+    samples = cfg.data.batch_size
+    flops = getattr(plains["whole"].raw, "flops_per_sample", None)
+    flops = flops(tuple(data.sample_shape)) if flops is not None else None
+    peak = None
+    if rt.device.type == "cuda":
+        peak = peak_tflops(torch.cuda.get_device_name(rt.device), low_precision=True)
+    row = {"model": name, "mode": mode, "plain": {}, "mgpu": {}}
+    for v, ms in plain_ms.items():
+        med = statistics.median(ms)
+        mfu = 100 * flops * samples / (med / 1e3) / (peak * 1e12) if flops and peak else None
+        row["plain"][v] = {"ms_per_step": med, "ms_rounds": ms, "mfu_pct": mfu}
+    row["mgpu"] = {
+        "ms_per_step": statistics.median(mgpu["ms"]),
+        "ms_rounds": mgpu["ms"],
+        "mfu_pct": statistics.median(mgpu["mfu_pct"]) if mgpu["mfu_pct"] else None,
+        "data_wait_pct": statistics.median(mgpu["data_wait_pct"])
+        if mgpu["data_wait_pct"]
+        else None,
+        "loss_last": mgpu["loss"][-1] if mgpu["loss"] else None,
+        "num_workers": cfg.data.num_workers,
+    }
+    row["ratio"] = row["plain"]["whole"]["ms_per_step"] / row["mgpu"]["ms_per_step"]
+    plains.clear()  # the next model's memory
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=["eager", "compiled"])
+    parser.add_argument(
+        "--plain-variants", nargs="*", default=[], choices=["blocks", "blocks_loss"]
+    )
+    parser.add_argument("--steps", type=int, default=20, help="steps per round (and log interval)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 3, 2, 2
+        args.override = [*args.override, "trainer.compile_backend=aot_eager"]
+    rows = []
+    with distributed("auto", timeout_s=600) as rt:
+        for name in args.models:
+            for mode in args.modes:
+                row = bench(name, mode, args, rt)
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("model", "mode", "ratio")}), flush=True)
+    meta = versions() if rt.device.type == "cuda" else {"device": "cpu", "torch": torch.__version__}
+    report(rows, meta, args)
+
+
+def report(rows: list[dict], meta: dict, args) -> None:
+    print(f"\n{meta['device']}, torch {meta['torch']}")
+    print(f"{'model':<11} {'mode':<9} {'side':<18} {'ms/step':>8} {'MFU %':>6} {'ratio':>6}")
+    for r in rows:
+        for v, side in r["plain"].items():
+            mfu = f"{side['mfu_pct']:.1f}" if side["mfu_pct"] else "-"
+            print(f"{r['model']:<11} {r['mode']:<9} {'plain ' + v:<18} {side['ms_per_step']:>8.2f} "
+                  f"{mfu:>6}")  # fmt: skip
+        m = r["mgpu"]
+        mfu = f"{m['mfu_pct']:.1f}" if m["mfu_pct"] else "-"
+        wait = f" data wait {m['data_wait_pct']:.2f}%" if m["data_wait_pct"] is not None else ""
+        print(f"{r['model']:<11} {r['mode']:<9} {'mgpu train.py':<18} {m['ms_per_step']:>8.2f} "
+              f"{mfu:>6} {r['ratio']:>6.3f}{wait}")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = meta["device"].replace(" ", "_")
+    path = out / f"vs_plain-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    ratio = {f"{r['model']}_{r['mode']}": r["ratio"] for r in rows}
+    command = " ".join(["python", *sys.argv])
+    path.write_text(
+        json.dumps({**meta, "command": command, "ratio": ratio, "rows": rows}, indent=1)
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
