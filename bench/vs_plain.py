@@ -195,12 +195,51 @@ def mgpu_run(cfg_overrides: list[str], rt, steps: int, rounds: int) -> dict:
     def timed(tag: str) -> list[float]:  # the intervals after the warm-up one
         return [v for s, v in scalars.get(tag, []) if s > steps]
 
+    parts = ("data_wait", "compute", "exposed_comm", "optimizer", "other")
     return {
+        "breakdown_ms": {p: statistics.median(timed(f"time/{p}_ms") or [0.0]) for p in parts},
         "ms": timed("time/step_ms"),
         "mfu_pct": timed("throughput/mfu_pct"),
         "data_wait_pct": timed("time/data_wait_pct"),
         "loss": timed("train/loss"),
     }
+
+
+def kernel_table(step, steps: int = 3, top: int = 15) -> dict:
+    """GPU time per step by kernel over `steps` steps of `step()` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [
+        (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "gpu_work_ms": sum(ms for _, ms, _ in rows),
+        "kernels_per_step": sum(n for _, _, n in rows),
+        "top": [{"kernel": k[:100], "ms": round(ms, 3), "calls": n} for k, ms, n in rows[:top]],
+    }
+
+
+def profile_both(overrides: list[str], rt, plain: PlainLoop, x, y) -> dict:
+    """Kernel tables of the plain loop's step and mgpu's Trainer.train_step on the same resident
+    batch (no loader: what each side asks of the GPU)."""
+    dcfg = compose_config([*overrides, "trainer.max_steps=100000"])
+    with tempfile.TemporaryDirectory() as tmp:
+        run = build_run(to_config(dcfg), rt, Path(tmp), OmegaConf.to_yaml(dcfg.trainer))
+        trainer = run.trainer
+        trainer.model.train()
+        batches = iter(lambda: (x, y), None)
+        mgpu = kernel_table(lambda: trainer.train_step(batches))
+        run.board.close()
+    return {"plain": kernel_table(lambda: plain.step(x, y)), "mgpu": mgpu}
 
 
 def bench(name: str, mode: str, args, rt) -> dict:
@@ -250,7 +289,19 @@ def bench(name: str, mode: str, args, rt) -> dict:
         "loss_last": mgpu["loss"][-1] if mgpu["loss"] else None,
         "num_workers": cfg.data.num_workers,
     }
+    row["mgpu"]["breakdown_ms"] = mgpu["breakdown_ms"]
     row["ratio"] = row["plain"]["whole"]["ms_per_step"] / row["mgpu"]["ms_per_step"]
+    if args.profile and rt.device.type == "cuda":
+        try:
+            row["kernels"] = profile_both(overrides, rt, plains["whole"], x, y)
+        except Exception as err:  # noqa: BLE001 - a diagnostic: the timings above still count
+            print(f"profile failed: {err!r}")
+            row["kernels"] = {}
+        for side, table in row["kernels"].items():
+            print(f"{name} {mode} {side}: GPU work {table['gpu_work_ms']:.2f} ms/step, "
+                  f"{table['kernels_per_step']:.0f} kernels")  # fmt: skip
+            for k in table["top"][:10]:
+                print(f"   {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['kernel']}")
     plains.clear()  # the next model's memory
     return row
 
@@ -267,6 +318,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument(
+        "--profile", action="store_true", help="kernel tables of both sides' steps (GPU)"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     if args.quick:
