@@ -13,8 +13,8 @@ wrote to TensorBoard (time/step_ms per log interval), the figure a user sees.
 
 Order per model and mode: plain rounds, then mgpu's run (one interval per round after a warm-up
 interval), then plain rounds again, so that drift in the machine's state falls on both sides.
-Plain variants (--plain-variants) are levers timed in the same rounds: `blocks` compiles each
-transformer block alone (mgpu's old compile), `blocks_loss` adds the loss as its own region.
+Plain variants (--plain-variants) are levers timed in the same rounds (PlainLoop says what each
+does).
 Writes bench/results/vs_plain-<device>-<time>.json with a top-level "ratio" object
 (mgpu throughput over plain throughput per model and mode).
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -78,10 +79,24 @@ def compose_config(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
+class WithLoss(nn.Module):
+    """The model and its loss in one module, as nanoGPT's forward(idx, targets) returns the
+    loss: a whole-model compile then fuses the loss into the model's graph."""
+
+    def __init__(self, model: nn.Module, loss):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.model(x), y)
+
+
 class PlainLoop:
-    """The hand-written loop. `variant`: whole (torch.compile(model), the reference; eager when
-    compile is off), blocks (each repeated block compiled alone), blocks_loss (the same plus the
-    loss compiled as its own region)."""
+    """The hand-written loop. `variant`: whole (torch.compile of the model and its loss, the
+    reference; eager when compile is off), noclip (the same without gradient clipping),
+    cudagraphs (the same replayed as CUDA graphs: torch.compile's reduce-overhead mode), blocks
+    (each repeated block compiled alone, the loss eager: mgpu's old compile), blocks_loss (each
+    block and the loss compiled as regions of their own: mgpu's compile now)."""
 
     def __init__(self, cfg: Config, device: torch.device, compiled: bool, variant: str):
         torch.manual_seed(cfg.trainer.seed)
@@ -90,15 +105,18 @@ class PlainLoop:
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.raw = model
-        self.loss = cross_entropy
         backend = cfg.trainer.compile_backend
-        if compiled and variant == "whole":
-            model = torch.compile(model, backend=backend)
+        step = WithLoss(model, cross_entropy)
+        if compiled and variant in ("whole", "noclip"):
+            step = torch.compile(step, backend=backend)
+        elif compiled and variant == "cudagraphs":
+            step = torch.compile(step, backend=backend, mode="reduce-overhead")
         elif compiled:
             for block in repeated_blocks(model) or [model]:
                 block.compile(backend=backend)
             if variant == "blocks_loss":
-                self.loss = torch.compile(cross_entropy, backend=backend)
+                step = WithLoss(model, torch.compile(cross_entropy, backend=backend))
+        self.forward_loss = step
         self.model = model
         o = cfg.optim
         if o.name.value == "adamw":
@@ -118,13 +136,13 @@ class PlainLoop:
                 weight_decay=o.weight_decay,
                 fused=True,
             )
-        self.clip = cfg.trainer.grad_clip
+        self.clip = 0.0 if variant == "noclip" else cfg.trainer.grad_clip
         self.amp = autocast_dtype(cfg.trainer.precision, device)
         self.device = device
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-            loss = self.loss(self.model(x), y)
+            loss = self.forward_loss(x, y)
         loss.backward()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
@@ -137,6 +155,7 @@ class Timer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.ahead_ms: list[float] = []
 
     def run(self, fn, steps: int) -> float:
         if self.cuda:
@@ -145,7 +164,11 @@ class Timer:
             for _ in range(steps):
                 fn()
             end.record()
+            launched = time.perf_counter()
             end.synchronize()
+            # GPU work still queued when the host had launched the last step: near 0, the host
+            # is what bounds the step (launch-bound), not the GPU.
+            self.ahead_ms.append((time.perf_counter() - launched) * 1e3)
             return start.elapsed_time(end) / steps
         t = time.perf_counter()
         for _ in range(steps):
@@ -218,7 +241,8 @@ def kernel_table(step, steps: int = 3, top: int = 15) -> dict:
     rows = [
         (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
         for e in prof.key_averages()
-        if e.self_device_time_total > 0
+        # kernels, copies and memsets; the ops that launched them would count them twice
+        if e.self_device_time_total > 0 and not e.key.startswith(("aten::", "Optimizer."))
     ]
     rows.sort(key=lambda r: -r[1])
     return {
@@ -251,16 +275,23 @@ def bench(name: str, mode: str, args, rt) -> dict:
     set_math_modes(cfg.trainer, rt.device)
     timer = Timer(rt.device)
     # The block-wise levers only differ from "whole" for models with repeated blocks (GPT).
-    levers = compiled and bool(repeated_blocks(build_model(cfg.model)))
-    variants = ["whole"] + (args.plain_variants if levers else [])
+    blocks = bool(repeated_blocks(build_model(cfg.model)))
+    levers = [
+        v
+        for v in args.plain_variants
+        if v == "noclip" or (compiled and (blocks or v == "cudagraphs"))
+    ]
+    variants = ["whole", *levers]
     plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
     x, y, data = resident_batch(cfg, plains["whole"], rt.device)
     plain_ms: dict[str, list[float]] = {v: [] for v in variants}
+    plain_ahead: dict[str, list[float]] = {v: [] for v in variants}
 
     def plain_rounds(n: int) -> None:
         for _ in range(n):
             for v, loop in plains.items():
                 plain_ms[v].append(timer.run(lambda loop=loop: loop.step(x, y), args.steps))
+                plain_ahead[v].append(timer.ahead_ms[-1] if timer.ahead_ms else 0.0)
 
     for loop in plains.values():  # warm-up: compiles, autotunes, fills the allocator
         timer.run(lambda loop=loop: loop.step(x, y), args.warmup)
@@ -278,7 +309,12 @@ def bench(name: str, mode: str, args, rt) -> dict:
     for v, ms in plain_ms.items():
         med = statistics.median(ms)
         mfu = 100 * flops * samples / (med / 1e3) / (peak * 1e12) if flops and peak else None
-        row["plain"][v] = {"ms_per_step": med, "ms_rounds": ms, "mfu_pct": mfu}
+        row["plain"][v] = {
+            "ms_per_step": med,
+            "ms_rounds": ms,
+            "mfu_pct": mfu,
+            "host_ahead_ms": statistics.median(plain_ahead[v]),
+        }
     row["mgpu"] = {
         "ms_per_step": statistics.median(mgpu["ms"]),
         "ms_rounds": mgpu["ms"],
@@ -311,7 +347,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"])
     parser.add_argument(
-        "--plain-variants", nargs="*", default=[], choices=["blocks", "blocks_loss"]
+        "--plain-variants",
+        nargs="*",
+        default=[],
+        choices=["noclip", "cudagraphs", "blocks", "blocks_loss"],
     )
     parser.add_argument("--steps", type=int, default=20, help="steps per round (and log interval)")
     parser.add_argument("--rounds", type=int, default=5)
@@ -344,7 +383,7 @@ def report(rows: list[dict], meta: dict, args) -> None:
         for v, side in r["plain"].items():
             mfu = f"{side['mfu_pct']:.1f}" if side["mfu_pct"] else "-"
             print(f"{r['model']:<11} {r['mode']:<9} {'plain ' + v:<18} {side['ms_per_step']:>8.2f} "
-                  f"{mfu:>6}")  # fmt: skip
+                  f"{mfu:>6} {'':>6} host ahead {side['host_ahead_ms']:.1f} ms")  # fmt: skip
         m = r["mgpu"]
         mfu = f"{m['mfu_pct']:.1f}" if m["mfu_pct"] else "-"
         wait = f" data wait {m['data_wait_pct']:.2f}%" if m["data_wait_pct"] is not None else ""
