@@ -87,6 +87,9 @@ class OptimizerName(Enum):
     sgd = "sgd"
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300  # optimizer steps to train for
@@ -103,6 +106,10 @@ class TrainerConfig:
     # torch.compile's backend for the model and the loss: inductor generates fused GPU kernels;
     # aot_eager captures the same graphs without generating code (checks compile on any host).
     compile_backend: str = "inductor"
+    # torch.compile's mode for the model and the loss (inductor only): default, reduce-overhead
+    # (each compiled region replayed as a CUDA graph: one launch instead of one per kernel, for
+    # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune.
+    compile_mode: str = "default"
     # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
     # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.
     # cudnn_benchmark: cuDNN times its convolution algorithms for each new input shape and keeps
@@ -145,6 +152,25 @@ class TrainerConfig:
         _non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
         _non_negative("trainer.seed", self.seed, "0")
         self.compile = _auto_or_bool("trainer.compile", self.compile)
+        _require(
+            self.compile_mode in COMPILE_MODES,
+            "trainer.compile_mode",
+            self.compile_mode,
+            f"must be one of {', '.join(COMPILE_MODES)}",
+        )
+        _require(
+            self.compile_mode == "default" or self.compile_backend == "inductor",
+            "trainer.compile_mode",
+            self.compile_mode,
+            f"needs trainer.compile_backend=inductor (it is {self.compile_backend}); "
+            "or set trainer.compile_mode=default",
+        )
+        _require(
+            bool(self.compile_backend),
+            "trainer.compile_backend",
+            self.compile_backend,
+            "must name a torch.compile backend, e.g. inductor",
+        )
 
     def compiles(self, device_type: str) -> bool:
         """Whether `trainer.compile` means compiling on this device ("cuda", "cpu")."""

@@ -102,18 +102,27 @@ class NonFiniteGuard:
             self.pending.append(_Verdict(step, flags, None))
         return bad
 
-    def step(self, optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
-        """optimizer.step(), unless `bad`: an update that never happens, on every rank alike."""
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        bad: torch.Tensor,
+        grad_scale: torch.Tensor | None = None,
+    ) -> None:
+        """optimizer.step(), unless `bad`: an update that never happens, on every rank alike.
+        `grad_scale` (fused optimizers only): a device scalar every gradient is divided by."""
         if fused(optimizer):
             # The fused kernels take a device flag and leave parameters, moments and step
             # counts untouched where it is set: the skip costs no host sync. This is the
-            # attribute protocol torch's loss scaler uses to hand its flag to these kernels.
-            optimizer.grad_scale, optimizer.found_inf = None, bad.float()
+            # attribute protocol torch's loss scaler uses to hand its flag (and its scale, which
+            # the kernels divide the gradients by) to these kernels.
+            optimizer.grad_scale, optimizer.found_inf = grad_scale, bad.float()
             try:
                 optimizer.step()
             finally:
                 del optimizer.grad_scale, optimizer.found_inf
             return
+        if grad_scale is not None:
+            raise ValueError("grad_scale needs a fused optimizer (it is applied by its kernel)")
         if self.cuda and not self._warned_sync:  # a user's optimizer without a fused kernel
             self._warned_sync = True
             log.warning(

@@ -30,7 +30,7 @@ from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import Preemption
 from mgpu.profiling import StepProfiler
 from mgpu.resume import CheckpointPlan
-from mgpu.trainer import Trainer, set_math_modes
+from mgpu.trainer import Trainer, compile_options, set_math_modes
 
 log = logging.getLogger("mgpu")
 
@@ -161,7 +161,7 @@ def build_run(
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     if cfg.trainer.compiles(rt.device.type):
-        model = compile_model(model, cfg.trainer.compile_backend)
+        model = compile_model(model, **compile_options(cfg.trainer))
     model = wrap_model(model, cfg.dist, rt)
     # A resumed run's TensorBoard drops what an earlier attempt logged after the checkpoint.
     purge_step = loaded.step + 1 if loaded is not None else None

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.utils import clip_grad_norm_
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_
 from torch.utils.data import DataLoader
 
 from mgpu import watchdog
@@ -30,7 +30,7 @@ from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import Precision, TrainerConfig
 from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
-from mgpu.guard import NonFiniteGuard
+from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.metrics import Recorder
 from mgpu.preempt import Preempted, Preemption
@@ -61,7 +61,13 @@ def training_loss(cfg: TrainerConfig, device: torch.device) -> Callable:
     two. The loss region holds no parameters, so gradient buckets still launch as before."""
     if not cfg.compiles(device.type):
         return cross_entropy
-    return torch.compile(cross_entropy, backend=cfg.compile_backend)
+    return torch.compile(cross_entropy, **compile_options(cfg))
+
+
+def compile_options(cfg: TrainerConfig) -> dict:
+    """torch.compile's keyword arguments from trainer.compile_backend and trainer.compile_mode."""
+    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
+    return {"backend": cfg.compile_backend, "mode": mode}
 
 
 def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
@@ -71,6 +77,10 @@ def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+
+
+# clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
+CLIP_EPS = 1e-6
 
 
 def _no_mark() -> None:
@@ -224,14 +234,19 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            norm = None
-            if self.cfg.grad_clip > 0:
-                norm = clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=True)
-            elif grads:
-                norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+            scale = None
+            if self.cfg.grad_clip > 0 and norm is not None:
+                if fused(self.optimizer):
+                    # Clipping rides in the fused update: its kernel divides each gradient by
+                    # grad_scale as it reads it, so no pass over the gradients (and none of the
+                    # host time that launches it) is spent on scaling them first.
+                    scale = (norm + CLIP_EPS).div(self.cfg.grad_clip).clamp(min=1.0)
+                else:
+                    clip_grads_with_norm_(grads, self.cfg.grad_clip, norm, foreach=True)
             # A collective: every rank learns whether any rank's step went non-finite.
             bad = self.guard.check(step, loss, grads, norm)
-            self.guard.step(self.optimizer, bad)
+            self.guard.step(self.optimizer, bad, grad_scale=scale)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         return loss, bad

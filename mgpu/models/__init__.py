@@ -32,7 +32,9 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for child in model.children() for block in repeated_blocks(child)]
 
 
-def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:
+def compile_model(
+    model: nn.Module, backend: str = "inductor", mode: str | None = None
+) -> nn.Module:
     """torch.compile that keeps gradient communication overlapped with backward.
 
     A whole-model compile runs backward as one graph that hands every gradient over at its end,
@@ -47,5 +49,5 @@ def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:
     0.5 ms (bench/results/engines-nvlink-x4-resnet-compile-20261122-114556.json).
     """
     for block in repeated_blocks(model) or [model]:
-        block.compile(backend=backend)
+        block.compile(backend=backend, mode=mode)
     return model
