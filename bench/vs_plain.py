@@ -252,18 +252,38 @@ def kernel_table(step, steps: int = 3, top: int = 15) -> dict:
     }
 
 
+def mgpu_trainer(overrides: list[str], rt, tmp: str):
+    """mgpu's Trainer built by build_run from the run's config, for stepping by hand."""
+    dcfg = compose_config([*overrides, "trainer.max_steps=100000"])
+    run = build_run(to_config(dcfg), rt, Path(tmp), OmegaConf.to_yaml(dcfg.trainer))
+    run.board.close()
+    run.trainer.model.train()
+    return run.trainer
+
+
 def profile_both(overrides: list[str], rt, plain: PlainLoop, x, y) -> dict:
     """Kernel tables of the plain loop's step and mgpu's Trainer.train_step on the same resident
     batch (no loader: what each side asks of the GPU)."""
-    dcfg = compose_config([*overrides, "trainer.max_steps=100000"])
     with tempfile.TemporaryDirectory() as tmp:
-        run = build_run(to_config(dcfg), rt, Path(tmp), OmegaConf.to_yaml(dcfg.trainer))
-        trainer = run.trainer
-        trainer.model.train()
+        trainer = mgpu_trainer(overrides, rt, tmp)
         batches = iter(lambda: (x, y), None)
         mgpu = kernel_table(lambda: trainer.train_step(batches))
-        run.board.close()
     return {"plain": kernel_table(lambda: plain.step(x, y)), "mgpu": mgpu}
+
+
+def step_only(overrides: list[str], rt, timer: Timer, x, y, args) -> dict:
+    """mgpu's Trainer.train_step on the resident batch, timed as the plain loop is: mgpu's step
+    without its loader, to tell the step's own cost from the input pipeline's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = mgpu_trainer(overrides, rt, tmp)
+        batches = iter(lambda: (x, y), None)
+        timer.run(lambda: trainer.train_step(batches), args.warmup)
+        ms = [timer.run(lambda: trainer.train_step(batches), args.steps) for _ in range(3)]
+    return {
+        "ms_per_step": statistics.median(ms),
+        "ms_rounds": ms,
+        "host_ahead_ms": timer.ahead_ms[-1] if timer.ahead_ms else 0.0,
+    }
 
 
 def bench(name: str, mode: str, args, rt) -> dict:
@@ -327,6 +347,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
     }
     row["mgpu"]["breakdown_ms"] = mgpu["breakdown_ms"]
     row["ratio"] = row["plain"]["whole"]["ms_per_step"] / row["mgpu"]["ms_per_step"]
+    if args.step_only:
+        row["mgpu_step_only"] = step_only(overrides, rt, timer, x, y, args)
+        print(f"mgpu train_step alone: {row['mgpu_step_only']}")
     if args.profile and rt.device.type == "cuda":
         try:
             row["kernels"] = profile_both(overrides, rt, plains["whole"], x, y)
@@ -358,6 +381,11 @@ def main() -> None:
     parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument(
+        "--step-only",
+        action="store_true",
+        help="also time mgpu's Trainer.train_step on the resident batch (no loader)",
+    )
+    parser.add_argument(
         "--profile", action="store_true", help="kernel tables of both sides' steps (GPU)"
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -365,20 +393,32 @@ def main() -> None:
     if args.quick:
         args.steps, args.rounds, args.warmup = 3, 2, 2
         args.override = [*args.override, "trainer.compile_backend=aot_eager"]
-    rows = []
+    rows: list[dict] = []
     with distributed("auto", timeout_s=600) as rt:
+        cuda = rt.device.type == "cuda"
+        meta = versions() if cuda else {"device": "cpu", "torch": torch.__version__}
+        device = meta["device"].replace(" ", "_")
+        path = Path(args.out) / f"vs_plain-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         for name in args.models:
             for mode in args.modes:
                 row = bench(name, mode, args, rt)
                 rows.append(row)
                 print(json.dumps({k: row[k] for k in ("model", "mode", "ratio")}), flush=True)
-    meta = versions() if rt.device.type == "cuda" else {"device": "cpu", "torch": torch.__version__}
-    report(rows, meta, args)
+                write(rows, meta, args, path)  # after every row: a run cut short keeps its rows
+    report(rows)
 
 
-def report(rows: list[dict], meta: dict, args) -> None:
-    print(f"\n{meta['device']}, torch {meta['torch']}")
-    print(f"{'model':<11} {'mode':<9} {'side':<18} {'ms/step':>8} {'MFU %':>6} {'ratio':>6}")
+def write(rows: list[dict], meta: dict, args, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ratio = {f"{r['model']}_{r['mode']}": r["ratio"] for r in rows}
+    command = " ".join(["python", *sys.argv])
+    body = {**meta, "command": command, "args": vars(args), "ratio": ratio, "rows": rows}
+    path.write_text(json.dumps(body, indent=1))
+    print(f"wrote {path}", flush=True)
+
+
+def report(rows: list[dict]) -> None:
+    print(f"\n{'model':<11} {'mode':<9} {'side':<18} {'ms/step':>8} {'MFU %':>6} {'ratio':>6}")
     for r in rows:
         for v, side in r["plain"].items():
             mfu = f"{side['mfu_pct']:.1f}" if side["mfu_pct"] else "-"
@@ -389,16 +429,6 @@ def report(rows: list[dict], meta: dict, args) -> None:
         wait = f" data wait {m['data_wait_pct']:.2f}%" if m["data_wait_pct"] is not None else ""
         print(f"{r['model']:<11} {r['mode']:<9} {'mgpu train.py':<18} {m['ms_per_step']:>8.2f} "
               f"{mfu:>6} {r['ratio']:>6.3f}{wait}")  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    device = meta["device"].replace(" ", "_")
-    path = out / f"vs_plain-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    ratio = {f"{r['model']}_{r['mode']}": r["ratio"] for r in rows}
-    command = " ".join(["python", *sys.argv])
-    path.write_text(
-        json.dumps({**meta, "command": command, "ratio": ratio, "rows": rows}, indent=1)
-    )
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
