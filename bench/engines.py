@@ -38,9 +38,9 @@ from mgpu.config import (  # noqa: E402
     TrainerConfig,
 )
 from mgpu.dist import distributed  # noqa: E402
-from mgpu.models import GPT, ResNet, compile_model  # noqa: E402
+from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
-from mgpu.trainer import Trainer  # noqa: E402
+from mgpu.trainer import Trainer, set_math_modes  # noqa: E402
 
 ENGINES = {
     "none": DistConfig(engine=Engine.none),
@@ -128,9 +128,19 @@ def build(name: str, engine: str, rt, use_compile: bool):
     optimizer = build_optimizer(ocfg, model, rt.device)
     schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
     cfg = ENGINES[engine]
+    # The Trainer compiles the loss when compile is on (as train.py's does) and leaves it eager
+    # when off, so eager engines measure eager steps.
+    tcfg = TrainerConfig(precision=Precision.bf16, grad_clip=1.0, compile=use_compile)
     if use_compile:
-        per_block = cfg.engine is Engine.mgpu and engine != "mgpu_whole_compile"
-        model = compile_model(model) if per_block else torch.compile(model)
+        mode = compile_mode(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
+        if cfg.engine is Engine.mgpu and engine != "mgpu_whole_compile":
+            model = compile_model(model, tcfg.compile_backend, mode)  # what train.py does
+        elif cfg.engine is Engine.none:
+            # The scaling baseline is the fastest single-GPU path measured (bench/vs_plain.py):
+            # the whole model as one graph, replayed as CUDA graphs.
+            model = torch.compile(model, mode="reduce-overhead")
+        else:
+            model = torch.compile(model)  # torch DDP splits the graph at its buckets itself
     model = wrap_model(model, cfg, rt)
     if engine == "torch_ddp_bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
@@ -142,7 +152,6 @@ def build(name: str, engine: str, rt, use_compile: bool):
     if engine == "mgpu_packed":
         model.reducer.in_place = False
         model.reducer._build(list(reversed(range(len(model.reducer.params)))))
-    tcfg = TrainerConfig(precision=Precision.bf16, grad_clip=1.0)
     trainer = Trainer(tcfg, model, optimizer, schedule, rt)
     if engine == "none_agree":
         trainer.guard.distributed = True
@@ -448,8 +457,7 @@ def main() -> None:
         "--cpu-affinity", action="store_true", help="dist.cpu_affinity: each rank its own CPUs"
     )
     args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.benchmark = True
+    set_math_modes(TrainerConfig(), torch.device("cuda"))  # train.py's defaults: TF32, autotuning
     with distributed("nccl", timeout_s=600, cpu_affinity=args.cpu_affinity) as rt:
         rows = [row for name in args.models for row in bench_model(name, args.engines, rt, args)]
         if rt.is_primary:

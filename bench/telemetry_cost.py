@@ -34,7 +34,7 @@ from mgpu.metrics import Recorder  # noqa: E402
 from mgpu.models import GPT  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
 from mgpu.sampler import ShardedSampler  # noqa: E402
-from mgpu.trainer import Trainer  # noqa: E402
+from mgpu.trainer import Trainer, set_math_modes  # noqa: E402
 
 VARIANTS = ("log_every_step", "log_at_end", "no_recorder")
 # The engines benchmark's models, and a tiny one to try the script on a CPU.
@@ -65,7 +65,11 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
     model = wrap_model(model, DistConfig(), rt)
     log_every = 1 if variant == "log_every_step" else steps
     tcfg = TrainerConfig(
-        max_steps=steps, precision=Precision.bf16, log_every=log_every, stall_timeout_s=0
+        max_steps=steps,
+        precision=Precision.bf16,
+        log_every=log_every,
+        stall_timeout_s=0,
+        compile=False,  # the eager step, as this benchmark has always measured
     )
     recorder = None
     if variant != "no_recorder":
@@ -117,8 +121,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.benchmark = True
+    set_math_modes(TrainerConfig(), torch.device("cuda"))  # train.py's defaults: TF32, autotuning
     with distributed("auto", timeout_s=600) as rt, tempfile.TemporaryDirectory() as tmp:
         built = {v: build(args.model, rt, v, Path(tmp), args.steps) for v in VARIANTS}
         for trainer, loader in built.values():

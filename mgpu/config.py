@@ -87,7 +87,7 @@ class OptimizerName(Enum):
     sgd = "sgd"
 
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
 
 @dataclass
@@ -108,8 +108,9 @@ class TrainerConfig:
     compile_backend: str = "inductor"
     # torch.compile's mode for the model and the loss (inductor only): default, reduce-overhead
     # (each compiled region replayed as a CUDA graph: one launch instead of one per kernel, for
-    # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune.
-    compile_mode: str = "default"
+    # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune; auto:
+    # mgpu.models.compile_mode decides (CUDA graphs for a model compiled whole on a GPU).
+    compile_mode: str = "auto"
     # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
     # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.
     # cudnn_benchmark: cuDNN times its convolution algorithms for each new input shape and keeps
@@ -159,7 +160,7 @@ class TrainerConfig:
             f"must be one of {', '.join(COMPILE_MODES)}",
         )
         _require(
-            self.compile_mode == "default" or self.compile_backend == "inductor",
+            self.compile_mode in ("auto", "default") or self.compile_backend == "inductor",
             "trainer.compile_mode",
             self.compile_mode,
             f"needs trainer.compile_backend=inductor (it is {self.compile_backend}); "

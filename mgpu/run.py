@@ -24,13 +24,13 @@ from mgpu.dist import Runtime, all_ok, broadcast_object
 from mgpu.goodput import Goodput
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
 from mgpu.metrics import Recorder
-from mgpu.models import build_model, compile_model
+from mgpu.models import build_model, compile_mode, compile_model
 from mgpu.models.flops import peak_tflops
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import Preemption
 from mgpu.profiling import StepProfiler
 from mgpu.resume import CheckpointPlan
-from mgpu.trainer import Trainer, compile_options, set_math_modes
+from mgpu.trainer import Trainer, set_math_modes
 
 log = logging.getLogger("mgpu")
 
@@ -161,7 +161,9 @@ def build_run(
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     if cfg.trainer.compiles(rt.device.type):
-        model = compile_model(model, **compile_options(cfg.trainer))
+        tc = cfg.trainer
+        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device)
+        model = compile_model(model, tc.compile_backend, mode)
     model = wrap_model(model, cfg.dist, rt)
     # A resumed run's TensorBoard drops what an earlier attempt logged after the checkpoint.
     purge_step = loaded.step + 1 if loaded is not None else None

@@ -33,6 +33,7 @@ from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.metrics import Recorder
+from mgpu.models import compile_mode
 from mgpu.preempt import Preempted, Preemption
 from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
 from mgpu.resume import CheckpointPlan, RunCheckpoints
@@ -54,20 +55,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
 
 
-def training_loss(cfg: TrainerConfig, device: torch.device) -> Callable:
+def training_loss(cfg: TrainerConfig, device: torch.device, mode: str | None) -> Callable:
     """The training loss, compiled where trainer.compile is on. Eager, the fp32 upcast, log-softmax
     and their backward each make a pass over the logits; over GPT-2's 16x1024x50304 logits that
     is ~30 GB of memory traffic, about 10 ms a step on an H100. Compiled, they fuse into a pass or
     two. The loss region holds no parameters, so gradient buckets still launch as before."""
     if not cfg.compiles(device.type):
         return cross_entropy
-    return torch.compile(cross_entropy, **compile_options(cfg))
-
-
-def compile_options(cfg: TrainerConfig) -> dict:
-    """torch.compile's keyword arguments from trainer.compile_backend and trainer.compile_mode."""
-    mode = None if cfg.compile_mode == "default" else cfg.compile_mode
-    return {"backend": cfg.compile_backend, "mode": mode}
+    return torch.compile(cross_entropy, backend=cfg.compile_backend, mode=mode)
 
 
 def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
@@ -111,7 +106,9 @@ class Trainer:
         # DeviceLoader (what build_loader returns) applies its own, per data.device_transform.
         self.input_transform = input_transform
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
-        self.loss_fn = training_loss(cfg, rt.device)
+        # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
+        mode = compile_mode(cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device)
+        self.loss_fn = training_loss(cfg, rt.device, mode)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it.
         self.scaler = torch.amp.GradScaler(
             rt.device.type,

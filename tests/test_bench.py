@@ -35,3 +35,16 @@ def test_telemetry_cost_runs_with_two_processes(tmp_path):
 def test_input_pipeline_quick_runs(tmp_path):
     result = run([sys.executable, "bench/input_pipeline.py", "--quick"], tmp_path)
     assert result["table"] and result["device"] == "cpu", result
+
+
+def test_vs_plain_quick_runs(tmp_path):
+    result = run([sys.executable, "bench/vs_plain.py", "--quick"], tmp_path)
+    assert set(result["ratio"]) == {
+        "gpt2_small_eager",
+        "gpt2_small_compiled",
+        "resnet50_eager",
+        "resnet50_compiled",
+    }
+    assert all(r > 0 for r in result["ratio"].values()), result["ratio"]
+    for row in result["rows"]:
+        assert row["mgpu"]["ms_per_step"] > 0 and row["plain"]["whole"]["ms_per_step"] > 0

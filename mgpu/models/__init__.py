@@ -1,5 +1,6 @@
 """Model zoo for mgpu: GPT (language), ResNet and MLP (vision), and their training-FLOP counts."""
 
+import torch
 from torch import nn
 
 from mgpu.config import ModelConfig, build_from_target
@@ -13,6 +14,7 @@ __all__ = [
     "MLP",
     "ResNet",
     "build_model",
+    "compile_mode",
     "compile_model",
     "count_training_flops",
     "repeated_blocks",
@@ -30,6 +32,25 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     if isinstance(model, nn.ModuleList):
         return list(model)
     return [block for child in model.children() for block in repeated_blocks(child)]
+
+
+def compile_mode(setting: str, backend: str, model: nn.Module, device: torch.device) -> str | None:
+    """torch.compile's mode for `trainer.compile_mode` (None: torch's default).
+
+    auto: reduce-overhead (CUDA graphs) for a model compiled whole on a GPU with inductor. Such
+    a model has no gradient to hand over before its backward ends, and replaying the step as a
+    graph takes the host's launches out of it: compiled ResNet-50 on one H100 went from 30.7 to
+    24.1 ms a step, which had been bound by the host launching ~1,500 kernels
+    (bench/results/vs_plain-NVIDIA_H100_80GB_HBM3-20261124-19*.json). torch's default for a
+    model compiled block by block: its blocks' graphs hand their outputs to each other, and
+    replaying them as CUDA graphs failed (an output read after the next replay overwrote it);
+    GPT-2-small is GPU-bound anyway (CUDA graphs: 35.2 to 34.7 ms in a plain loop)."""
+    if setting == "default":
+        return None
+    if setting != "auto":
+        return setting
+    whole = not repeated_blocks(model)
+    return "reduce-overhead" if whole and device.type == "cuda" and backend == "inductor" else None
 
 
 def compile_model(
