@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from mgpu.board import TensorBoard
 from mgpu.checkpoint import CheckpointError, Loaded, checkpoint_root, load, resolve_resume
 from mgpu.comm import MgpuDataParallel, wrap_model
-from mgpu.config import CheckpointConfig, Config
+from mgpu.config import CheckpointConfig, Config, Engine
 from mgpu.dist import Runtime, all_ok, broadcast_object
 from mgpu.goodput import Goodput
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
@@ -162,7 +162,8 @@ def build_run(
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     if cfg.trainer.compiles(rt.device.type):
         tc = cfg.trainer
-        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device)
+        ddp = cfg.dist.engine is Engine.torch_ddp and rt.world_size > 1
+        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp)
         model = compile_model(model, tc.compile_backend, mode)
     model = wrap_model(model, cfg.dist, rt)
     # A resumed run's TensorBoard drops what an earlier attempt logged after the checkpoint.

@@ -114,6 +114,7 @@ def test_compile_mode_auto_graphs_whole_models_on_gpus_only():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert compile_mode("auto", "inductor", resnet, cuda) == "reduce-overhead"
     assert compile_mode("auto", "inductor", resnet, cpu) is None
+    assert compile_mode("auto", "inductor", resnet, cuda, ddp=True) is None
     assert compile_mode("auto", "aot_eager", resnet, cuda) is None
     assert compile_mode("auto", "inductor", gpt, cuda) is None  # compiled block by block
     assert compile_mode("default", "inductor", resnet, cuda) is None

@@ -34,7 +34,9 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for child in model.children() for block in repeated_blocks(child)]
 
 
-def compile_mode(setting: str, backend: str, model: nn.Module, device: torch.device) -> str | None:
+def compile_mode(
+    setting: str, backend: str, model: nn.Module, device: torch.device, ddp: bool = False
+) -> str | None:
     """torch.compile's mode for `trainer.compile_mode` (None: torch's default).
 
     auto: reduce-overhead (CUDA graphs) for a model compiled whole on a GPU with inductor. Such
@@ -44,13 +46,16 @@ def compile_mode(setting: str, backend: str, model: nn.Module, device: torch.dev
     (bench/results/vs_plain-NVIDIA_H100_80GB_HBM3-20261124-19*.json). torch's default for a
     model compiled block by block: its blocks' graphs hand their outputs to each other, and
     replaying them as CUDA graphs failed (an output read after the next replay overwrote it);
-    GPT-2-small is GPU-bound anyway (CUDA graphs: 35.2 to 34.7 ms in a plain loop)."""
+    GPT-2-small is GPU-bound anyway (CUDA graphs: 35.2 to 34.7 ms in a plain loop). Nor under
+    torch DDP (`ddp`): its compiled graph is split at DDP's buckets by torch, which mgpu does not
+    replay as CUDA graphs unasked."""
     if setting == "default":
         return None
     if setting != "auto":
         return setting
     whole = not repeated_blocks(model)
-    return "reduce-overhead" if whole and device.type == "cuda" and backend == "inductor" else None
+    graphs = whole and not ddp and device.type == "cuda" and backend == "inductor"
+    return "reduce-overhead" if graphs else None
 
 
 def compile_model(
