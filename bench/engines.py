@@ -40,6 +40,7 @@ from mgpu.config import (  # noqa: E402
 from mgpu.dist import distributed  # noqa: E402
 from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
+from mgpu.preempt import Preemption  # noqa: E402
 from mgpu.trainer import Trainer, set_math_modes  # noqa: E402
 
 ENGINES = {
@@ -152,9 +153,9 @@ def build(name: str, engine: str, rt, use_compile: bool):
     if engine == "mgpu_packed":
         model.reducer.in_place = False
         model.reducer._build(list(reversed(range(len(model.reducer.params)))))
-    trainer = Trainer(tcfg, model, optimizer, schedule, rt)
-    if engine == "none_agree":
-        trainer.guard.distributed = True
+    # none_agree: ranks that train apart still agree on preemption, one collective a step
+    preemption = Preemption(rt) if engine == "none_agree" else None
+    trainer = Trainer(tcfg, model, optimizer, schedule, rt, preemption=preemption)
     return model, trainer
 
 

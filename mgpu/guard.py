@@ -1,7 +1,8 @@
-"""Non-finite steps: every step the ranks agree, through one small collective, on whether any
-rank's loss or the reduced gradients are NaN/inf; such a step's optimizer update is skipped on
-every rank, and the host learns of it a couple of steps later and stops or goes on
-(`trainer.nonfinite`).
+"""The per-step agreement: every step the ranks exchange one small flags tensor, through one
+collective, saying whether any rank's loss or the reduced gradients are NaN/inf and whether any
+rank has been asked to stop (a preemption signal, mgpu.preempt). A non-finite step's optimizer
+update is skipped on every rank; the host learns of it a couple of steps later and stops or goes
+on (`trainer.nonfinite`), and learns of a preemption at the same lag, on every rank at once.
 
 Why the verdict is agreed and not looked up locally: a rank whose own loss went NaN poisons the
 averaged gradients of all ranks, but a rank can also see an infinite loss with finite gradients.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
+from torch.distributed import ReduceOp
 
 from mgpu.config import NonFinite
 from mgpu.dist import Runtime
@@ -24,7 +26,7 @@ from mgpu.dist import Runtime
 log = logging.getLogger(__name__)
 
 # Steps between the verdict's all_reduce and the host reading it. The copy to the host is done
-# by then in practice, so reading it costs no stall (the preemption flag uses the same lag).
+# by then in practice, so reading it costs no stall.
 LAG = 2
 
 
@@ -36,7 +38,8 @@ class NonFiniteStep(RuntimeError):
 @dataclass
 class _Verdict:
     step: int
-    flags: torch.Tensor  # host copy: per rank 1 if its loss was non-finite; last: the gradients
+    # host copy: per rank 1 if its loss was non-finite; then the gradients; last: preemption
+    flags: torch.Tensor
     copied: torch.cuda.Event | None  # when the copy has landed (CUDA)
 
 
@@ -46,9 +49,11 @@ def fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 class NonFiniteGuard:
-    """`bad = guard.check(step, loss, grad_norm)` after backward (gradients reduced, clipped or
-    not), `guard.step(optimizer, bad)` instead of `optimizer.step()`, `guard.poll()` after each
-    step, `guard.settle()` before a checkpoint and at the end. All of them on every rank."""
+    """`bad = guard.check(step, loss, grads, grad_norm, stop_asked)` after backward (gradients
+    reduced, clipped or not), `guard.step(optimizer, bad)` instead of `optimizer.step()`,
+    `guard.poll()` after each step, `guard.settle()` before a checkpoint and at the end. All of
+    them on every rank. `guard.preempted` turns True on every rank after the same step, once
+    any rank's `stop_asked` was in an exchange that has been read."""
 
     def __init__(
         self,
@@ -58,15 +63,21 @@ class NonFiniteGuard:
         *,
         scaler_owns_grads: bool,
         agree: bool = True,
+        preemptible: bool = False,
     ):
         self.policy, self.max_consecutive, self.rt = policy, max_consecutive, rt
         # Under fp16 an overflowing gradient is the loss scaler's business (it skips the step
         # and lowers the scale); only a non-finite loss counts here.
         self.scaler_owns_grads = scaler_owns_grads
         self.cuda = rt.device.type == "cuda"
-        # Ranks that share parameters must agree; ranks that train apart (dist.engine=none, the
-        # scaling baseline) decide alone, and stay free of any per-step collective.
-        self.distributed = agree and rt.has_process_group and rt.world_size > 1
+        # Ranks that share parameters must agree on the verdict; ranks that train apart
+        # (dist.engine=none, the scaling baseline) decide it alone. Both agree on preemption
+        # (`preemptible`: a Preemption takes part), so that they stop and save together; with
+        # neither, the ranks stay free of any per-step collective.
+        several = rt.has_process_group and rt.world_size > 1
+        self.distributed = agree and several
+        self.exchanges = several and (agree or preemptible)
+        self.preempted = False
         self.pending: deque[_Verdict] = deque()
         self.skipped = 0  # steps skipped so far in this launch
         self.consecutive = 0
@@ -79,19 +90,27 @@ class NonFiniteGuard:
         loss: torch.Tensor,
         grads: list[torch.Tensor],
         grad_norm: torch.Tensor | None,
+        stop_asked: bool = False,
     ) -> torch.Tensor:
-        """The agreed verdict for this step, as a device bool; no host sync (a collective)."""
+        """The agreed verdict for this step, as a device bool; no host sync (a collective).
+        `stop_asked`: this rank has had a preemption signal."""
         world = self.rt.world_size if self.distributed else 1
         rank = self.rt.rank if self.distributed else 0
-        flags = torch.zeros(world + 1, dtype=torch.int32, device=self.rt.device)
+        flags = torch.zeros(world + 2, dtype=torch.int32, device=self.rt.device)
         flags[rank] = (~torch.isfinite(loss)).int()
         if grad_norm is not None and not self.scaler_owns_grads:
             # The reduced gradients are bit-identical on every rank, and so is this slot.
             flags[world] = (~torch.isfinite(grad_norm)).int()
-        if self.distributed:
-            # The agreement: queued on the compute stream, the host does not wait for it.
-            tdist.all_reduce(flags, op=tdist.ReduceOp.MAX)
-        bad = flags.any()
+        if stop_asked:
+            flags[world + 1] = 1
+            # With no one to agree with, there is nothing to wait for: stop after this step.
+            self.preempted = self.preempted or not self.exchanges
+        if self.exchanges:
+            # The one agreement of the step: queued on the compute stream, the host does not
+            # wait for it. Ranks that decide their verdict alone exchange the preemption slot
+            # only (a contiguous view of the same tensor).
+            tdist.all_reduce(flags if self.distributed else flags[world + 1 :], op=ReduceOp.MAX)
+        bad = flags[: world + 1].any()
         if self.cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)  # read LAG steps later, once it has landed
@@ -141,15 +160,17 @@ class NonFiniteGuard:
             self._read(self.pending.popleft())
 
     def settle(self) -> None:
-        """Act on every verdict so far: before a checkpoint (nothing bad gets saved) and at the
-        end of training. A sync point on the last steps."""
+        """Act on every verdict so far: before a checkpoint (nothing bad gets saved), before
+        leaving the loop (no exchange left running when the process group goes) and at the end
+        of training. A sync point on the last steps."""
         while self.pending:
             self._read(self.pending.popleft())
 
     def _read(self, verdict: _Verdict) -> None:
         if verdict.copied is not None:
             verdict.copied.synchronize()  # sync point, on a copy LAG steps old: long landed
-        flags = verdict.flags.tolist()
+        *flags, stop = verdict.flags.tolist()
+        self.preempted = self.preempted or bool(stop)
         if not any(flags):
             self.consecutive = 0
             return

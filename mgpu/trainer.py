@@ -4,9 +4,9 @@ all ranks save a checkpoint together (mgpu.resume says how) or stop on preemptio
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later, with the step's
-timing marks and the loader's data-wait meter; the non-finite verdict (mgpu.guard) and the
-preemption flag are read two steps late. Checkpoint steps are the exception: saving reads
-everything back.
+timing marks and the loader's data-wait meter; the step's agreement (mgpu.guard: the non-finite
+verdict and the preemption flag, one collective) is read two steps late. Checkpoint steps are
+the exception: saving reads everything back.
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ class Trainer:
             scaler_owns_grads=self.scaler.is_enabled(),
             # Wrapped for data parallelism: the ranks share their parameters and must agree.
             agree=isinstance(model, MgpuDataParallel | DistributedDataParallel),
+            preemptible=preemption is not None,
         )
         if recorder is not None:
             self.guard.on_skip = recorder.skipped
@@ -214,6 +215,9 @@ class Trainer:
         self.guard.poll()  # verdicts LAG steps old: raises under trainer.nonfinite=stop
         return loss, bad
 
+    def _stop_asked(self) -> bool:
+        return self.preemption is not None and self.preemption.asked
+
     def _update(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -221,7 +225,7 @@ class Trainer:
             # fp16: overflowing gradients are the scaler's to skip. A non-finite loss (agreed
             # across ranks) poisons the gradients so that the scaler skips that step too, on
             # every rank alike, without a host read.
-            bad = self.guard.check(step, loss, grads, None)
+            bad = self.guard.check(step, loss, grads, None, self._stop_asked())
             if grads:
                 grads[0].add_(torch.where(bad, float("nan"), 0.0))
             if self.cfg.grad_clip > 0:
@@ -243,7 +247,7 @@ class Trainer:
                 else:
                     clip_grads_with_norm_(grads, self.cfg.grad_clip, norm, foreach=True)
             # A collective: every rank learns whether any rank's step went non-finite.
-            bad = self.guard.check(step, loss, grads, norm)
+            bad = self.guard.check(step, loss, grads, norm, self._stop_asked())
             self.guard.step(self.optimizer, bad, grad_scale=scale)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
@@ -301,9 +305,8 @@ class Trainer:
                     goodput.enter("training")
                 loss_sum += torch.stack((torch.where(bad, 0.0, loss), (~bad).float()))
                 steps += 1
-                # A collective every step, on every rank; True on all of them at the same step.
-                self.watch.beat(step, watchdog.PREEMPT)
-                stopping = stop is not None and stop.poll()
+                # Agreed in the step's exchange: True on every rank after the same step.
+                stopping = self.guard.preempted
                 last = step == cfg.max_steps
                 save = self.ckpt.due(step, last or stopping)
                 evaluate = eval_loader is not None and (
@@ -341,14 +344,12 @@ class Trainer:
                     self._enter("training")
                     start = rec.clock.mark()  # neither is training step time
                 if stopping and not last:
-                    stop.settle()
-                    raise Preempted(step, stop.signum)
+                    self.guard.settle()  # no exchange left running when the group goes
+                    raise Preempted(step, stop.signum if stop is not None else None)
             self.guard.settle()
             if pending is not None:
                 rec.publish(pending)
             rec.finish(cfg.max_steps)
-            if stop is not None:
-                stop.settle()
         except Exception as err:
             if watchdog.is_timeout(err):
                 raise self.watch.timed_out(err) from err

@@ -20,11 +20,12 @@ from test_checkpoint import bitflip, no_space
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.checkpoint import CheckpointError, find_latest_valid, load, step_dir
-from mgpu.config import OptimConfig, Precision, TrainerConfig
+from mgpu.config import NonFinite, OptimConfig, Precision, TrainerConfig
 from mgpu.dist import Runtime, parse_launch_env, restart_hazard
+from mgpu.guard import LAG, NonFiniteGuard
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
-from mgpu.preempt import LAG, PREEMPTED_EXIT_CODE, Preemption
+from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
 from mgpu.resume import CheckpointPlan
 from mgpu.sampler import ShardedSampler, epoch_order
 from mgpu.trainer import Trainer
@@ -318,26 +319,42 @@ def test_a_loader_that_never_yields_ends_the_run_after_stall_timeout_s(tmp_path)
 
 
 def preemption_worker(rank: int, port: int, out: str):
+    """The step's one agreement (NonFiniteGuard.check) carrying the preemption flag, for ranks
+    that share their parameters (agree=True) and ranks that train apart (agree=False: only the
+    preemption slot is agreed). Rank 0's loss is NaN at step 2 (trainer.nonfinite=skip)."""
     before = signal.getsignal(signal.SIGUSR1)
+    results = {}
     with gloo_runtime(rank, port, 2) as rt:
         with Preemption(rt) as preemption:
-            decisions = []
-            for step in range(1, 8):
-                if rank == 1 and step == 3:
-                    os.kill(os.getpid(), signal.SIGUSR1)  # during step 3, on one rank only
-                decisions.append(preemption.poll())
-            preemption.settle()
-        restored = signal.getsignal(signal.SIGUSR1) is before
-        result = {"decisions": decisions, "restored": restored, "signum": preemption.signum}
-        torch.save(result, f"{out}/{rank}.pt")
+            for agree in (True, False):
+                guard = NonFiniteGuard(
+                    NonFinite.skip, 5, rt, scaler_owns_grads=False, agree=agree, preemptible=True
+                )
+                decisions = []
+                for step in range(1, 8):
+                    if rank == 1 and step == 3 and agree:
+                        os.kill(os.getpid(), signal.SIGUSR1)  # before step 3's update, rank 1
+                    loss = torch.tensor(float("nan") if rank == 0 and step == 2 else 1.0)
+                    guard.check(step, loss, [], None, preemption.asked)
+                    guard.poll()
+                    decisions.append(guard.preempted)
+                guard.settle()
+                results[agree] = {"decisions": decisions, "skipped": guard.skipped}
+        results["restored"] = signal.getsignal(signal.SIGUSR1) is before
+        results["signum"] = preemption.signum
+        torch.save(results, f"{out}/{rank}.pt")
 
 
 def test_every_rank_stops_after_the_same_step_whichever_rank_got_the_signal(tmp_path):
     spawn(preemption_worker, free_port(), str(tmp_path), nprocs=2)
     results = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in (0, 1)]
-    for result in results:
+    for rank, result in enumerate(results):
         # step 3's exchange carries the flag; every rank reads it LAG steps later
-        assert result["decisions"] == [False] * (3 + LAG - 1) + [True] * (7 - 3 - LAG + 1)
+        assert result[True]["decisions"] == [False] * (3 + LAG - 1) + [True] * (7 - 3 - LAG + 1)
+        # Ranks that train apart still agree on preemption (the flag stays up from step 1 on)
+        assert result[False]["decisions"] == [False] * LAG + [True] * (7 - LAG)
+        assert result[True]["skipped"] == 1  # rank 0's NaN loss: skipped on both ranks
+        assert result[False]["skipped"] == (1 if rank == 0 else 0)  # rank 0's own verdict only
         assert result["restored"]  # the previous handler is back after the with-block
     assert [r["signum"] for r in results] == [None, int(signal.SIGUSR1)]
 
