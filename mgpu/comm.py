@@ -303,7 +303,7 @@ class GradReducer:
         if len(self.observed) == n:
             observed = torch.tensor(self.observed, dtype=torch.int64)
         self.observed = None
-        if self.rt.has_process_group and self.world > 1:
+        if self.rt.distributed:
             observed = observed.to(self.rt.device)
             tdist.broadcast(observed, src=0, group=self.group)
         order = observed.tolist()  # sync point: once, at the start of the second step
@@ -418,7 +418,7 @@ class GradReducer:
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers into every rank's, on the current stream (communication)."""
-        if self.world > 1 and self.rt.has_process_group:
+        if self.rt.distributed:
             self.buffers.broadcast(self.group)
 
     def _wait_launched(self) -> None:
@@ -512,7 +512,7 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
     """
     if cfg.engine is Engine.none:
         return model
-    if rt.world_size == 1 or not rt.has_process_group:
+    if not rt.distributed:
         log.info("world of one process: gradients are not communicated")
         return model
     if cfg.engine is Engine.mgpu:

@@ -225,6 +225,11 @@ class Runtime:
     def is_primary(self) -> bool:
         return self.rank == 0
 
+    @property
+    def distributed(self) -> bool:
+        """Whether there are other ranks to communicate with (a process group of two or more)."""
+        return self.has_process_group and self.world_size > 1
+
 
 def loopback_world(env: LaunchEnv, timeout_s: float) -> dict[str, object]:
     """init_process_group's store, rank and world size for a run kept on loopback, or {}.
@@ -318,7 +323,7 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
 
 def all_reduce_sum_(tensor: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """In-place sum over ranks. Every rank must call it at the same point: it is a collective."""
-    if rt.has_process_group and rt.world_size > 1:
+    if rt.distributed:
         tdist.all_reduce(tensor, op=tdist.ReduceOp.SUM)
     return tensor
 
@@ -326,7 +331,7 @@ def all_reduce_sum_(tensor: torch.Tensor, rt: Runtime) -> torch.Tensor:
 def all_ok(ok: bool, rt: Runtime) -> bool:
     """True on every rank if `ok` is True on every rank. A collective and a barrier: every rank
     must call it at the same point; a CPU-GPU sync point on NCCL (checkpoints and start-up)."""
-    if not (rt.has_process_group and rt.world_size > 1):
+    if not rt.distributed:
         return ok
     device = rt.device if rt.backend == "nccl" else torch.device("cpu")
     flag = torch.tensor([int(ok)], device=device)
@@ -336,7 +341,7 @@ def all_ok(ok: bool, rt: Runtime) -> bool:
 
 def broadcast_object(obj: object, rt: Runtime) -> object:
     """Rank 0's `obj` (picklable) on every rank; a collective, for start-up decisions only."""
-    if not (rt.has_process_group and rt.world_size > 1):
+    if not rt.distributed:
         return obj
     box = [obj]
     tdist.broadcast_object_list(box, src=0)
@@ -397,7 +402,7 @@ def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> No
     """
     if run_dir is not None:
         text = f"{text}run_dir: {_shown_dir(run_dir)}\n"
-    if not (rt.has_process_group and rt.world_size > 1):
+    if not rt.distributed:
         return
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     device = rt.device if rt.backend == "nccl" else torch.device("cpu")
@@ -418,7 +423,7 @@ def store_client(rt: Runtime, timeout_s: float) -> tdist.Store | None:
     """A new client of this launch's key-value store (torchrun's MASTER_ADDR:MASTER_PORT), for
     side channels such as hang reports; None without a process group or if it is unreachable.
     A short timeout: a report must not wait long on a store whose host is gone."""
-    if not (rt.has_process_group and rt.world_size > 1):
+    if not rt.distributed:
         return None
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:

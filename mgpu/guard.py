@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ class NonFiniteGuard:
         scaler_owns_grads: bool,
         agree: bool = True,
         preemptible: bool = False,
+        on_skip: Callable[[int, int], None] | None = None,
     ):
         self.policy, self.max_consecutive, self.rt = policy, max_consecutive, rt
         # Under fp16 an overflowing gradient is the loss scaler's business (it skips the step
@@ -74,14 +76,14 @@ class NonFiniteGuard:
         # (dist.engine=none, the scaling baseline) decide it alone. Both agree on preemption
         # (`preemptible`: a Preemption takes part), so that they stop and save together; with
         # neither, the ranks stay free of any per-step collective.
-        several = rt.has_process_group and rt.world_size > 1
+        several = rt.distributed
         self.distributed = agree and several
         self.exchanges = several and (agree or preemptible)
         self.preempted = False
         self.pending: deque[_Verdict] = deque()
         self.skipped = 0  # steps skipped so far in this launch
         self.consecutive = 0
-        self.on_skip = None  # callable(step, skipped_total): TensorBoard, set by the trainer
+        self.on_skip = on_skip  # (step, skipped so far): told of each skipped step (TensorBoard)
         self._warned_sync = False
 
     def check(

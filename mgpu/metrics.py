@@ -193,7 +193,7 @@ class RankSpread:
 
     def __init__(self, rt: Runtime):
         self.rt = rt
-        self.distributed = rt.has_process_group and rt.world_size > 1
+        self.distributed = rt.distributed
         self.cuda = rt.device.type == "cuda"
         self.pending: deque = deque()
 

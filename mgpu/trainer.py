@@ -130,9 +130,9 @@ class Trainer:
             # Wrapped for data parallelism: the ranks share their parameters and must agree.
             agree=isinstance(model, MgpuDataParallel | DistributedDataParallel),
             preemptible=preemption is not None,
+            on_skip=recorder.skipped if recorder is not None else None,
         )
         if recorder is not None:
-            self.guard.on_skip = recorder.skipped
             if self.scaler.is_enabled():
                 recorder.scaler = self.scaler  # train/loss_scale
 
