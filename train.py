@@ -20,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from mgpu.checkpoint import CheckpointError
-from mgpu.config import to_config
+from mgpu.config import ConfigError, to_config
 from mgpu.dist import Runtime, check_same_config, distributed
 from mgpu.guard import NonFiniteStep
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preempted, Preemption
@@ -68,7 +68,7 @@ def main(dcfg: DictConfig) -> None:
         except CollectiveTimeout as err:
             log.error("%s", err)  # the rank that waited, on whichever rank it is
             exit_code = 1
-        except (CheckpointError, CheckpointMismatch, NonFiniteStep) as err:
+        except (CheckpointError, CheckpointMismatch, ConfigError, NonFiniteStep) as err:
             # Every rank meets these at the same point: all stop, no collective is left waiting.
             (log.error if primary else log.info)("%s", err)
             exit_code = 1

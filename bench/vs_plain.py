@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.engines import versions  # noqa: E402
 from mgpu.config import Config, to_config  # noqa: E402
 from mgpu.dist import distributed  # noqa: E402
-from mgpu.loader import build_dataset  # noqa: E402
+from mgpu.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
 from mgpu.models.flops import peak_tflops  # noqa: E402
 from mgpu.run import build_run  # noqa: E402
@@ -343,7 +343,7 @@ def bench(name: str, mode: str, args, rt) -> dict:
         if mgpu["data_wait_pct"]
         else None,
         "loss_last": mgpu["loss"][-1] if mgpu["loss"] else None,
-        "num_workers": cfg.data.num_workers,
+        "num_workers": worker_count(cfg.data.num_workers, rt.cpu_share),
     }
     row["mgpu"]["breakdown_ms"] = mgpu["breakdown_ms"]
     row["ratio"] = row["plain"]["whole"]["ms_per_step"] / row["mgpu"]["ms_per_step"]

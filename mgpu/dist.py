@@ -220,6 +220,14 @@ class Runtime:
     has_process_group: bool
     restart_count: int = 0  # torchrun's restarts of this launch; > 0: an earlier attempt failed
     local_world_size: int = 1  # training processes on this node (they share its CPUs)
+    # This process's share of the node's CPUs, counted before dist.cpu_affinity pinned it to
+    # that share (0: not counted; see cpu_share)
+    cpus: int = 0
+
+    @property
+    def cpu_share(self) -> int:
+        """CPUs per training process on this node: for sizing DataLoader worker pools."""
+        return self.cpus or len(os.sched_getaffinity(0)) // max(1, self.local_world_size)
 
     @property
     def is_primary(self) -> bool:
@@ -283,6 +291,7 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
     """
     env = launch_env()
     backend = check_launch(backend, env)
+    share = len(os.sched_getaffinity(0)) // max(1, env.local_world_size)  # before any pinning
     if cpu_affinity:
         # Before CUDA, NCCL and DataLoader workers start threads: they inherit the mask.
         pin_host_cpus(env.local_rank, env.local_world_size)
@@ -315,6 +324,7 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
                 has_process_group=env.under_torchrun,
                 restart_count=env.restart_count,
                 local_world_size=env.local_world_size,
+                cpus=share,
             )
         finally:
             if tdist.is_initialized():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import atexit
 import copy
 import dataclasses
-import os
 import queue
 import signal
 import threading
@@ -61,7 +60,7 @@ def build_dataloader(
             f"data.batch_size={cfg.batch_size}: each of the {rt.world_size} processes gets only "
             f"{len(sampler)} training samples, less than one batch; lower data.batch_size"
         )
-    workers = worker_count(cfg.num_workers, rt.local_world_size)
+    workers = worker_count(cfg.num_workers, rt.cpu_share)
     return DataLoader(
         dataset,
         batch_size=cfg.batch_size,
@@ -87,13 +86,12 @@ def build_dataloader(
 TRAINER_CORES = 2
 
 
-def worker_count(setting: int | str, local_processes: int) -> int:
-    """`data.num_workers`: a number as it is; auto, the CPUs this process may use shared out
-    among the training processes of this node, less TRAINER_CORES each, at least 1."""
+def worker_count(setting: int | str, cpu_share: int) -> int:
+    """`data.num_workers`: a number as it is; auto, this training process's share of the node's
+    CPUs (Runtime.cpu_share) less TRAINER_CORES, at least 1."""
     if setting != "auto":
         return int(setting)
-    share = len(os.sched_getaffinity(0)) // max(1, local_processes)
-    return max(1, share - TRAINER_CORES)
+    return max(1, cpu_share - TRAINER_CORES)
 
 
 def leave_preemption_to_the_trainer(worker_id: int) -> None:

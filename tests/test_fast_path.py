@@ -12,7 +12,7 @@ from torch import nn
 from mgpu.config import ConfigError, OptimConfig, OptimizerName, Precision, TrainerConfig, to_config
 from mgpu.dist import Runtime
 from mgpu.loader import TRAINER_CORES, worker_count
-from mgpu.models import GPT, ResNet, compile_mode
+from mgpu.models import GPT, ResNet, compile_mode, compile_model
 from mgpu.optim import build_optimizer, build_schedule, param_groups
 from mgpu.trainer import Trainer
 
@@ -96,6 +96,17 @@ def test_bad_fast_path_values_name_the_key(override, needle):
     assert needle in str(err.value)
 
 
+def test_an_unknown_compile_backend_names_the_key():
+    with pytest.raises(ConfigError, match="trainer.compile_backend='inductr': is not a torch"):
+        compile_model(nn.Linear(2, 2), "inductr")
+
+
+def test_cuda_graphs_of_a_block_by_block_compile_are_refused():
+    gpt = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(ConfigError, match="trainer.compile_mode='reduce-overhead': replays"):
+        compile_mode("reduce-overhead", "inductor", gpt, torch.device("cuda"))
+
+
 def test_cuda_graphs_need_inductor():
     with pytest.raises(ConfigError, match="needs trainer.compile_backend=inductor"):
         TrainerConfig(compile_mode="reduce-overhead", compile_backend="aot_eager")
@@ -118,15 +129,29 @@ def test_compile_mode_auto_graphs_whole_models_on_gpus_only():
     assert compile_mode("auto", "aot_eager", resnet, cuda) is None
     assert compile_mode("auto", "inductor", gpt, cuda) is None  # compiled block by block
     assert compile_mode("default", "inductor", resnet, cuda) is None
-    assert compile_mode("max-autotune", "inductor", gpt, cuda) == "max-autotune"
+    assert compile_mode("max-autotune-no-cudagraphs", "inductor", gpt, cuda) == (
+        "max-autotune-no-cudagraphs"
+    )
+    assert compile_mode("reduce-overhead", "inductor", resnet, cuda) == "reduce-overhead"
 
 
 def test_auto_workers_share_the_cpus_out_and_leave_the_trainer_its_own():
     cpus = len(os.sched_getaffinity(0))
-    assert worker_count(5, 1) == 5
-    assert worker_count("auto", 1) == max(1, cpus - TRAINER_CORES)
-    assert worker_count("auto", 2) == max(1, cpus // 2 - TRAINER_CORES)
-    assert worker_count("auto", 10_000) == 1  # never none: the loop would fetch its own data
+    assert worker_count(5, 16) == 5
+    assert worker_count("auto", 16) == 16 - TRAINER_CORES
+    assert worker_count("auto", 1) == 1  # never none: the loop would fetch its own data
+    two = Runtime(0, 0, 2, "gloo", torch.device("cpu"), has_process_group=True, local_world_size=2)
+    assert two.cpu_share == cpus // 2
+    # Counted before dist.cpu_affinity pinned the process to its share: not divided again.
+    pinned = Runtime(0, 0, 8, "nccl", torch.device("cpu"), True, local_world_size=8, cpus=16)
+    assert worker_count("auto", pinned.cpu_share) == 14
+
+
+def test_distributed_records_this_process_cpu_share():
+    from mgpu.dist import distributed
+
+    with distributed("gloo", timeout_s=60, cpu_affinity=True) as rt:  # a world of one
+        assert rt.cpus == len(os.sched_getaffinity(0)) == rt.cpu_share
 
 
 @pytest.mark.gpu

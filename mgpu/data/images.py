@@ -45,9 +45,10 @@ def _make_templates(seed: int, num_classes: int, channels: int, size: int) -> np
     return (128.0 + TEMPLATE_STD * up).clamp_(0, 255).round_().numpy().astype(np.int16)
 
 
-def _make_noise(seed: int, noise: float, pixels: int) -> np.ndarray:
-    """Gaussian pixel noise of std `noise`, rounded to whole numbers (int16), fixed by seed."""
-    rng = np.random.default_rng([seed, NOISE_STREAM, 0])
+def _make_noise(seed: int, split_id: int, noise: float, pixels: int) -> np.ndarray:
+    """Gaussian pixel noise of std `noise`, rounded to whole numbers (int16), fixed by seed and
+    split: evaluation never sees the noise that training could have memorised."""
+    rng = np.random.default_rng([seed, NOISE_STREAM, split_id])
     bank = rng.standard_normal(pixels * (NOISE_BANK_IMAGES + 1), dtype=np.float32)
     bank *= noise
     return np.rint(bank).clip(-255, 255).astype(np.int16)
@@ -96,7 +97,7 @@ class SyntheticImages(Dataset):
         self._len = num_samples if split == "train" else eval_samples
         self.templates = _make_templates(seed, num_classes, channels, image_size)
         self._pixels = self.templates[0].size
-        self._noise = _make_noise(seed, self.noise, self._pixels)
+        self._noise = _make_noise(seed, self._split_id, self.noise, self._pixels)
 
     def __len__(self) -> int:
         return self._len

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from mgpu.config import ModelConfig, build_from_target
+from mgpu.config import ConfigError, ModelConfig, build_from_target
 from mgpu.models.flops import count_training_flops
 from mgpu.models.gpt import GPT
 from mgpu.models.mlp import MLP
@@ -34,6 +34,10 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for child in model.children() for block in repeated_blocks(child)]
 
 
+# torch.compile modes that replay the compiled regions as CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def compile_mode(
     setting: str, backend: str, model: nn.Module, device: torch.device, ddp: bool = False
 ) -> str | None:
@@ -49,11 +53,19 @@ def compile_mode(
     GPT-2-small is GPU-bound anyway (CUDA graphs: 35.2 to 34.7 ms in a plain loop). Nor under
     torch DDP (`ddp`): its compiled graph is split at DDP's buckets by torch, which mgpu does not
     replay as CUDA graphs unasked."""
+    whole = not repeated_blocks(model)
     if setting == "default":
         return None
     if setting != "auto":
+        if setting in CUDA_GRAPH_MODES and not whole:
+            raise ConfigError(
+                "trainer.compile_mode",
+                setting,
+                "replays each compiled block as a CUDA graph, which fails for a model compiled "
+                "block by block (an output of one replay is read after the next overwrote it); "
+                "use auto, default or max-autotune-no-cudagraphs",
+            )
         return setting
-    whole = not repeated_blocks(model)
     graphs = whole and not ddp and device.type == "cuda" and backend == "inductor"
     return "reduce-overhead" if graphs else None
 
@@ -74,6 +86,12 @@ def compile_model(
     the whole model under mgpu on 4 H200s, with 11 ms of communication left exposed against
     0.5 ms (bench/results/engines-nvlink-x4-resnet-compile-20261122-114556.json).
     """
+    known = torch.compiler.list_backends(exclude_tags=())
+    if backend not in known:
+        examples = ", ".join(torch.compiler.list_backends())
+        raise ConfigError(
+            "trainer.compile_backend", backend, f"is not a torch.compile backend; e.g. {examples}"
+        )
     for block in repeated_blocks(model) or [model]:
         block.compile(backend=backend, mode=mode)
     return model
