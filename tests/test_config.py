@@ -82,7 +82,15 @@ def test_bad_input_exits_before_any_run_directory(tmp_path, override, expected):
 
 def test_bad_input_under_torchrun_stops_every_rank_without_a_process_group(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_train(["optim.lr=-1", f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    # torchrun stops the other ranks as soon as it sees one exit with an error; it first looks
+    # monitor-interval seconds after the start, by when both ranks have validated and left on
+    # their own (with the 0.1 s default, the slower rank was sometimes stopped before it spoke).
+    proc = run_train(
+        ["optim.lr=-1", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        nproc=2,
+        torchrun_args=("--monitor-interval", "20"),
+    )
     assert proc.returncode != 0
     assert proc.stderr.count("mgpu: config error: optim.lr=-1.0") == 2, proc.stderr
     assert not run_dir.exists()
