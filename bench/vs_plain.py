@@ -22,6 +22,7 @@ Writes bench/results/vs_plain-<device>-<time>.json with a top-level "ratio" obje
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -95,19 +96,27 @@ class PlainLoop:
     """The hand-written loop. `variant`: whole (torch.compile of the model and its loss, the
     reference; eager when compile is off), noclip (the same without gradient clipping),
     cudagraphs (the same replayed as CUDA graphs: torch.compile's reduce-overhead mode), blocks
-    (each repeated block compiled alone, the loss eager: mgpu's old compile), blocks_loss (each
-    block and the loss compiled as regions of their own: mgpu's compile now)."""
+    (each repeated block compiled alone, the loss eager: mgpu's old compile on one process),
+    blocks_loss (each block and the loss compiled as regions of their own: mgpu's compile on
+    several processes), attention (the reference with the attention kernels mgpu's GPT asks
+    for, `model.attention`).
+
+    The reference's GPT calls scaled_dot_product_attention as nanoGPT does, leaving the kernel
+    to torch (`model.attention=torch`): a user's own model code does not choose one."""
 
     def __init__(self, cfg: Config, device: torch.device, compiled: bool, variant: str):
         torch.manual_seed(cfg.trainer.seed)
-        model = build_model(cfg.model).to(device)
+        model_cfg = cfg.model
+        if hasattr(model_cfg, "attention") and variant != "attention":
+            model_cfg = dataclasses.replace(model_cfg, attention="torch")
+        model = build_model(model_cfg).to(device)
         self.channels_last = getattr(model, "channels_last", False) and device.type == "cuda"
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.raw = model
         backend = cfg.trainer.compile_backend
         step = WithLoss(model, cross_entropy)
-        if compiled and variant in ("whole", "noclip"):
+        if compiled and variant in ("whole", "noclip", "attention"):
             step = torch.compile(step, backend=backend)
         elif compiled and variant == "cudagraphs":
             step = torch.compile(step, backend=backend, mode="reduce-overhead")
@@ -299,7 +308,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
     levers = [
         v
         for v in args.plain_variants
-        if v == "noclip" or (compiled and (blocks or v == "cudagraphs"))
+        if v == "noclip"
+        or (v == "attention" and hasattr(cfg.model, "attention"))
+        or (compiled and (blocks or v == "cudagraphs"))
     ]
     variants = ["whole", *levers]
     plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
@@ -373,7 +384,7 @@ def main() -> None:
         "--plain-variants",
         nargs="*",
         default=[],
-        choices=["noclip", "cudagraphs", "blocks", "blocks_loss"],
+        choices=["noclip", "cudagraphs", "blocks", "blocks_loss", "attention"],
     )
     parser.add_argument("--steps", type=int, default=20, help="steps per round (and log interval)")
     parser.add_argument("--rounds", type=int, default=5)

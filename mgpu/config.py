@@ -369,8 +369,19 @@ class GPTModelConfig(ModelConfig):
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
+    # Attention kernel: auto (cuDNN first, then torch's order), torch (torch's own choice), or
+    # only one of cudnn, flash, efficient, math.
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
+        from mgpu.models.gpt import ATTENTION  # the kernels live with the model
+
+        _require(
+            self.attention in ATTENTION,
+            "model.attention",
+            self.attention,
+            f"must be one of {', '.join(ATTENTION)}",
+        )
         for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             _positive(f"model.{key}", getattr(self, key), "a positive integer")
         _require(

@@ -162,9 +162,11 @@ def build_run(
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     if cfg.trainer.compiles(rt.device.type):
         tc = cfg.trainer
-        ddp = cfg.dist.engine is Engine.torch_ddp and rt.world_size > 1
-        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp)
-        model = compile_model(model, tc.compile_backend, mode)
+        ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
+        # Gradients reduced while backward runs: the model is wrapped for data parallelism.
+        overlap = cfg.dist.engine is not Engine.none and rt.distributed
+        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap)
+        model = compile_model(model, tc.compile_backend, mode, overlap)
     model = wrap_model(model, cfg.dist, rt)
     # A resumed run's TensorBoard drops what an earlier attempt logged after the checkpoint.
     purge_step = loaded.step + 1 if loaded is not None else None

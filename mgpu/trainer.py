@@ -108,7 +108,10 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
         # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
         ddp = isinstance(model, DistributedDataParallel)
-        mode = compile_mode(cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp)
+        overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel)
+        mode = compile_mode(
+            cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
+        )
         self.loss_fn = training_loss(cfg, rt.device, mode)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it.
         self.scaler = torch.amp.GradScaler(

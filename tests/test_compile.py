@@ -149,3 +149,26 @@ def test_repeated_blocks_are_the_elements_of_module_lists():
     # nn.Sequential stacks are compiled whole (see compile_model)
     assert repeated_blocks(ResNet(num_classes=10, block="basic", layers=[2, 1])) == []
     assert repeated_blocks(MLP(in_features=8, num_classes=5, hidden=[16, 16])) == []
+
+
+def compiled_backward_nodes(output: torch.Tensor) -> int:
+    """How many compiled graphs' backward nodes the autograd graph of `output` holds."""
+    stack, visited, count = [output.grad_fn], set(), 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        count += "CompiledFunctionBackward" in node.name()
+        stack.extend(n for n, _ in node.next_functions)
+    return count
+
+
+@pytest.mark.parametrize("overlap, graphs", [(True, N_BLOCKS), (False, 1)])
+def test_one_process_compiles_the_whole_model_as_one_graph(overlap, graphs):
+    # With nothing to reduce while backward runs, nothing is gained by handing gradients over
+    # block by block, and one graph lets the compiler fuse across the blocks (and the eager
+    # stem and head join it).
+    torch.manual_seed(0)
+    model = compile_model(Stack(), "aot_eager", None, overlap=overlap)
+    assert compiled_backward_nodes(model(torch.randn(4, 8))) == graphs

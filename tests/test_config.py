@@ -51,6 +51,7 @@ def test_gpt2_small_is_the_124m_shape():
         ("trainer.loss_scale_init=0", "trainer.loss_scale_init"),
         ("+optim.lrr=1", "optim.lrr"),
         ("data.seq_len=128", "data.seq_len"),  # longer than the tiny GPT's block_size of 64
+        ("model.attention=fast", "model.attention"),
     ],
 )
 def test_nonsensical_values_name_the_key(override, key):

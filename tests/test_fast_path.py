@@ -128,6 +128,9 @@ def test_compile_mode_auto_graphs_whole_models_on_gpus_only():
     assert compile_mode("auto", "inductor", resnet, cuda, ddp=True) is None
     assert compile_mode("auto", "aot_eager", resnet, cuda) is None
     assert compile_mode("auto", "inductor", gpt, cuda) is None  # compiled block by block
+    # One process (nothing reduced while backward runs): GPT is compiled whole, as graphs too.
+    assert compile_mode("auto", "inductor", gpt, cuda, overlap=False) == "reduce-overhead"
+    assert compile_mode("auto", "inductor", gpt, cpu, overlap=False) is None
     assert compile_mode("default", "inductor", resnet, cuda) is None
     assert compile_mode("max-autotune-no-cudagraphs", "inductor", gpt, cuda) == (
         "max-autotune-no-cudagraphs"
@@ -188,3 +191,24 @@ def test_default_compiled_run_on_a_gpu_trains_like_eager_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [s for s, _ in read_scalars(tmp_path / "compiled")["eval/loss"]]
     assert steps[-1] == 60 and 40 in steps
+
+
+@pytest.mark.gpu
+def test_gpt_attention_kernels_match_the_math_reference_on_a_gpu():
+    """model.attention picks the SDPA kernel; each (auto: cuDNN first) gives what the plain math
+    kernel gives, forward and backward, in bf16 on GPT-2's head width (64)."""
+    cuda = torch.device("cuda")
+    x = torch.randint(0, 64, (4, 128), device=cuda)
+    results = {}
+    for attention in ("math", "auto", "cudnn", "flash", "torch"):
+        torch.manual_seed(0)
+        model = GPT(64, 128, n_layer=2, n_head=4, n_embd=256, attention=attention).to(cuda)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+        loss.backward()
+        results[attention] = (loss.detach(), [p.grad.float() for p in model.parameters()])
+    ref_loss, ref_grads = results.pop("math")
+    for attention, (loss, grads) in results.items():
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2, msg=attention)
+        for ours, theirs in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=5e-2, atol=2e-3, msg=attention)

@@ -137,3 +137,15 @@ def test_mlp_rejects_wrong_feature_count():
         model.flops_per_sample((3, 4))
     with pytest.raises(ValueError, match="-3"):
         MLP(in_features=-3, num_classes=5)
+
+
+def test_gpt_attention_choices_agree_on_the_cpu_and_bad_ones_are_refused():
+    x = torch.randint(0, 64, (2, 20))
+    outs = {}
+    for attention in ("auto", "torch", "math"):  # cuDNN and flash are GPU kernels (test_fast_path)
+        torch.manual_seed(0)
+        outs[attention] = GPT(**TINY_GPT, attention=attention)(x)
+    torch.testing.assert_close(outs["auto"], outs["math"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["torch"], outs["math"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attention='fast': must be one of auto, torch, cudnn"):
+        GPT(**TINY_GPT, attention="fast")

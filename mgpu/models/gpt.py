@@ -1,6 +1,7 @@
 """Decoder-only GPT transformer (pre-LayerNorm, causal SDPA attention, tied lm_head).
 
-Also owns its analytic training-FLOP count, the PaLM / nanoGPT MFU formula.
+Also owns which attention kernel it asks for (model.attention) and its analytic training-FLOP
+count, the PaLM / nanoGPT MFU formula.
 """
 
 import math
@@ -8,13 +9,34 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# model.attention -> the SDPA kernels allowed, in the order they are tried. `auto` puts cuDNN's
+# fused attention first: on Hopper it runs GPT-2's causal 64-wide heads faster than the
+# FlashAttention-2 kernel torch picks by itself (bench/README.md, "Attention kernels"); where
+# cuDNN can't run the inputs (no GPU, an older cuDNN or GPU) torch's own order follows, as
+# torch would have chosen. A named kernel is the only one allowed: torch raises if it can't run.
+ATTENTION = {
+    "auto": [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ],
+    "torch": None,  # torch's own choice, untouched
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, attention: str):
         super().__init__()
         self.n_head = n_head
         self.dropout = dropout
+        self.kernels = ATTENTION[attention]
         self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.c_proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
@@ -24,9 +46,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): SDPA wants heads as a batch dim
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        dropout_p = self.dropout if self.training else 0.0
+        if self.kernels is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            # torch.compile records the choice in the graph: compiled code runs the same kernel.
+            with sdpa_kernel(self.kernels, set_priority=True):
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -43,10 +69,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, attention: str):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
-        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, attention)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = FeedForward(n_embd, dropout, bias)
 
@@ -65,6 +91,7 @@ class GPT(nn.Module):
         n_embd: int,
         dropout: float = 0.0,
         bias: bool = False,
+        attention: str = "auto",
     ):
         super().__init__()
         if n_embd % n_head != 0:
@@ -72,13 +99,17 @@ class GPT(nn.Module):
                 f"n_embd ({n_embd}) must be divisible by n_head ({n_head}): "
                 "each head gets n_embd // n_head channels"
             )
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
         self.block_size = block_size
         self.n_layer = n_layer
         self.n_embd = n_embd
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(
+            Block(n_embd, n_head, dropout, bias, attention) for _ in range(n_layer)
+        )
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         # weight tying: one matrix embeds tokens and scores them (saves vocab*n_embd params)
