@@ -28,17 +28,24 @@ def watch_compiled_backward(module, reducer, seen: list):
     def hook(_module, _inputs, output):
         step: list[int] = []
         seen.append(step)
-        stack, visited = [output.grad_fn], set()
-        while stack:
-            node = stack.pop()
-            if node is None or node in visited:
-                continue
-            visited.add(node)
-            if "CompiledFunctionBackward" in node.name():
-                node.register_prehook(lambda _grads: step.append(reducer.next_launch))
-            stack.extend(n for n, _ in node.next_functions)
+        for node in compiled_backward_nodes(output):
+            node.register_prehook(lambda _grads: step.append(reducer.next_launch))
 
     return module.register_forward_hook(hook)
+
+
+def compiled_backward_nodes(output: torch.Tensor) -> list:
+    """The backward nodes of compiled graphs (one per graph) in the autograd graph of `output`."""
+    found, stack, visited = [], [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if "CompiledFunctionBackward" in node.name():
+            found.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
 
 
 class Block(nn.Module):
@@ -151,19 +158,6 @@ def test_repeated_blocks_are_the_elements_of_module_lists():
     assert repeated_blocks(MLP(in_features=8, num_classes=5, hidden=[16, 16])) == []
 
 
-def compiled_backward_nodes(output: torch.Tensor) -> int:
-    """How many compiled graphs' backward nodes the autograd graph of `output` holds."""
-    stack, visited, count = [output.grad_fn], set(), 0
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        count += "CompiledFunctionBackward" in node.name()
-        stack.extend(n for n, _ in node.next_functions)
-    return count
-
-
 @pytest.mark.parametrize("overlap, graphs", [(True, N_BLOCKS), (False, 1)])
 def test_one_process_compiles_the_whole_model_as_one_graph(overlap, graphs):
     # With nothing to reduce while backward runs, nothing is gained by handing gradients over
@@ -171,4 +165,4 @@ def test_one_process_compiles_the_whole_model_as_one_graph(overlap, graphs):
     # stem and head join it).
     torch.manual_seed(0)
     model = compile_model(Stack(), "aot_eager", None, overlap=overlap)
-    assert compiled_backward_nodes(model(torch.randn(4, 8))) == graphs
+    assert len(compiled_backward_nodes(model(torch.randn(4, 8)))) == graphs
