@@ -41,25 +41,23 @@ def evaluate(
     model: nn.Module, loader: DeviceLoader, rt: Runtime, amp_dtype: torch.dtype | None
 ) -> Result:
     """One pass over this rank's shard of the eval set, summed across ranks (a collective)."""
-    # loss sum, target count, correct predictions; float64 so the sums do not lose the last
-    # digits over a large eval set.
-    sums = torch.zeros(3, dtype=torch.float64, device=rt.device)
-    classifier = None
+    # loss sum, target count, correct predictions, classifier batches; float64 so the sums do
+    # not lose the last digits over a large eval set.
+    sums = torch.zeros(4, dtype=torch.float64, device=rt.device)
     for inputs, targets in loader:
         with torch.autocast(rt.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             logits = model(inputs)
         sums[0] += cross_entropy(logits, targets, reduction="sum").double()
         sums[1] += targets.numel()
-        # A classifier scores one class per sample ([B, C] logits); a language model scores
-        # every position ([B, T, V]), where the loss is the measure.
-        classifier = logits.dim() == 2
         sums[2] += (logits.argmax(-1) == targets).sum().double()
+        # A classifier scores one class per sample ([B, C] logits); a language model scores
+        # every position ([B, T, V]), where the loss is the measure. Counted, so that a rank
+        # without a batch of its own learns it from the others in the same all-reduce.
+        sums[3] += logits.dim() == 2
     all_reduce_sum_(sums, rt)
-    total, count, correct = sums.tolist()  # sync point: once, at the end
+    total, count, correct, classifier = sums.tolist()  # sync point: once, at the end
     if count == 0:
         raise UsageError("the eval split is empty on every process; set data.eval_samples")
-    # Every rank needs the same answer; a rank with no batch of its own learns it from the others.
-    classifier = bool(broadcast_object(classifier, rt))
     return Result(total / count, correct / count if classifier else None, int(count))
 
 

@@ -2,6 +2,7 @@
 processes, torchrun for two) on checkpoints that train.py wrote, compared with what the training
 run itself recorded and with models loaded from the checkpoint independently of mgpu.restore."""
 
+import hashlib
 import json
 import math
 import os
@@ -77,7 +78,9 @@ def printed(stdout: str) -> dict:
 def test_evaluate_reproduces_the_runs_last_eval_loss(gpt_run, nproc):
     step, reference = last_eval_loss(gpt_run)
     assert step == GPT_STEPS
-    proc = tool("mgpu.evaluate", [gpt_run], gpt_run.parent, nproc=nproc)
+    # Two processes also take an override: batches of 5, so the shares end in ragged batches.
+    overrides = ["data.batch_size=5"] if nproc else []
+    proc = tool("mgpu.evaluate", [gpt_run, *overrides], gpt_run.parent, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = printed(proc.stdout)
     assert got["step"] == GPT_STEPS and got["processes"] == (nproc or 1)
@@ -184,6 +187,32 @@ def test_an_invalid_checkpoint_is_refused_by_name(gpt_run, tmp_path):
             main([str(copy), *extra])
         assert stop.value.code == 1
     assert not (tmp_path / "x.safetensors").exists()
+
+
+class NotATensor:
+    """Stands for any object that torch.load(weights_only=True) refuses to build."""
+
+
+def test_a_checkpoint_is_loaded_weights_only(gpt_run, tmp_path, capsys):
+    """A checkpoint whose files match their manifest but hold an arbitrary object is refused by
+    the weights_only load, not unpickled."""
+    copy = tmp_path / "run"
+    shutil.copytree(gpt_run, copy)
+    (state,) = (copy / "checkpoints").glob("step-*/state.pt")
+    shared = torch.load(state, weights_only=True)
+    torch.save({**shared, "extra": NotATensor()}, state)
+    manifest = json.loads((state.parent / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["name"] == "state.pt":
+            entry["size"] = state.stat().st_size
+            entry["sha256"] = hashlib.sha256(state.read_bytes()).hexdigest()
+    (state.parent / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as stop:
+        export.main([str(copy), str(tmp_path / "x.safetensors")])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert f"{state}: refused by torch.load(weights_only=True)" in err, err
+    assert "NotATensor" in err
 
 
 @pytest.mark.parametrize(
