@@ -109,7 +109,6 @@ def run(restored: Restored) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(levelname)s: %(message)s")
     with one_line_errors(PROG):
         run(restore(args.checkpoint, args.overrides))
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mgpu.restore import Restored, command_parser, one_line_errors, restore
+from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
 
 PROG = "mgpu.export"
 SUFFIX = ".safetensors"
@@ -46,7 +46,9 @@ def untied_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
 
 def export(restored: Restored, out: Path) -> Path:
     """Write `out` (.safetensors) and the config beside it (.json); returns the config's path."""
-    from safetensors.torch import save_file  # lazy: only this command needs the library
+    # Imported here: only this command needs the library.
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
 
     state, tied = untied_state(restored.model)
     config = {
@@ -66,6 +68,8 @@ def export(restored: Restored, out: Path) -> Path:
         try:
             write(str(tmp))
             os.replace(tmp, path)
+        except (OSError, SafetensorError) as err:  # safetensors reports its I/O errors as its own
+            raise UsageError(f"{path}: cannot be written ({err})") from err
         finally:
             tmp.unlink(missing_ok=True)
     return beside

@@ -153,7 +153,10 @@ EXPECTED = (
 
 @contextmanager
 def one_line_errors(prog: str) -> Iterator[None]:
-    """Expected errors end the command with one line on stderr and exit status 1, no traceback."""
+    """The frame of a command's work: warnings (such as a skipped invalid checkpoint) print as
+    `prog: WARNING: ...`, and expected errors end the command with one line on stderr and exit
+    status 1, no traceback."""
+    logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(levelname)s: %(message)s")
     try:
         yield
     except EXPECTED as err:
