@@ -132,6 +132,12 @@ def test_greedy_sampling_is_the_models_argmax(gpt_run):
     expected = bytes(idx[0, 4:].tolist())
     got = sample.generate(model, torch.tensor(list(b"The ")), 16, temperature=0)
     assert bytes(got.tolist()) == expected
+    # A prompt longer than the model's context (64): the newest 64 bytes are the context.
+    long = torch.tensor(list(b"x" * 100 + b"The "))
+    got = sample.generate(model, long, 3, temperature=0)
+    with torch.no_grad():
+        first = model(long[None, -model.block_size :])[0, -1].argmax()
+    assert len(got) == 3 and got[0] == first
 
 
 def test_export_round_trips_to_the_same_logits(gpt_run, tmp_path):
