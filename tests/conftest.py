@@ -33,8 +33,10 @@ def run_train(
     env: dict | None = None,
     timeout: float = 240,
     torchrun_args: tuple[str, ...] = (),
+    program: tuple[str, ...] = (str(TRAIN),),
 ) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node=N train.py args` (or plain `python train.py` for nproc=None)."""
+    """`torchrun --nproc_per_node=N train.py args` (or plain `python train.py` for nproc=None);
+    `program` runs another script or module instead, e.g. ("-m", "mgpu.evaluate")."""
     launcher = [sys.executable]
     if nproc is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -43,7 +45,7 @@ def run_train(
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     full_env.update(env or {})
     return subprocess.run(
-        [*launcher, str(TRAIN), *args],
+        [*launcher, *program, *args],
         cwd=cwd,
         env=full_env,
         capture_output=True,

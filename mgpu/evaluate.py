@@ -1,0 +1,129 @@
+"""Evaluate a checkpoint on its run's eval split, with the run's saved config, on any number of
+processes: the mean loss over every eval sample exactly once (as training's evaluation counts
+it), and for classifiers the accuracy.
+
+python -m mgpu.evaluate RUN_DIR_OR_CHECKPOINT [key=value ...]
+torchrun --nproc_per_node=2 -m mgpu.evaluate RUN_DIR_OR_CHECKPOINT [key=value ...]
+
+Overrides change the saved config before it is used, e.g. data.path=val.bin or
+data.batch_size=256. The model runs eager (not compiled), under the run's trainer.precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mgpu.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
+from mgpu.loader import DeviceLoader, build_dataset, build_loader
+from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
+from mgpu.trainer import autocast_dtype, cross_entropy
+
+PROG = "mgpu.evaluate"
+JOINED = False  # whether this process joined a process group (train.py's teardown rule)
+
+
+@dataclass
+class Result:
+    loss: float  # mean cross-entropy per target (per token for a language model)
+    accuracy: float | None  # classifiers only: one target per sample
+    targets: int  # how many targets the mean is over, on all ranks together
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, loader: DeviceLoader, rt: Runtime, amp_dtype: torch.dtype | None
+) -> Result:
+    """One pass over this rank's shard of the eval set, summed across ranks (a collective)."""
+    # loss sum, target count, correct predictions, classifier batches; float64 so the sums do
+    # not lose the last digits over a large eval set.
+    sums = torch.zeros(4, dtype=torch.float64, device=rt.device)
+    for inputs, targets in loader:
+        with torch.autocast(rt.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(inputs)
+        sums[0] += cross_entropy(logits, targets, reduction="sum").double()
+        sums[1] += targets.numel()
+        sums[2] += (logits.argmax(-1) == targets).sum().double()
+        # A classifier scores one class per sample ([B, C] logits); a language model scores
+        # every position ([B, T, V]), where the loss is the measure. Counted, so that a rank
+        # without a batch of its own learns it from the others in the same all-reduce.
+        sums[3] += logits.dim() == 2
+    all_reduce_sum_(sums, rt)
+    total, count, correct, classifier = sums.tolist()  # sync point: once, at the end
+    if count == 0:
+        raise UsageError("the eval split is empty on every process; set data.eval_samples")
+    return Result(total / count, correct / count if classifier else None, int(count))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = command_parser(
+        PROG,
+        "Evaluate a checkpoint on its run's eval split (torchrun for several "
+        "processes). Prints the mean loss and, for classifiers, the accuracy.",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value changes to the saved config, e.g. data.path=x.bin"
+    )
+    args = parser.parse_args(argv)
+    for item in args.overrides:
+        if "=" not in item or item.startswith(("+", "~")):
+            parser.error(f"{item!r}: overrides are key=value, e.g. data.batch_size=64")
+    return args
+
+
+def run(restored: Restored) -> None:
+    cfg = restored.config
+    with distributed(cfg.dist.backend.value, cfg.dist.timeout_s) as rt:
+        global JOINED
+        JOINED = rt.has_process_group
+        # Each process resolved the path on its own; a run that saved in between would give
+        # the processes different checkpoints.
+        mine = str(restored.path)
+        if not all_ok(broadcast_object(mine, rt) == mine, rt):
+            raise UsageError(
+                "the processes found different newest checkpoints (a save finished meanwhile); "
+                "pass the checkpoint directory itself"
+            )
+        model = restored.model.to(rt.device)
+        try:
+            dataset = build_dataset(cfg.data, "eval")
+        except (OSError, ValueError) as err:
+            # The saved data.path may be relative to where training ran.
+            raise UsageError(f"the run's eval data: {err} (data.path=... overrides it)") from err
+        loader = build_loader(cfg.data, dataset, rt, seed=cfg.trainer.seed, train=False)
+        with loader:
+            result = evaluate(model, loader, rt, autocast_dtype(cfg.trainer.precision, rt.device))
+        if rt.is_primary:
+            line = f"{restored.path} (step {restored.step}) on {rt.world_size} process(es): "
+            line += f"eval loss {result.loss:.6f}"
+            if result.accuracy is not None:
+                line += f", accuracy {result.accuracy:.4f}"
+            print(f"{line} over {result.targets} targets", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with one_line_errors(PROG):
+        run(restore(args.checkpoint, args.overrides))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:  # argparse's and one_line_errors' exits
+        code = stop.code if isinstance(stop.code, int) else 1
+    if not JOINED:
+        sys.exit(code)
+    # train.py's teardown rule: the process group is gone and every file closed; end without
+    # the interpreter's teardown of torch's communication threads, which can abort.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

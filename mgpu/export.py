@@ -1,0 +1,114 @@
+"""Export a checkpoint's model weights as safetensors, with the model's config beside them, for
+tools that do not read mgpu checkpoints.
+
+python -m mgpu.export RUN_DIR_OR_CHECKPOINT OUT.safetensors
+
+Writes OUT.safetensors (the model's state_dict) and OUT.json: {"model": the model config
+(`_target_` and its arguments), "tied": {name: the name it shares its tensor with},
+"checkpoint", "step"}. Tied tensors (GPT's token embedding is its output head) are stored once,
+under the first name; safetensors refuses tensors that share memory. read() puts them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
+
+PROG = "mgpu.export"
+SUFFIX = ".safetensors"
+
+
+def untied_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's state_dict with each shared tensor kept once, and {dropped name: kept name}.
+
+    Tensors are shared when they are views of the same memory with the same shape and layout
+    (what weight tying makes); the name that comes first in the state_dict keeps it."""
+    kept: dict[tuple, str] = {}
+    state, tied = {}, {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), *tensor.shape)
+        key += tuple(tensor.stride())
+        if tensor.numel() and key in kept:
+            tied[name] = kept[key]
+            continue
+        kept[key] = name
+        state[name] = tensor.detach().contiguous()  # safetensors writes contiguous tensors only
+    return state, tied
+
+
+def export(restored: Restored, out: Path) -> Path:
+    """Write `out` (.safetensors) and the config beside it (.json); returns the config's path."""
+    # Imported here: only this command needs the library.
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    state, tied = untied_state(restored.model)
+    config = {
+        "model": dataclasses.asdict(restored.config.model),
+        "tied": tied,
+        "checkpoint": str(restored.path),
+        "step": restored.step,
+    }
+    meta = {"format": "pt", "tied": json.dumps(tied), "model": json.dumps(config["model"])}
+    beside = out.with_suffix(".json")
+    # Each file appears whole or not at all: written under a temporary name, then renamed.
+    for path, write in (
+        (out, lambda tmp: save_file(state, tmp, metadata=meta)),
+        (beside, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=1) + "\n")),
+    ):
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            write(str(tmp))
+            os.replace(tmp, path)
+        except (OSError, SafetensorError) as err:  # safetensors reports its I/O errors as its own
+            raise UsageError(f"{path}: cannot be written ({err})") from err
+        finally:
+            tmp.unlink(missing_ok=True)
+    return beside
+
+
+def read(path: Path | str) -> tuple[dict[str, torch.Tensor], dict]:
+    """An export's state_dict with its tied names restored, and its config (the .json beside);
+    `model.load_state_dict(state)` takes it as it is."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads(path.with_suffix(".json").read_text())
+    state = load_file(str(path))
+    for name, source in config["tied"].items():
+        state[name] = state[source]
+    return state, config
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = command_parser(
+        PROG,
+        "Write a checkpoint's model weights as OUT.safetensors and its model config as OUT.json.",
+    )
+    parser.add_argument("out", type=Path, help="the weights file to write, e.g. model.safetensors")
+    args = parser.parse_args(argv)
+    if args.out.suffix != SUFFIX:
+        parser.error(f"{args.out}: name it *{SUFFIX} (its config goes beside it as *.json)")
+    if not args.out.parent.is_dir():
+        parser.error(f"{args.out.parent}: no such directory; create it first")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with one_line_errors(PROG):
+        restored = restore(args.checkpoint)
+        beside = export(restored, args.out)
+    print(f"{restored.path} (step {restored.step}) -> {args.out}, {beside}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""A trained model back from disk, for the after-training commands (mgpu.evaluate, mgpu.sample,
+mgpu.export): which checkpoint a path means, the run's config as that checkpoint saved it (with
+the user's overrides), and the model rebuilt from it with the checkpoint's weights.
+
+Checkpoints are verified and loaded by mgpu.checkpoint (sha256 of every file read,
+torch.load(weights_only=True)), exactly as resume does; this module adds no checks of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
+
+from mgpu.checkpoint import (
+    MANIFEST,
+    SHARED,
+    CheckpointError,
+    checkpoint_root,
+    find_latest_valid,
+    load,
+)
+from mgpu.config import Config, ConfigError, describe_error, to_config
+from mgpu.dist import LaunchError
+from mgpu.models import build_model
+from mgpu.state import CheckpointMismatch, restore_model
+
+log = logging.getLogger(__name__)
+
+
+class UsageError(ValueError):
+    """A command-line input that cannot work; the message says what and how to fix it."""
+
+
+def resolve_checkpoint(path: Path | str) -> Path:
+    """The checkpoint directory `path` means: itself, if it is one (<run dir>/checkpoints/step-N);
+    for a run directory (or its checkpoints/ folder), its newest valid checkpoint, warning about
+    each newer one that is not valid. Validity is checked when the checkpoint is loaded."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(
+            f"{path}: no such file or directory; pass a run directory (outputs/<run>) or one of "
+            "its checkpoints (<run dir>/checkpoints/step-N)"
+        )
+    if path.is_file():
+        raise UsageError(
+            f"{path}: a file; pass the checkpoint directory that holds it ({path.parent}) or the "
+            "run directory"
+        )
+    if path.name.startswith("step-") or (path / MANIFEST).exists() or (path / SHARED).exists():
+        return path  # a checkpoint directory: load says which check it fails, if any
+    root = path if path.name == "checkpoints" else checkpoint_root(path)
+    if not root.is_dir():
+        raise UsageError(
+            f"{path}: neither a run directory (it has no checkpoints/) nor a checkpoint "
+            "directory (no manifest.json); pass outputs/<run> or <run dir>/checkpoints/step-N"
+        )
+    newest, problems = find_latest_valid(root)
+    for problem in problems:
+        log.warning("skipping invalid checkpoint: %s", problem)
+    if newest is None:
+        why = f" ({len(problems)} invalid, above)" if problems else ""
+        raise CheckpointError(root, f"no valid checkpoint{why}; train longer or pass another run")
+    return newest
+
+
+def _schema(group: str, section: dict) -> type:
+    """The schema a saved model or data section is typed with: the group's custom one for a
+    user's class (saved with its `kwargs`), else the one registered for its `_target_`."""
+    custom, target = None, section.get("_target_")
+    for entry in ConfigStore.instance().repo[group].values():
+        node = entry.node
+        if OmegaConf.is_missing(node, "_target_"):
+            custom = OmegaConf.get_type(node)
+        elif node._target_ == target and "kwargs" not in section:
+            return OmegaConf.get_type(node)
+    if custom is None or "kwargs" not in section:
+        raise ConfigError(f"{group}._target_", target, "has no schema registered in mgpu.config")
+    return custom
+
+
+def saved_config(text: str, overrides: list[str]) -> Config:
+    """The typed Config of a checkpoint's saved YAML with `key=value` overrides applied, validated
+    as train.py validates a composed one (mgpu.config.to_config)."""
+    tree = OmegaConf.create(text)
+    typed = OmegaConf.structured(Config)
+    for group in ("model", "data"):
+        section = OmegaConf.to_container(tree[group])
+        typed[group] = OmegaConf.structured(_schema(group, section))
+    # What training resumed from is no concern here, and a path it named may be gone since.
+    tree.ckpt.resume = "auto"
+    merged = OmegaConf.merge(typed, tree, OmegaConf.from_dotlist(overrides))
+    return to_config(merged)
+
+
+@dataclass
+class Restored:
+    """A checkpoint's model, ready to use (eval mode, on the CPU), and where it came from."""
+
+    path: Path  # the checkpoint directory
+    step: int
+    config: Config
+    model: nn.Module
+
+
+def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
+    """The model of the checkpoint `path` means (resolve_checkpoint), built from its saved config
+    with `overrides` applied and loaded with its weights."""
+    checkpoint = resolve_checkpoint(path)
+    # Every process reads the shared state (rank 0's file): the model and the config are there.
+    # To the CPU: it also holds the optimizer's state, which no after-training command needs
+    # on a device.
+    loaded = load(checkpoint, rank=0, map_location="cpu")
+    for key in ("model", "config"):
+        if key not in loaded.shared:
+            raise CheckpointError(checkpoint, f"holds no {key!r}: not written by mgpu's trainer")
+    cfg = saved_config(loaded.shared["config"], list(overrides))
+    model = build_model(cfg.model)
+    restore_model(model, loaded.shared["model"], source=str(checkpoint))
+    model.eval()
+    return Restored(checkpoint, loaded.step, cfg, model)
+
+
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line every after-training command starts from: its checkpoint argument."""
+    parser = argparse.ArgumentParser(prog=f"python -m {prog}", description=description)
+    parser.add_argument(
+        "checkpoint",
+        help="a run directory (its newest valid checkpoint) or <run dir>/checkpoints/step-N",
+    )
+    return parser
+
+
+# What the after-training commands report in one line: bad input, not a bug of theirs.
+EXPECTED = (
+    UsageError,
+    CheckpointError,
+    CheckpointMismatch,
+    ConfigError,
+    LaunchError,
+    OmegaConfBaseException,
+)
+
+
+@contextmanager
+def one_line_errors(prog: str) -> Iterator[None]:
+    """The frame of a command's work: warnings (such as a skipped invalid checkpoint) print as
+    `prog: WARNING: ...`, and expected errors end the command with one line on stderr and exit
+    status 1, no traceback."""
+    logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(levelname)s: %(message)s")
+    try:
+        yield
+    except EXPECTED as err:
+        print(f"{prog}: error: {describe_error(err)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
