@@ -24,6 +24,8 @@ from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, 
 
 PROG = "mgpu.export"
 SUFFIX = ".safetensors"
+UMASK = os.umask(0o022)  # reading the umask sets it: put it straight back
+os.umask(UMASK)
 
 
 def untied_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -67,6 +69,9 @@ def export(restored: Restored, out: Path) -> Path:
         tmp = path.with_name(path.name + ".tmp")
         try:
             write(str(tmp))
+            # safetensors creates its file readable by its owner only; an export is meant to be
+            # shared like any file the user writes: the mode their umask gives.
+            os.chmod(tmp, 0o666 & ~UMASK)
             os.replace(tmp, path)
         except (OSError, SafetensorError) as err:  # safetensors reports its I/O errors as its own
             raise UsageError(f"{path}: cannot be written ({err})") from err

@@ -147,6 +147,10 @@ def test_export_round_trips_to_the_same_logits(gpt_run, tmp_path):
     config = json.loads(out.with_suffix(".json").read_text())
     assert config["tied"] == {"lm_head.weight": "wte.weight"}
     assert config["step"] == GPT_STEPS
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in (out, out.with_suffix(".json")):  # as any file the user writes
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
     # As a user without mgpu reads it: safetensors, then the tied names from the json.
     state = load_file(str(out))
     assert "lm_head.weight" not in state  # stored once
