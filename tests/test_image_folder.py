@@ -310,3 +310,12 @@ def test_gpu_decode_matches_cpu_decode(tmp_path):
             # upsampling); the PNGs (odd files) take the same CPU path in both modes.
             diff = ((xc - xg) * 63.75).abs()
             assert diff.mean() < 1.5 and diff.max() <= 24, (split, diff.mean(), diff.max())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a host without a GPU does")
+def test_without_a_gpu_auto_decodes_on_the_cpu_and_gpu_is_refused(tmp_path):
+    write_tree(tmp_path / "train")
+    auto = ImageFolderDataConfig(path=str(tmp_path / "train"))
+    assert auto.dataset_kwargs()["decode"] == "cpu"
+    with pytest.raises(ConfigError, match="data.decode='gpu': no CUDA GPU is visible"):
+        ImageFolderDataConfig(path=str(tmp_path / "train"), decode="gpu")
