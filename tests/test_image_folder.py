@@ -319,3 +319,24 @@ def test_without_a_gpu_auto_decodes_on_the_cpu_and_gpu_is_refused(tmp_path):
     assert auto.dataset_kwargs()["decode"] == "cpu"
     with pytest.raises(ConfigError, match="data.decode='gpu': no CUDA GPU is visible"):
         ImageFolderDataConfig(path=str(tmp_path / "train"), decode="gpu")
+
+
+def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
+    """The worker half of decode=gpu, on any host: a JPEG's bytes and reference crop, a PNG's
+    reference pixels, gathered into one batch in their places."""
+    from mgpu.data.image_folder import collate_encoded
+
+    files = write_tree(tmp_path / "train")
+    kwargs = folder(tmp_path / "train", tmp_path / "train", decode="gpu")
+    dataset = ImageFolder("train", **{**kwargs, "classes": CLASSES})
+    keys = [SampleKey(i, 4, 2) for i in (5, 0, 3, 6)]  # png, jpg, png, jpg
+    batch = collate_encoded([dataset[k] for k in keys])
+    assert batch.jpeg_at.tolist() == [1, 3] and batch.pixels_at.tolist() == [0, 2]
+    assert batch.labels.tolist() == [files[k.index][1] for k in keys]
+    for data, box, flip, key in zip(batch.jpegs, batch.boxes, batch.flips, keys[1::2], strict=True):
+        path = files[key.index][0]
+        assert data.numpy().tobytes() == Path(path).read_bytes()
+        width, height = Image.open(path).size
+        assert (*box, bool(flip)) == reference_crop(width, height, key.seed, key.epoch, key.index)
+    for pixels, key in zip(batch.pixels, keys[0::2], strict=True):
+        assert torch.equal(pixels, reference_train(files, key)[0])

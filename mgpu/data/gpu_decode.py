@@ -84,7 +84,7 @@ class GpuDecoder:
         out = torch.empty(len(labels), 3, size, size, dtype=torch.uint8, device=device)
         if len(batch.pixels_at):
             out[batch.pixels_at.to(device)] = batch.pixels.to(device, non_blocking=True)
-        if batch.jpegs:
+        if batch.lengths:
             images, boxes, flips, labels = self._decoded(batch)
             crops = torch.empty(len(images), 3, size, size, device=device)
             for k, (image, (left, top, w, h)) in enumerate(zip(images, boxes, strict=True)):
@@ -101,12 +101,13 @@ class GpuDecoder:
     def _decoded(self, batch: EncodedBatch):
         """The batch's JPEGs decoded, with their boxes, flips and the batch's labels. A batch
         that fails is decoded file by file, to name (error) or replace (skip) the bad ones."""
+        jpegs = batch.jpegs
         try:
-            return self._decode(batch.jpegs), batch.boxes, batch.flips, batch.labels
+            return self._decode(jpegs), batch.boxes, batch.flips, batch.labels
         except RuntimeError as err:
             first = err
         images: list[Tensor | None] = []
-        for data, index in zip(batch.jpegs, batch.jpeg_index, strict=True):
+        for data, index in zip(jpegs, batch.jpeg_index, strict=True):
             try:
                 images.append(self._decode([data])[0])
             except RuntimeError as err:

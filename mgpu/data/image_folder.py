@@ -171,7 +171,7 @@ class Encoded:
 
     label: int
     index: int
-    data: Tensor | None = None  # the file's bytes, uint8
+    data: bytes | None = None  # the file's bytes
     box: tuple[int, int, int, int] = (0, 0, 0, 0)
     flip: bool = False
     pixels: Tensor | None = None  # [3, S, S] uint8
@@ -179,9 +179,14 @@ class Encoded:
 
 @dataclass
 class EncodedBatch:
-    """A batch of Encoded samples: the JPEGs to decode on the GPU, and the rest as pixels."""
+    """A batch of Encoded samples: the JPEGs to decode on the GPU, and the rest as pixels.
 
-    jpegs: list[Tensor]  # bytes of each JPEG
+    The JPEGs travel as one tensor: each tensor a worker returns crosses to the training process
+    as shared memory with a file descriptor of its own, and a tensor per file would take
+    thousands of descriptors at once (workers x prefetch x batch)."""
+
+    data: Tensor  # the batch's JPEG files one after another, uint8
+    lengths: list[int]  # bytes of each
     boxes: list[tuple[int, int, int, int]]  # its crop in the decoded image
     flips: Tensor  # [J] bool
     jpeg_at: Tensor  # [J] its position in the batch
@@ -197,13 +202,20 @@ class EncodedBatch:
         self.flips = self.flips.pin_memory()
         return self
 
+    @property
+    def jpegs(self) -> list[Tensor]:
+        """Each JPEG's bytes: a view of `data` (contiguous, as nvJPEG wants)."""
+        return list(torch.split(self.data, self.lengths))
+
 
 def collate_encoded(items: list[Encoded]) -> EncodedBatch:
     jpeg = [k for k, item in enumerate(items) if item.data is not None]
     done = [k for k, item in enumerate(items) if item.data is None]
     size = items[done[0]].pixels.shape if done else (3, 1, 1)
+    files = b"".join(items[k].data for k in jpeg)
     return EncodedBatch(
-        jpegs=[items[k].data for k in jpeg],
+        data=torch.frombuffer(bytearray(files), dtype=torch.uint8) if files else torch.empty(0),
+        lengths=[len(items[k].data) for k in jpeg],
         boxes=[items[k].box for k in jpeg],
         flips=torch.tensor([items[k].flip for k in jpeg], dtype=torch.bool),
         jpeg_at=torch.tensor(jpeg, dtype=torch.int64),
@@ -322,8 +334,7 @@ class ImageFolder(Dataset):
             if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
                 # nvJPEG's baseline and progressive YCbCr/gray JPEGs: the GPU decodes these.
                 # Only the header was read here; a file broken further in fails on the GPU.
-                raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                return Encoded(label, i, data=raw, box=box, flip=flip)
+                return Encoded(label, i, data=data, box=box, flip=flip)
             pixels = crop_resize(image.convert("RGB"), box, flip, self.image_size)
         except UNREADABLE as err:
             why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err
