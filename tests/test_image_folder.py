@@ -340,3 +340,22 @@ def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
         assert (*box, bool(flip)) == reference_crop(width, height, key.seed, key.epoch, key.index)
     for pixels, key in zip(batch.pixels, keys[0::2], strict=True):
         assert torch.equal(pixels, reference_train(files, key)[0])
+
+
+def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
+    """decode=cpu: a run resumed from its step-4 checkpoint logs the losses of the run that went
+    on, to the bit (the crops of the steps after 4 are drawn from the same keys)."""
+    write_tree(tmp_path / "train", per_class=6)
+    args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.decode=cpu"]
+    args += ["data.image_size=16", "data.batch_size=4", "data.num_workers=1"]
+    args += ["data.eval_samples=2", "model=resnet_tiny", "trainer.max_steps=10"]
+    args += ["trainer.log_every=2", "trainer.eval_every=0", "ckpt.every=4"]
+    whole = run_train([*args, f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, nproc=None)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    start = tmp_path / "a" / "checkpoints" / "step-00000004"
+    args += [f"ckpt.resume={start}", f"hydra.run.dir={tmp_path / 'b'}"]
+    resumed = run_train(args, cwd=tmp_path, nproc=None)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
+    # 16 training images, 4 steps an epoch: steps 5-10 cross into a third epoch
+    assert [losses[1][s] for s in (6, 8, 10)] == [losses[0][s] for s in (6, 8, 10)], losses
