@@ -275,6 +275,13 @@ class ImageFolder(Dataset):
         self._replaced = torch.zeros(COUNTER_SLOTS, dtype=torch.int64).share_memory_()
         # decode=gpu hands batches over as EncodedBatch; decode=cpu uses the default collate.
         self.collate = collate_encoded if decode == "gpu" else None
+        log.info(
+            "data=image_folder %s: %d images of %d classes, decoded on the %s",
+            split,
+            len(self.files),
+            self.num_classes,
+            "GPU (nvJPEG; PNGs on the CPU)" if decode == "gpu" else "CPU (Pillow, in the workers)",
+        )
 
     def _split_files(self, path: str, eval_path: str, eval_samples: int):
         if eval_path and not self.train:
