@@ -319,6 +319,9 @@ def test_without_a_gpu_auto_decodes_on_the_cpu_and_gpu_is_refused(tmp_path):
     assert auto.dataset_kwargs()["decode"] == "cpu"
     with pytest.raises(ConfigError, match="data.decode='gpu': no CUDA GPU is visible"):
         ImageFolderDataConfig(path=str(tmp_path / "train"), decode="gpu")
+    built = ImageFolder("train", path=str(tmp_path / "train"), decode="gpu", eval_samples=2)
+    with pytest.raises(ConfigError, match="data.decode='gpu': no CUDA GPU is visible"):
+        built.device_decoder(torch.device("cpu"))
 
 
 def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):

@@ -63,9 +63,13 @@ class GpuDecoder:
     """
 
     def __init__(self, dataset: ImageFolder, device: torch.device | str):
+        # Here, not at the top: mgpu.config imports this module. A ConfigError is what train.py
+        # reports in one line on every rank.
+        from mgpu.config import ConfigError
+
         why = gpu_decode_unavailable()
         if why is not None:
-            raise ValueError(f"data.decode=gpu: {why}; use data.decode=cpu")
+            raise ConfigError("data.decode", "gpu", f"{why}; use data.decode=cpu")
         from torchvision.io import ImageReadMode, decode_jpeg
 
         self.dataset, self.device = dataset, torch.device(device)
@@ -74,10 +78,8 @@ class GpuDecoder:
         try:
             self._decode([_probe_jpeg()])
         except RuntimeError as err:
-            raise ValueError(
-                f"data.decode=gpu: torchvision cannot decode JPEGs on {self.device} ({err}); "
-                "use data.decode=cpu"
-            ) from None
+            why = f"torchvision cannot decode JPEGs on {self.device} ({err}); use data.decode=cpu"
+            raise ConfigError("data.decode", "gpu", why) from None
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         """(images [B, 3, S, S] uint8, labels [B]) on the device."""

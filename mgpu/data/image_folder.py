@@ -292,7 +292,9 @@ class ImageFolder(Dataset):
         if eval_path:
             return files, labels
         if eval_samples >= len(files):
-            raise FolderError(
+            from mgpu.config import ConfigError  # here: mgpu.config imports this module
+
+            raise ConfigError(
                 "data.eval_samples",
                 eval_samples,
                 f"data.path holds only {len(files)} images, and some must be left to train on; "
