@@ -101,6 +101,12 @@ def folder(root: Path, eval_root: Path | None = None, **kwargs) -> dict:
     return {**args, **kwargs}
 
 
+def train_on_cpu(args: list[str], cwd: Path, timeout: float = 240):
+    """`python train.py args` with no GPU visible, also on a GPU machine: these runs check
+    the CPU path (bitwise on the CPU; a GPU's convolutions need not be)."""
+    return run_train(args, cwd=cwd, nproc=None, timeout=timeout, env={"CUDA_VISIBLE_DEVICES": ""})
+
+
 def cpu_runtime(rank: int = 0, world: int = 1) -> Runtime:
     return Runtime(rank, rank, world, "gloo", torch.device("cpu"), has_process_group=False)
 
@@ -200,7 +206,7 @@ def test_corrupt_file_ends_a_training_run(tmp_path):
     (tmp_path / "train" / "ant" / "img00.jpg").write_bytes(b"garbage")
     args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.eval_samples=2"]
     args += ["data.batch_size=5", "data.num_workers=1", "model=resnet_tiny"]
-    proc = run_train(args, cwd=tmp_path, nproc=None, timeout=120)  # no hang on the way out
+    proc = train_on_cpu(args, tmp_path, timeout=120)  # and no hang on the way out
     assert proc.returncode == 1
     assert "ant/img00.jpg: not a readable image" in proc.stderr, proc.stderr[-3000:]
 
@@ -243,12 +249,8 @@ def test_bad_trees_are_config_errors(tmp_path, make, needle):
 def test_empty_class_folder_is_one_line_before_training(tmp_path):
     write_tree(tmp_path / "train")
     (tmp_path / "train" / "dog").mkdir()
-    proc = run_train(
-        ["data=image_folder", f"data.path={tmp_path / 'train'}", "model=resnet_tiny"],
-        cwd=tmp_path,
-        nproc=None,
-        timeout=120,
-    )
+    args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "model=resnet_tiny"]
+    proc = train_on_cpu(args, tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "dog holds no images" in lines[0], proc.stderr
@@ -273,7 +275,7 @@ def test_training_run_records_classes_and_replaced_files(tmp_path):
         "trainer.eval_every=0",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    proc = run_train(args, cwd=tmp_path, nproc=None, timeout=180)
+    proc = train_on_cpu(args, tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "classes:\n  - ant\n  - bee\n  - cow\n" in (tmp_path / "run" / "config.yaml").read_text()
     scalars = read_scalars(tmp_path / "run")
@@ -353,11 +355,11 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     args += ["data.image_size=16", "data.batch_size=4", "data.num_workers=1"]
     args += ["data.eval_samples=2", "model=resnet_tiny", "trainer.max_steps=10"]
     args += ["trainer.log_every=2", "trainer.eval_every=0", "ckpt.every=4"]
-    whole = run_train([*args, f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, nproc=None)
+    whole = train_on_cpu([*args, f"hydra.run.dir={tmp_path / 'a'}"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     start = tmp_path / "a" / "checkpoints" / "step-00000004"
     args += [f"ckpt.resume={start}", f"hydra.run.dir={tmp_path / 'b'}"]
-    resumed = run_train(args, cwd=tmp_path, nproc=None)
+    resumed = train_on_cpu(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
     # 16 training images, 4 steps an epoch: steps 5-10 cross into a third epoch
