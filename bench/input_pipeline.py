@@ -22,7 +22,7 @@ with --folder), read from the page cache:
     python bench/input_pipeline.py                  # ResNet-50 and GPT-2-small, ~3 minutes
     python bench/input_pipeline.py --workers 12 --steps 40 --repeats 3 --models resnet50
     python bench/input_pipeline.py --quick          # tiny shapes; runs on CPU (a smoke test)
-    python bench/input_pipeline.py --models resnet50_folder --folder-images 5000
+    python bench/input_pipeline.py --models resnet50_folder --folder-images 5000   # ~2 minutes
     torchrun --nproc_per_node=8 bench/input_pipeline.py --variants ad   # every GPU at once
 
 Under torchrun every process feeds its own GPU (LOCAL_RANK) from its own DataLoader workers, all
@@ -159,6 +159,11 @@ def resnet50_folder(args, device: torch.device, tmp: Path) -> Workload:
     work.name = "resnet50-folder" if not args.quick else "resnet-tiny-folder"
     work.image_size = 32 if args.quick else 224
     work.folder = args.folder
+    if work.folder is None and dist.is_initialized():
+        raise SystemExit(
+            "--models resnet50_folder under torchrun needs --folder DIR, one folder for every "
+            "process (python bench/make_image_folder.py DIR writes one)"
+        )
     if work.folder is None:
         work.folder = tmp / "folder"
         size = (80, 60) if args.quick else (500, 375)
@@ -496,7 +501,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--models",
         nargs="+",
-        default=["resnet50", "gpt2", "resnet50_folder"],
+        default=["resnet50", "gpt2"],
         choices=["resnet50", "gpt2", "resnet50_folder"],
     )
     p.add_argument("--variants", default=None, help="which of (a)-(h), e.g. ade (default: all)")
