@@ -3,6 +3,7 @@ against a decode and crop computed here with Pillow and numpy from the documente
 gloo ranks; bad files and bad trees; a training run that records its classes and replaced
 files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same crops."""
 
+import io
 import math
 from pathlib import Path
 
@@ -364,3 +365,46 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
     # 16 training images, 4 steps an epoch: steps 5-10 cross into a third epoch
     assert [losses[1][s] for s in (6, 8, 10)] == [losses[0][s] for s in (6, 8, 10)], losses
+
+
+def pillow_jpegs(data: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A stand-in for nvJPEG on the CPU: Pillow's decode; an empty-looking 1x1 JPEG fails."""
+    out = []
+    for d in data:
+        image = Image.open(io.BytesIO(d.numpy().tobytes()))
+        if image.size == (1, 1):
+            raise RuntimeError("Failed to decode batch")
+        out.append(torch.from_numpy(np.asarray(image.convert("RGB")).transpose(2, 0, 1).copy()))
+    return out
+
+
+def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
+    """decode=gpu's batch step on the CPU, with Pillow standing in for nvJPEG: the crops match
+    decode=cpu's within a level (torch's antialiased resize against Pillow's), in their places,
+    with their labels; a JPEG the decoder refuses is named (error) or replaced (skip)."""
+    from mgpu.data.gpu_decode import BatchDecoder
+    from mgpu.data.image_folder import collate_encoded
+
+    write_tree(tmp_path / "train", per_class=6, sizes=((150, 200), (90, 60), (40, 64)))
+    kwargs = {**folder(tmp_path / "train", eval_samples=2), "image_size": 32, "classes": CLASSES}
+    cpu, gpu = ImageFolder("train", **kwargs), ImageFolder("train", **{**kwargs, "decode": "gpu"})
+    step = BatchDecoder(gpu, torch.device("cpu"), pillow_jpegs)
+    keys = [SampleKey(i, 1, 4) for i in range(len(cpu))]
+    images, labels = step(collate_encoded([gpu[k] for k in keys]))
+    expected = torch.stack([cpu[k][0] for k in keys])
+    assert torch.equal(labels, torch.tensor([cpu[k][1] for k in keys]))
+    assert (images.int() - expected.int()).abs().max() <= 1
+    # the third JPEG made undecodable, header and all intact
+    items = [gpu[k] for k in keys]
+    jpegs = [k for k, item in enumerate(items) if item.data is not None]
+    tiny = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(tiny, format="JPEG")
+    items[jpegs[2]].data, items[jpegs[2]].box = tiny.getvalue(), (0, 0, 1, 1)
+    with pytest.raises(BadImageFile, match=rf"{gpu.files[jpegs[2]]}: cannot be decoded.*skip"):
+        step(collate_encoded(items))
+    gpu.bad_files = "skip"
+    images, labels = step(collate_encoded(items))
+    assert gpu.replaced() == 1
+    # its place takes the batch's next JPEG, crop and label too
+    assert torch.equal(images[jpegs[2]], images[jpegs[3]])
+    assert labels[jpegs[2]] == labels[jpegs[3]]

@@ -8,6 +8,7 @@ torchvision is imported here only, lazily: it is optional, and CPU hosts do with
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +54,37 @@ def _probe_jpeg() -> Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-class GpuDecoder:
-    """Decodes and crops an EncodedBatch on `device`; DeviceLoader calls it on its side stream.
+JpegDecode = Callable[[list[Tensor]], list[Tensor]]  # JPEG bytes -> [3, H, W] uint8 images
+
+
+def gpu_decoder(dataset: ImageFolder, device: torch.device | str) -> BatchDecoder:
+    """data.decode=gpu's step for `device`, with torchvision's nvJPEG, tried once on a tiny
+    JPEG: a GPU decode that cannot work stops the run before training, naming the key."""
+    # Here, not at the top: mgpu.config imports this module. A ConfigError is what train.py
+    # reports in one line on every rank.
+    from mgpu.config import ConfigError
+
+    why = gpu_decode_unavailable()
+    if why is not None:
+        raise ConfigError("data.decode", "gpu", f"{why}; use data.decode=cpu")
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    device = torch.device(device)
+
+    def nvjpeg(data: list[Tensor]) -> list[Tensor]:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+
+    try:
+        nvjpeg([_probe_jpeg()])
+    except RuntimeError as err:
+        why = f"torchvision cannot decode JPEGs on {device} ({err}); use data.decode=cpu"
+        raise ConfigError("data.decode", "gpu", why) from None
+    return BatchDecoder(dataset, device, nvjpeg)
+
+
+class BatchDecoder:
+    """Decodes and crops an EncodedBatch on `device` with `decode` (nvJPEG, gpu_decoder);
+    DeviceLoader calls it on its side stream.
 
     Stream rule: torchvision decodes on a stream of its own, waits for it on the host, and makes
     the current stream (the loader's side stream) wait for it too; the crops below run on the
@@ -62,24 +92,9 @@ class GpuDecoder:
     mgpu.loader runs this step on its copy thread, where it overlaps the training loop.
     """
 
-    def __init__(self, dataset: ImageFolder, device: torch.device | str):
-        # Here, not at the top: mgpu.config imports this module. A ConfigError is what train.py
-        # reports in one line on every rank.
-        from mgpu.config import ConfigError
-
-        why = gpu_decode_unavailable()
-        if why is not None:
-            raise ConfigError("data.decode", "gpu", f"{why}; use data.decode=cpu")
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        self.dataset, self.device = dataset, torch.device(device)
-        self.size = dataset.image_size
-        self._decode = lambda data: decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        try:
-            self._decode([_probe_jpeg()])
-        except RuntimeError as err:
-            why = f"torchvision cannot decode JPEGs on {self.device} ({err}); use data.decode=cpu"
-            raise ConfigError("data.decode", "gpu", why) from None
+    def __init__(self, dataset: ImageFolder, device: torch.device, decode: JpegDecode):
+        self.dataset, self.device, self.size = dataset, device, dataset.image_size
+        self._decode = decode
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         """(images [B, 3, S, S] uint8, labels [B]) on the device."""
@@ -90,13 +105,21 @@ class GpuDecoder:
             out[batch.pixels_at.to(device)] = batch.pixels.to(device, non_blocking=True)
         if batch.lengths:
             images, boxes, flips, labels = self._decoded(batch)
-            crops = torch.empty(len(images), 3, size, size, device=device)
-            for k, (image, (left, top, w, h)) in enumerate(zip(images, boxes, strict=True)):
-                crop = image[None, :, top : top + h, left : left + w].float()
-                # Bilinear with antialias: the filter Pillow's resize uses (image_folder).
-                crops[k] = F.interpolate(
-                    crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False
-                )[0]
+            # Two kernels an image (to float, resize) and one cat for the batch: the sizes
+            # differ, so there is no batched resize. Bilinear with antialias is the filter
+            # Pillow's resize uses (image_folder.crop_resize).
+            crops = torch.cat(
+                [
+                    F.interpolate(
+                        image[None, :, top : top + h, left : left + w].float(),
+                        size=(size, size),
+                        mode="bilinear",
+                        antialias=True,
+                        align_corners=False,
+                    )
+                    for image, (left, top, w, h) in zip(images, boxes, strict=True)
+                ]
+            )
             flips = flips.to(device, non_blocking=True)[:, None, None, None]
             crops = torch.where(flips, crops.flip(-1), crops)
             out[batch.jpeg_at.to(device)] = crops.round_().clamp_(0, 255).to(torch.uint8)

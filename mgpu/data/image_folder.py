@@ -370,6 +370,6 @@ class ImageFolder(Dataset):
         """decode=gpu: the prefetcher's step that decodes and crops a batch on `device`."""
         if self.decode != "gpu":
             return None
-        from mgpu.data.gpu_decode import GpuDecoder
+        from mgpu.data.gpu_decode import gpu_decoder
 
-        return GpuDecoder(self, device)
+        return gpu_decoder(self, device)
