@@ -10,9 +10,19 @@ Each variant trains the same model from the same data; throughput is printed wit
 Images cross PCIe as uint8 and are normalised (and made channels_last) on the GPU: on the
 compute stream in (b) and (c), on the loader's side stream in (d) and (e); (a) skips it.
 
+The resnet50_folder workload feeds ResNet-50 from a folder of JPEGs (data=image_folder: random-
+resized crops with flips, as training does), written by bench/make_image_folder.py (or given
+with --folder), read from the page cache:
+  (a) resident    the first batch, on the GPU, reused every step
+  (f) folder-cpu  decode=cpu: Pillow decodes and crops in the DataLoader workers
+  (g) folder-gpu  decode=gpu: the workers read the bytes, nvJPEG decodes on the copy thread
+  (h) folder-gpu-inline  the same, decoded from the training loop's thread (what (g) avoids)
+(g) and (h) need CUDA and torchvision; on CPU they are left out.
+
     python bench/input_pipeline.py                  # ResNet-50 and GPT-2-small, ~3 minutes
     python bench/input_pipeline.py --workers 12 --steps 40 --repeats 3 --models resnet50
     python bench/input_pipeline.py --quick          # tiny shapes; runs on CPU (a smoke test)
+    python bench/input_pipeline.py --models resnet50_folder --folder-images 5000   # ~2 minutes
     torchrun --nproc_per_node=8 bench/input_pipeline.py --variants ad   # every GPU at once
 
 Under torchrun every process feeds its own GPU (LOCAL_RANK) from its own DataLoader workers, all
@@ -46,15 +56,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mgpu.data import SyntheticImages, TokenFile  # noqa: E402
+from bench.make_image_folder import write_folder  # noqa: E402
+from mgpu.config import ImageFolderDataConfig  # noqa: E402
+from mgpu.data import ImageFolder, SyntheticImages, TokenFile  # noqa: E402
+from mgpu.data.gpu_decode import gpu_decode_unavailable  # noqa: E402
 from mgpu.data.images import normalize_uint8  # noqa: E402
-from mgpu.loader import DeviceLoader, to_device  # noqa: E402
+from mgpu.loader import DeviceLoader, to_device, worker_count  # noqa: E402
 from mgpu.models import GPT, ResNet  # noqa: E402
+from mgpu.sampler import SampleKey  # noqa: E402
 
 VARIANTS = {
     "a": "resident",
@@ -62,7 +76,11 @@ VARIANTS = {
     "c": "pinned non_blocking",
     "d": "mgpu prefetch (inline)",
     "e": "mgpu prefetch (thread)",
+    "f": "folder decode=cpu",
+    "g": "folder decode=gpu",
+    "h": "folder decode=gpu inline",
 }
+POOL_VARIANTS, FOLDER_VARIANTS = "abcde", "afgh"
 ENDLESS = 10**9  # a dataset length no run reaches: no epoch boundaries inside a measurement
 
 
@@ -82,6 +100,21 @@ class Pool(Dataset):
         return self.inputs[i], self.targets[i]
 
 
+class EndlessKeys(Sampler):
+    """The folder's samples in order, over and over, each pass a new epoch's crops: no epoch
+    boundary (and its restart of the workers' pipeline) inside a measurement."""
+
+    def __init__(self, num_samples: int):
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return ENDLESS
+
+    def __iter__(self) -> Iterator[SampleKey]:
+        n = self.num_samples
+        return (SampleKey(i % n, i // n, 0) for i in range(ENDLESS))
+
+
 @dataclass
 class Workload:
     name: str
@@ -94,6 +127,8 @@ class Workload:
     transform: Callable[[torch.Tensor], torch.Tensor] | None
     memory_format: torch.memory_format | None
     note: str
+    folder: Path | None = None  # resnet50_folder: the JPEG tree
+    image_size: int = 224
 
 
 def resnet50(args, device: torch.device) -> Workload:
@@ -117,6 +152,32 @@ def resnet50(args, device: torch.device) -> Workload:
         torch.channels_last,
         f"uint8 {size}x{size} images from a pool of {args.pool} SyntheticImages samples",
     )
+
+
+def resnet50_folder(args, device: torch.device, tmp: Path) -> Workload:
+    work = resnet50(args, device)
+    work.name = "resnet50-folder" if not args.quick else "resnet-tiny-folder"
+    work.image_size = 32 if args.quick else 224
+    work.folder = args.folder
+    if work.folder is None and dist.is_initialized():
+        raise SystemExit(
+            "--models resnet50_folder under torchrun needs --folder DIR, one folder for every "
+            "process (python bench/make_image_folder.py DIR writes one)"
+        )
+    if work.folder is None:
+        work.folder = tmp / "folder"
+        size = (80, 60) if args.quick else (500, 375)
+        made = write_folder(
+            work.folder, args.folder_images, 100 if not args.quick else 4, size=size
+        )
+        what = f"{made['images']} JPEGs of {size[0]}x{size[1]} (1 in 4 portrait), quality 90, "
+        what += f"{made['mean_kb']:.0f} KB on average, written to {work.folder}"
+    else:
+        what = f"the JPEGs of {work.folder}"
+    work.note = (
+        f"{what}; random-resized {work.image_size}x{work.image_size} crops, from the page cache"
+    )
+    return work
 
 
 def gpt2(args, device: torch.device, tmp: Path) -> Workload:
@@ -154,6 +215,57 @@ class Cycle(Dataset):
         return self.base[int(i) % len(self.base)]
 
 
+def workers_for(work: Workload, args) -> int:
+    """--workers, or by default min(12, cores - 4) for a pool and mgpu's data.num_workers=auto
+    (the cores less 2) for a folder."""
+    if args.workers is not None:
+        return args.workers
+    if work.folder is not None:
+        return worker_count("auto", args.cpus)
+    return max(1, min(12, args.cpus - 4))
+
+
+def folder_feeds(
+    work: Workload, args, device: torch.device
+) -> tuple[dict[str, Callable[[], Iterator]], dict[str, DeviceLoader]]:
+    """(a) and (f)-(h): mgpu's image_folder dataset, DataLoader and prefetcher, as a run builds
+    them (mgpu.loader.build_loader), over an endless sampler."""
+    cuda = device.type == "cuda"
+    workers = workers_for(work, args)
+
+    def prefetcher(decode: str, copy_thread: bool) -> DeviceLoader:
+        cfg = ImageFolderDataConfig(
+            path=str(work.folder), image_size=work.image_size, decode=decode, eval_samples=1
+        )
+        dataset = ImageFolder("train", **cfg.dataset_kwargs())
+        loader = DataLoader(
+            dataset,
+            batch_size=work.batch_size,
+            sampler=EndlessKeys(len(dataset)),
+            num_workers=workers,
+            pin_memory=cuda,
+            prefetch_factor=args.prefetch_factor if workers else None,
+            persistent_workers=workers > 0,
+            collate_fn=dataset.collate,
+        )
+        return DeviceLoader(
+            loader,
+            device,
+            transform=work.transform,
+            memory_format=work.memory_format,
+            decode=dataset.device_decoder(device),
+            copy_thread=copy_thread,
+        )
+
+    made = {"f": prefetcher("cpu", False)}
+    if gpu_decode_unavailable() is None:
+        made["g"], made["h"] = prefetcher("gpu", True), prefetcher("gpu", False)
+    resident = next(iter(made["f"]))
+    sources = {"a": lambda: itertools.repeat(resident)}
+    sources.update({v: (lambda p=p: iter(p)) for v, p in made.items()})
+    return sources, made
+
+
 def train_step(
     work: Workload, device: torch.device
 ) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -186,15 +298,16 @@ def feeds(
     """Each variant's source of ready batches (every call starts a fresh iteration), and the
     variants' prefetchers."""
     cuda = device.type == "cuda"
+    workers = workers_for(work, args)
 
     def loader(pinned: bool) -> DataLoader:
         return DataLoader(
             work.dataset,
             batch_size=work.batch_size,
-            num_workers=args.workers,
+            num_workers=workers,
             pin_memory=pinned and cuda,
-            prefetch_factor=args.prefetch_factor if args.workers else None,
-            persistent_workers=args.workers > 0,
+            prefetch_factor=args.prefetch_factor if workers else None,
+            persistent_workers=workers > 0,
             drop_last=True,
         )
 
@@ -257,11 +370,16 @@ def measure(
 
 def run_workload(work: Workload, args, device: torch.device) -> list[dict]:
     step = train_step(work, device)
-    sources, prefetchers = feeds(work, args, device)
-    seconds: dict[str, list[float]] = {v: [] for v in args.variants}
+    if work.folder is not None:
+        sources, prefetchers = folder_feeds(work, args, device)
+        variants = [v for v in args.variants or FOLDER_VARIANTS if v in sources]
+    else:
+        sources, prefetchers = feeds(work, args, device)
+        variants = [v for v in args.variants or POOL_VARIANTS if v in POOL_VARIANTS]
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
     waits: dict[str, list[float]] = {v: [] for v in prefetchers}
     for _ in range(args.repeats):
-        for v in args.variants:  # interleaved, so every variant sees the same machine state
+        for v in variants:  # interleaved, so every variant sees the same machine state
             batches = sources[v]()
             took, wait = measure(step, batches, args, device, prefetchers.get(v))
             seconds[v].append(took)
@@ -275,7 +393,7 @@ def run_workload(work: Workload, args, device: torch.device) -> list[dict]:
     units = work.batch_size * work.per_sample * args.steps
     base = units / statistics.median(seconds["a"]) if "a" in seconds else None
     rows = []
-    for v in args.variants:
+    for v in variants:
         rates = [units / s for s in seconds[v]]
         rate = statistics.median(rates)
         wait = statistics.median(waits[v]) if v in waits else None
@@ -324,14 +442,14 @@ def worst_per_variant(rows: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'workload':<12} {'variant':<26} {'rank':>10} {'throughput':>21} {'vs (a)':>7}"
+    head = f"{'workload':<18} {'variant':<26} {'rank':>10} {'throughput':>21} {'vs (a)':>7}"
     print(head + f" {'spread':>23}  data wait/step (mgpu meter)")
     for r in rows:
         lo, hi = r["spread"]
         ratio = f"{r['ratio_to_a']:.3f}" if r["ratio_to_a"] is not None else "-"
         wait = r["data_wait_ms_per_step"]
         print(
-            f"{r['workload']:<12} {r['variant']:<26} {r['rank']!s:>10} "
+            f"{r['workload']:<18} {r['variant']:<26} {r['rank']!s:>10} "
             f"{r['throughput']:>12,.0f} {r['unit']:<8} {ratio:>7} {lo:>11,.0f}-{hi:<11,.0f}  "
             + (f"{wait:.3f} ms ({r['data_wait_pct']:.2f}%)" if wait is not None else "")
         )
@@ -368,22 +486,38 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     # Under torchrun the host's cores are shared out among the processes on it.
     per_process = (os.cpu_count() or 2) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    p.add_argument("--workers", type=int, default=max(1, min(12, per_process - 4)))
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="DataLoader workers: default min(12, cores - 4) from a pool, mgpu's auto from a "
+        "folder (the cores less 2)",
+    )
     p.add_argument("--prefetch-factor", type=int, default=2, help="DataLoader prefetch_factor")
     p.add_argument("--steps", type=int, default=40, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps before each")
     p.add_argument("--repeats", type=int, default=3, help="measurements per variant (median)")
     p.add_argument("--pool", type=int, default=256, help="distinct images in the pool")
     p.add_argument(
-        "--models", nargs="+", default=["resnet50", "gpt2"], choices=["resnet50", "gpt2"]
+        "--models",
+        nargs="+",
+        default=["resnet50", "gpt2"],
+        choices=["resnet50", "gpt2", "resnet50_folder"],
     )
-    p.add_argument("--variants", default="abcde", help="which of (a)-(e), e.g. ade")
+    p.add_argument("--variants", default=None, help="which of (a)-(h), e.g. ade (default: all)")
+    p.add_argument("--folder", type=Path, default=None, help="resnet50_folder: a JPEG tree")
+    p.add_argument(
+        "--folder-images", type=int, default=5000, help="JPEGs to write when --folder is not given"
+    )
     p.add_argument("--quick", action="store_true", help="tiny shapes and counts (runs on CPU)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args()
+    args.cpus = per_process
     if args.quick:
         args.workers, args.steps, args.warmup, args.repeats, args.pool = 1, 3, 1, 1, 16
-    args.variants = [v for v in args.variants if v in VARIANTS]
+        args.folder_images = 24
+    if args.variants is not None:
+        args.variants = "".join(v for v in args.variants if v in VARIANTS)
     return args
 
 
@@ -405,10 +539,15 @@ def main() -> None:
     rows, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
-            work = resnet50(args, device) if name == "resnet50" else gpt2(args, device, Path(tmp))
-            notes.append(f"{work.name}: {work.note}")
+            make = {"resnet50": resnet50, "gpt2": gpt2, "resnet50_folder": resnet50_folder}
+            work = (
+                make[name](args, device)
+                if name == "resnet50"
+                else make[name](args, device, Path(tmp))
+            )
+            notes.append(f"{work.name}: {work.note}; {workers_for(work, args)} workers")
             if primary:
-                print(f"{work.name}: {work.note}; {args.workers} workers", flush=True)
+                print(notes[-1], flush=True)
             rows += run_workload(work, args, device)
             del work
             if device.type == "cuda":

@@ -16,10 +16,12 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from hydra.utils import get_object
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mgpu import dist
+from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
+from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,17 @@ class Backend(Enum):
 
 class NonFinite(Enum):
     stop = "stop"
+    skip = "skip"
+
+
+class Decode(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class BadFiles(Enum):
+    error = "error"
     skip = "skip"
 
 
@@ -339,6 +352,84 @@ class TokenFileDataConfig(DataConfig):
 
 
 @dataclass
+class ImageFolderDataConfig(DataConfig):
+    """Your own images: `data=image_folder data.path=DIR`, one subfolder of images per class."""
+
+    _target_: str = "mgpu.data.ImageFolder"
+    path: str = MISSING  # DIR/<class>/<image>.jpg|.jpeg|.png: the training images
+    # The same layout for evaluation; empty: eval_samples images of data.path are held out
+    # (spread evenly over its sorted file list) and not trained on.
+    eval_path: str = ""
+    eval_samples: int = 1000
+    # The class folders, in label order. Empty: every subfolder of data.path, sorted by name;
+    # the run's config.yaml records the list, so a later evaluation keeps the same labels.
+    classes: list[str] = field(default_factory=list)
+    image_size: int = 224  # training crops and evaluation crops are image_size x image_size
+    # Where JPEGs are decoded: cpu (Pillow, in the DataLoader workers), gpu (torchvision's
+    # nvJPEG, in the prefetcher; PNGs stay on the CPU), auto (mgpu.data.gpu_decode says which).
+    decode: Decode = Decode.auto
+    # An unreadable image: error stops the run naming the file; skip replaces it by the next
+    # readable one, names it in the rank's log and counts it (data/bad_files_replaced).
+    bad_files: BadFiles = BadFiles.error
+    # Training crops: a random box of scale x the image's area and an aspect ratio log-uniform
+    # in ratio, resized to image_size, flipped half the time (drawn from trainer.seed, the
+    # epoch and the sample). Evaluation: the center square of eval_crop x the shorter side.
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    eval_crop: float = 0.875
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Built in code (tests, benchmarks) these may come as the names users type.
+        self.decode = Decode(getattr(self.decode, "value", self.decode))
+        self.bad_files = BadFiles(getattr(self.bad_files, "value", self.bad_files))
+        _positive("data.image_size", self.image_size, "224")
+        _positive("data.eval_samples", self.eval_samples, "1000")
+        ok = len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] <= 1
+        _require(ok, "data.scale", self.scale, "must be [min,max] in (0, 1], e.g. [0.08,1.0]")
+        ok = len(self.ratio) == 2 and 0 < self.ratio[0] <= self.ratio[1]
+        _require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
+        ok = 0 < self.eval_crop <= 1
+        _require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
+        if self.decode is Decode.gpu:
+            why = gpu_decode_unavailable()
+            _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
+        self._check_folders()
+
+    def _check_folders(self) -> None:
+        """The image tree: missing paths, no class folders, empty ones. A folder listing per
+        class, before any process group exists."""
+        try:
+            check_root("data.path", self.path)
+            discovered = class_folders(self.path)
+            if not self.classes:
+                self.classes = discovered
+            check_layout("data.path", self.path, self.classes)
+            if self.eval_path:
+                check_layout("data.eval_path", self.eval_path, self.classes)
+                extra = sorted(set(class_folders(self.eval_path)) - set(self.classes))
+                _require(
+                    not extra,
+                    "data.eval_path",
+                    self.eval_path,
+                    f"has class folders {extra} that are not among the classes; remove them "
+                    "or add them to data.path",
+                )
+        except FolderError as err:
+            raise ConfigError(err.key, err.value, err.why) from None
+
+    def resolved(self) -> dict[str, Any]:
+        """Values found on disk, for the run's saved config: the class list."""
+        return {"classes": list(self.classes)}
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        kwargs = super().dataset_kwargs()
+        kwargs["decode"] = resolve_decode(self.decode.value)
+        kwargs["bad_files"] = self.bad_files.value
+        return kwargs
+
+
+@dataclass
 class CustomDataConfig(DataConfig):
     """A user's Dataset: `data=custom data._target_=pkg.MyDataset +data.kwargs.root=/data`."""
 
@@ -467,6 +558,8 @@ class Config:
 
 def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
     """Catch a model/data pairing that would only fail deep inside the first step."""
+    if isinstance(data, ImageFolderDataConfig):
+        _check_model_fits_folder(model, data)
     if isinstance(model, GPTModelConfig):
         if isinstance(data, ImageDataConfig):
             raise ConfigError("data", "images", "a GPT model needs token data, e.g. data=ngram")
@@ -510,6 +603,29 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
         )
 
 
+def _check_model_fits_folder(model: ModelConfig, data: ImageFolderDataConfig) -> None:
+    classes = len(data.classes)
+    if isinstance(model, GPTModelConfig):
+        raise ConfigError("data", "image_folder", "a GPT model needs token data, e.g. data=tokens")
+    if isinstance(model, (ResNetModelConfig, MLPModelConfig)):
+        _require(
+            model.num_classes >= classes,
+            "model.num_classes",
+            model.num_classes,
+            f"is smaller than the {classes} classes of data.path; set model.num_classes={classes}",
+        )
+    if isinstance(model, ResNetModelConfig):
+        _require(model.in_channels == 3, "model.in_channels", model.in_channels, "must be 3 (RGB)")
+    if isinstance(model, MLPModelConfig):
+        pixels = 3 * data.image_size**2
+        _require(
+            model.in_features == pixels,
+            "model.in_features",
+            model.in_features,
+            f"must equal 3 * data.image_size**2 = {pixels}",
+        )
+
+
 def build_from_target(key: str, target: str, kwargs: dict[str, Any], **extra: Any) -> Any:
     """`target(**extra, **kwargs)` for a `_target_` import path, naming the key if it fails."""
     try:
@@ -525,7 +641,21 @@ def to_config(cfg: DictConfig) -> Config:
     # Converting group by group leaves out Hydra's own `hydra` node, and building Config last
     # runs the cross-group checks in Config.__post_init__.
     parts = {f.name: OmegaConf.to_object(cfg[f.name]) for f in fields(Config)}
-    return Config(**parts)
+    config = Config(**parts)
+    _record_resolved(cfg, config)
+    return config
+
+
+def _record_resolved(cfg: DictConfig, config: Config) -> None:
+    """Write what a data schema found on disk (data=image_folder's class list) into the composed
+    config, so that the run's config.yaml, made from it, records it (the labels must not
+    change when a folder is added later)."""
+    resolved = getattr(config.data, "resolved", None)
+    if resolved is None:
+        return
+    with read_write(cfg):
+        for key, value in resolved().items():
+            cfg.data[key] = value
 
 
 def _reject_unknown_keys(cfg: DictConfig) -> None:
@@ -586,6 +716,7 @@ def register() -> None:
         ("data", "ngram_schema", NgramDataConfig),
         ("data", "images_schema", ImageDataConfig),
         ("data", "tokens_schema", TokenFileDataConfig),
+        ("data", "image_folder_schema", ImageFolderDataConfig),
         ("data", "custom_schema", CustomDataConfig),
     ]:
         cs.store(group=group, name=name, node=node)

@@ -52,8 +52,10 @@ def build_dataloader(
     cfg: DataConfig, dataset: Dataset, rt: Runtime, *, seed: int, train: bool
 ) -> DataLoader:
     """A DataLoader over this rank's shard; train loaders drop ragged last batches."""
+    # A dataset that augments per epoch (`sample_keys`) gets SampleKeys from the train sampler.
+    keyed = train and getattr(dataset, "sample_keys", False)
     sampler = ShardedSampler(
-        len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train
+        len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed
     )
     if train and len(sampler) < cfg.batch_size:
         raise ValueError(
@@ -77,6 +79,7 @@ def build_dataloader(
         persistent_workers=train and workers > 0,
         generator=torch.Generator().manual_seed(seed + rt.rank),
         worker_init_fn=leave_preemption_to_the_trainer,
+        collate_fn=getattr(dataset, "collate", None),  # a dataset's own batch type, if any
     )
 
 
@@ -112,7 +115,19 @@ def build_loader(
     """This rank's batches on its device: the DataLoader behind a side-stream prefetcher."""
     loader = build_dataloader(cfg, dataset, rt, seed=seed, train=train)
     transform = device_transform(cfg, dataset)
-    return DeviceLoader(loader, rt.device, depth=cfg.prefetch_depth, transform=transform)
+    # A dataset that decodes on the device (image_folder's decode=gpu) makes the decode step.
+    make_decoder = getattr(dataset, "device_decoder", None)
+    decode = make_decoder(rt.device) if make_decoder is not None else None
+    return DeviceLoader(
+        loader,
+        rt.device,
+        depth=cfg.prefetch_depth,
+        transform=transform,
+        decode=decode,
+        # A decode step waits on the host for its GPU work (torchvision's nvJPEG does): on the
+        # copy thread that wait overlaps the training loop's launches instead of delaying them.
+        copy_thread=decode is not None,
+    )
 
 
 def device_transform(cfg: DataConfig, dataset: Dataset) -> Transform | None:
@@ -244,6 +259,9 @@ class DeviceLoader:
     Python thread competes with the training loop for the GIL. bench/input_pipeline.py measures
     both, (d) and (e); the thread becomes the default only if it wins by more than the spread.
 
+    `decode`, if given, turns a host batch into a device batch (mgpu.data.gpu_decode) on the
+    side stream, before `transform`; it replaces the copy for the batches it returns.
+
     `wait` (metrics.DataWait) gathers the time the consumer waited for data, without a sync.
     close() (or `with`) ends the running epoch and stops the DataLoader's workers.
 
@@ -262,15 +280,18 @@ class DeviceLoader:
         transform: Transform | None = None,
         memory_format: torch.memory_format | None = None,
         copy_thread: bool = False,
+        decode: Callable[[Any], Any] | None = None,
     ):
         if depth < 1:
             raise ValueError(f"depth={depth}: prefetch at least one batch ahead, e.g. depth=2")
         device = torch.device(device)
+        if decode is not None and device.type != "cuda":
+            raise ValueError(f"a decode step runs on a CUDA device, not on {device}")
         if device.type == "cuda" and device.index is None:
             # Name the GPU: a copy thread's current device is its own, not this thread's.
             device = torch.device("cuda", torch.cuda.current_device())
         self.loader, self.device, self.depth = loader, device, depth
-        self.transform, self.copy_thread = transform, copy_thread
+        self.transform, self.copy_thread, self.decode = transform, copy_thread, decode
         # The layout 4-D inputs leave in (the trainer sets channels_last for models that want
         # it), converted on the side stream too.
         self.memory_format = memory_format
@@ -364,7 +385,8 @@ class DeviceLoader:
         with torch.cuda.stream(self.stream):
             # From pinned memory, non_blocking is an async DMA the host does not wait for. The
             # device tensors come from the side stream's pool; _hand_over guards their reuse.
-            batch = self._transformed(to_device(host, self.device))
+            batch = self.decode(host) if self.decode is not None else host
+            batch = self._transformed(to_device(batch, self.device))
             ready = torch.cuda.Event()
             ready.record(self.stream)
         return _InFlight(batch, host, ready)

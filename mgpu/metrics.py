@@ -12,6 +12,7 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -155,6 +156,7 @@ class Interval:
     comm: list[tuple[Mark, Mark]] | None = None  # per synchronised step: backward end, comm end
     # per step: (data requested, data ready, backward done) per micro-step, then optimizer done
     marks: list[list[Mark]] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # Recorder.counters at the end
 
 
 def breakdown(iv: Interval, clock: Clock) -> dict[str, float]:
@@ -267,8 +269,12 @@ class Recorder:
         flops_per_sample: float | None = None,
         peak_tflops: float | None = None,
         goodput: Goodput | None = None,
+        counters: Callable[[], dict[str, float]] | None = None,
     ):
         self.rt, self.board, self.clock = rt, board, Clock(rt.device)
+        # Host counters published with every record, as they stand (the training set's own,
+        # e.g. image_folder's data/bad_files_replaced): this rank's, like data wait.
+        self.counters = counters
         # The reducer's (backward end, communication end) marks: rank 0's own, like data wait.
         self.comm_marks = comm_marks
         self.samples_per_step = samples_per_step  # global: batch x accumulation x world
@@ -318,7 +324,8 @@ class Recorder:
             loss.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
             copied = torch.cuda.Event()
             copied.record()
-        return Interval(step, steps, lr, loss, copied, start, end, data_wait, comm, marks)
+        counters = self.counters() if self.counters is not None else {}  # as at this step
+        return Interval(step, steps, lr, loss, copied, start, end, data_wait, comm, marks, counters)
 
     def publish(self, iv: Interval) -> None:
         """Write a closed interval. A collective (the rank spread): every rank calls it."""
@@ -342,6 +349,7 @@ class Recorder:
         if iv.data_wait is not None:
             values["time/data_host_wait_ms"] = iv.data_wait.host_s * 1e3 / iv.steps
         values.update(memory_scalars(self.rt.device))
+        values.update(iv.counters)
         wait_ms = values.get("time/data_wait_ms", 0.0)
         self.spread.exchange(iv.step, [step_ms, wait_ms, values.get("time/compute_ms", 0.0)])
         for step, table in self.spread.take():

@@ -128,6 +128,10 @@ class Run:
         finally:
             self.goodput.save()  # every way out: the end, preemption, an error
             self.board.close()
+            # Persistent DataLoader workers left running after an error (a bad image file)
+            # would keep a plain `python train.py` from exiting.
+            self.train_loader.close()
+            self.eval_loader.close()
 
 
 def build_run(
@@ -182,6 +186,7 @@ def build_run(
         flops_per_sample=flops,
         peak_tflops=peak,
         goodput=goodput,
+        counters=getattr(train_set, "counters", None),
     )
     tc = cfg.trainer
     profiler = StepProfiler(tc.profile, tc.profile_start, tc.profile_steps, run_dir, rt)

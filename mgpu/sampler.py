@@ -6,9 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import Sampler
+
+
+class SampleKey(NamedTuple):
+    """What a keyed training sampler hands the dataset instead of a bare index: the sample, and
+    the epoch and seed its random augmentation is drawn from (a dataset in a DataLoader worker
+    cannot see the sampler's epoch otherwise)."""
+
+    index: int
+    epoch: int
+    seed: int
 
 
 class ShardedSampler(Sampler[int]):
@@ -23,10 +34,21 @@ class ShardedSampler(Sampler[int]):
     every rank the samples consumed are exactly the order's first k * b * world entries: a
     DataCursor. `set_epoch(epoch, consumed)` starts an epoch past such a prefix, on any number
     of ranks (resume).
+
+    `keyed=True` yields SampleKey(index, epoch, seed) for datasets that augment per epoch
+    (their `sample_keys` attribute); the indices are the same either way.
     """
 
     def __init__(
-        self, num_samples: int, rank: int, world_size: int, *, shuffle: bool, seed: int, even: bool
+        self,
+        num_samples: int,
+        rank: int,
+        world_size: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        even: bool,
+        keyed: bool = False,
     ):
         if even and num_samples < world_size:
             raise ValueError(
@@ -34,7 +56,7 @@ class ShardedSampler(Sampler[int]):
                 f"{world_size} processes; use more data or fewer processes"
             )
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        self.shuffle, self.seed, self.even = shuffle, seed, even
+        self.shuffle, self.seed, self.even, self.keyed = shuffle, seed, even, keyed
         self.epoch, self.consumed = 0, 0
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
@@ -51,7 +73,14 @@ class ShardedSampler(Sampler[int]):
             return (self.num_samples - self.consumed) // self.world_size
         return len(range(self.rank, self.num_samples, self.world_size))
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int] | Iterator[SampleKey]:
+        indices = self._indices()
+        if not self.keyed:
+            return indices
+        epoch, seed = self.epoch, self.seed
+        return (SampleKey(i, epoch, seed) for i in indices)
+
+    def _indices(self) -> Iterator[int]:
         if not self.even:
             return iter(range(self.rank, self.num_samples, self.world_size))
         if self.shuffle:

@@ -33,8 +33,13 @@ def test_telemetry_cost_runs_with_two_processes(tmp_path):
 
 
 def test_input_pipeline_quick_runs(tmp_path):
-    result = run([sys.executable, "bench/input_pipeline.py", "--quick"], tmp_path)
+    models = ["--models", "resnet50", "gpt2", "resnet50_folder"]
+    result = run([sys.executable, "bench/input_pipeline.py", "--quick", *models], tmp_path)
     assert result["table"] and result["device"] == "cpu", result
+    # the image folder source: written, decoded by Pillow in the workers, beside the resident
+    folder = {r["variant"]: r for r in result["table"] if r["workload"] == "resnet-tiny-folder"}
+    assert set(folder) == {"(a) resident", "(f) folder decode=cpu"}, folder
+    assert folder["(f) folder decode=cpu"]["throughput"] > 0
 
 
 def test_vs_plain_quick_runs(tmp_path):

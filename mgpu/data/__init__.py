@@ -1,10 +1,12 @@
 """Datasets: map-style, deterministic per (args, split, index), each built as Cls(split, ...).
 
-Synthetic n-gram tokens, synthetic class-conditional images, and memory-mapped token files.
+Synthetic n-gram tokens, synthetic class-conditional images, memory-mapped token files, and
+images from a class-per-subfolder tree.
 """
 
+from mgpu.data.image_folder import ImageFolder
 from mgpu.data.images import SyntheticImages
 from mgpu.data.ngram import NgramTokens
 from mgpu.data.token_file import TokenFile
 
-__all__ = ["NgramTokens", "SyntheticImages", "TokenFile"]
+__all__ = ["ImageFolder", "NgramTokens", "SyntheticImages", "TokenFile"]

@@ -1,0 +1,375 @@
+"""Images from a class-per-subfolder tree (JPEG and PNG), ImageNet's layout: the folder scan and
+its checks, the crops (random-resized with flips for training, a center crop for evaluation),
+and Pillow decoding in DataLoader workers. With decode=gpu the workers hand over JPEG bytes
+instead, and mgpu.data.gpu_decode decodes and crops them on the GPU.
+
+Every sample is a pure function of (file, seed, epoch, index): the training sampler hands the
+dataset a SampleKey, and the crop and flip are drawn from it, so a resumed run sees the same
+pixels as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torch.utils.data import Dataset, get_worker_info
+
+from mgpu.data.images import normalize_uint8
+from mgpu.sampler import SampleKey
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # compared lower-cased
+# Pillow's errors for a file that is not a readable image: unidentified (OSError), truncated
+# (OSError), broken headers (SyntaxError, ValueError), absurd sizes (DecompressionBombError).
+UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+# Slots of the shared replaced-files counter: slot 0 for the main process (the GPU decode), one
+# per DataLoader worker after it, so that no two processes add to the same number.
+COUNTER_SLOTS = 257
+
+
+class FolderError(ValueError):
+    """An image tree that cannot work: the key, its value, what is wrong and how to fix it."""
+
+    def __init__(self, key: str, value: object, why: str):
+        super().__init__(f"{key}={value!r}: {why}")
+        self.key, self.value, self.why = key, value, why
+
+
+class BadImageFile(ValueError):
+    """An image file that cannot be decoded. One message argument only: a DataLoader worker's
+    exception is rebuilt in the training process from its message."""
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
+
+
+def class_folders(root: str) -> list[str]:
+    """The class folders of `root`, sorted by name: their order is the class index."""
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def check_root(key: str, root: str) -> None:
+    if not os.path.isdir(root):
+        what = "is not a folder" if os.path.exists(root) else "does not exist"
+        raise FolderError(
+            key,
+            root,
+            f"{what}; point it at a folder with one subfolder of images (.jpg, .jpeg, .png) "
+            "per class",
+        )
+
+
+def check_layout(key: str, root: str, classes: list[str]) -> None:
+    """Each class has a folder under `root` holding at least one image. Stops at the first
+    image of each folder, so a million-image tree is checked in a directory listing per class."""
+    check_root(key, root)
+    if not classes:
+        raise FolderError(
+            key,
+            root,
+            "has no class subfolders; put each class's images in a subfolder named after the "
+            f"class, e.g. {os.path.join(root, 'cat', '001.jpg')}",
+        )
+    for name in classes:
+        folder = os.path.join(root, name)
+        if not os.path.isdir(folder):
+            raise FolderError(key, root, f"has no folder for class {name!r} ({folder})")
+        with os.scandir(folder) as entries:
+            if not any(e.is_file() and _is_image(e.name) for e in entries):
+                raise FolderError(
+                    key,
+                    root,
+                    f"the class folder {folder} holds no images (.jpg, .jpeg, .png); add some, "
+                    "or remove the folder",
+                )
+
+
+def list_images(root: str, classes: list[str]) -> tuple[list[str], list[int]]:
+    """Every image of the classes' folders under `root`: paths and labels, sorted by class,
+    then by file name (so that the sample order is the same on every host)."""
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(root, name)
+        names = sorted(n for n in os.listdir(folder) if _is_image(n))
+        files += [os.path.join(folder, n) for n in names]
+        labels += [label] * len(names)
+    return files, labels
+
+
+def holdout(n: int, eval_samples: int) -> list[int]:
+    """Indices of `eval_samples` of `n` sorted files, spread evenly over the list (so over the
+    classes too), held out for evaluation."""
+    return sorted({int((k + 0.5) * n / eval_samples) for k in range(eval_samples)})
+
+
+# ---- crops ----
+
+
+def random_resized_crop(
+    width: int, height: int, rng: np.random.Generator, scale: tuple, ratio: tuple
+) -> tuple[int, int, int, int]:
+    """(left, top, w, h): a box of random area (a `scale` fraction of the image's) and aspect
+    ratio (log-uniform in `ratio`), at a random place; after 10 tries that do not fit, the
+    center box of the nearest allowed aspect ratio. torchvision's RandomResizedCrop rule."""
+    area = width * height
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return left, top, w, h
+    aspect = width / height
+    if aspect < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif aspect > ratio[1]:
+        w, h = round(height * ratio[1]), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def center_crop(width: int, height: int, fraction: float) -> tuple[int, int, int, int]:
+    """(left, top, w, h): the centered square whose side is `fraction` of the shorter side
+    (0.875 crops what resize-to-256-then-center-crop-224 keeps)."""
+    side = max(1, round(min(width, height) * fraction))
+    return (width - side) // 2, (height - side) // 2, side, side
+
+
+def crop_resize(image: Image.Image, box: tuple, flip: bool, size: int) -> Tensor:
+    """The box cut out, resized to size x size (bilinear, antialiased when shrinking) and
+    mirrored if `flip`: a [3, size, size] uint8 tensor. Crop, then resize: the GPU path
+    (gpu_decode) does the same, so both filter only pixels inside the box."""
+    left, top, w, h = box
+    out = image.crop((left, top, left + w, top + h))
+    out = out.resize((size, size), Image.Resampling.BILINEAR)
+    if flip:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(out).transpose(2, 0, 1).copy())
+
+
+# ---- what workers hand over with decode=gpu ----
+
+
+@dataclass
+class Encoded:
+    """One sample for the GPU: a JPEG's bytes and its crop, or (files nvJPEG does not take:
+    PNG, CMYK JPEG) the pixels the worker decoded and cropped itself."""
+
+    label: int
+    index: int
+    data: bytes | None = None  # the file's bytes
+    box: tuple[int, int, int, int] = (0, 0, 0, 0)
+    flip: bool = False
+    pixels: Tensor | None = None  # [3, S, S] uint8
+
+
+@dataclass
+class EncodedBatch:
+    """A batch of Encoded samples: the JPEGs to decode on the GPU, and the rest as pixels.
+
+    The JPEGs travel as one tensor: each tensor a worker returns crosses to the training process
+    as shared memory with a file descriptor of its own, and a tensor per file would take
+    thousands of descriptors at once (workers x prefetch x batch)."""
+
+    data: Tensor  # the batch's JPEG files one after another, uint8
+    lengths: list[int]  # bytes of each
+    boxes: list[tuple[int, int, int, int]]  # its crop in the decoded image
+    flips: Tensor  # [J] bool
+    jpeg_at: Tensor  # [J] its position in the batch
+    jpeg_index: list[int]  # its dataset index (to name a file that fails to decode)
+    pixels: Tensor  # [P, 3, S, S] uint8, decoded by the workers
+    pixels_at: Tensor  # [P]
+    labels: Tensor  # [B]
+
+    def pin_memory(self) -> EncodedBatch:
+        """What DataLoader(pin_memory=True) calls: the tensors that cross to the GPU as they
+        are. The JPEG bytes go to nvJPEG, which stages them itself."""
+        self.pixels, self.labels = self.pixels.pin_memory(), self.labels.pin_memory()
+        self.flips = self.flips.pin_memory()
+        return self
+
+    @property
+    def jpegs(self) -> list[Tensor]:
+        """Each JPEG's bytes: a view of `data` (contiguous, as nvJPEG wants)."""
+        return list(torch.split(self.data, self.lengths))
+
+
+def collate_encoded(items: list[Encoded]) -> EncodedBatch:
+    jpeg = [k for k, item in enumerate(items) if item.data is not None]
+    done = [k for k, item in enumerate(items) if item.data is None]
+    size = items[done[0]].pixels.shape if done else (3, 1, 1)
+    files = b"".join(items[k].data for k in jpeg)
+    return EncodedBatch(
+        data=torch.frombuffer(bytearray(files), dtype=torch.uint8) if files else torch.empty(0),
+        lengths=[len(items[k].data) for k in jpeg],
+        boxes=[items[k].box for k in jpeg],
+        flips=torch.tensor([items[k].flip for k in jpeg], dtype=torch.bool),
+        jpeg_at=torch.tensor(jpeg, dtype=torch.int64),
+        jpeg_index=[items[k].index for k in jpeg],
+        pixels=torch.stack([items[k].pixels for k in done]) if done else torch.empty(0, *size),
+        pixels_at=torch.tensor(done, dtype=torch.int64),
+        labels=torch.tensor([item.label for item in items], dtype=torch.int64),
+    )
+
+
+# ---- the dataset ----
+
+
+class ImageFolder(Dataset):
+    """uint8 [3, image_size, image_size] images and int64 labels from a class-per-folder tree.
+
+    split=train: the images of `path` (less the held-out ones when there is no `eval_path`),
+    random-resized crops with horizontal flips; split=eval: `eval_path`'s images, or
+    `eval_samples` of `path`'s held out, center crops. decode=gpu: items are Encoded (and
+    `device_decoder` makes the prefetcher's decode step).
+    """
+
+    # The trainer applies this to inputs once they are on the device.
+    device_transform = staticmethod(normalize_uint8)
+    # The training sampler hands this dataset SampleKeys (index, epoch, seed), not indices.
+    sample_keys = True
+
+    def __init__(
+        self,
+        split: str,
+        path: str,
+        eval_path: str = "",
+        classes: list[str] | tuple[str, ...] = (),
+        image_size: int = 224,
+        decode: str = "cpu",
+        bad_files: str = "error",
+        eval_samples: int = 1000,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        eval_crop: float = 0.875,
+    ):
+        if split not in ("train", "eval"):
+            raise ValueError(f"split={split!r} is not a known split; use 'train' or 'eval'")
+        if decode not in ("cpu", "gpu"):
+            raise ValueError(f"decode={decode!r}: use 'cpu' or 'gpu' (config resolves auto)")
+        if bad_files not in ("error", "skip"):
+            raise ValueError(f"bad_files={bad_files!r}: use 'error' or 'skip'")
+        self.classes = list(classes) or class_folders(path)
+        self.split, self.train = split, split == "train"
+        self.image_size, self.decode, self.bad_files = image_size, decode, bad_files
+        self.scale, self.ratio, self.eval_crop = tuple(scale), tuple(ratio), eval_crop
+        self.num_classes = len(self.classes)
+        self.tokens_per_sample = None
+        self.sample_shape = (3, image_size, image_size)  # an input's shape (for FLOPs)
+        self.files, self.labels = self._split_files(path, eval_path, eval_samples)
+        # Files replaced under bad_files=skip, in memory shared with the DataLoader workers.
+        self._replaced = torch.zeros(COUNTER_SLOTS, dtype=torch.int64).share_memory_()
+        # decode=gpu hands batches over as EncodedBatch; decode=cpu uses the default collate.
+        self.collate = collate_encoded if decode == "gpu" else None
+        log.info(
+            "data=image_folder %s: %d images of %d classes, decoded on the %s",
+            split,
+            len(self.files),
+            self.num_classes,
+            "GPU (nvJPEG; PNGs on the CPU)" if decode == "gpu" else "CPU (Pillow, in the workers)",
+        )
+
+    def _split_files(self, path: str, eval_path: str, eval_samples: int):
+        if eval_path and not self.train:
+            check_layout("data.eval_path", eval_path, self.classes)
+            return list_images(eval_path, self.classes)
+        check_layout("data.path", path, self.classes)
+        files, labels = list_images(path, self.classes)
+        if eval_path:
+            return files, labels
+        if eval_samples >= len(files):
+            from mgpu.config import ConfigError  # here: mgpu.config imports this module
+
+            raise ConfigError(
+                "data.eval_samples",
+                eval_samples,
+                f"data.path holds only {len(files)} images, and some must be left to train on; "
+                "lower it or set data.eval_path",
+            )
+        held = holdout(len(files), eval_samples)
+        keep = held if not self.train else sorted(set(range(len(files))) - set(held))
+        return [files[i] for i in keep], [labels[i] for i in keep]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, key: SampleKey | int) -> tuple[Tensor, Tensor] | Encoded:
+        """Sample `key.index` as drawn for (key.seed, key.epoch); a plain index is epoch 0 of
+        seed 0. bad_files=skip: an unreadable file is replaced by the next readable one."""
+        index, epoch, seed = key if isinstance(key, SampleKey) else (int(key), 0, 0)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for {self.split} split of {len(self)}")
+        for offset in range(len(self)):
+            i = (index + offset) % len(self)
+            try:
+                return self._sample(i, epoch, seed)
+            except BadImageFile as err:
+                if self.bad_files == "error":
+                    raise BadImageFile(
+                        f"{err}; remove the file, or set data.bad_files=skip to replace it"
+                    ) from None
+                self.count_replaced(str(err))
+        raise BadImageFile(f"none of the {len(self)} {self.split} images can be read")
+
+    def crop(self, i: int, width: int, height: int, epoch: int, seed: int):
+        """(box, flip) of sample i: drawn from (seed, epoch, i) for training, fixed for eval."""
+        if not self.train:
+            return center_crop(width, height, self.eval_crop), False
+        rng = np.random.default_rng([seed, epoch, i])
+        box = random_resized_crop(width, height, rng, self.scale, self.ratio)
+        return box, bool(rng.random() < 0.5)
+
+    def _sample(self, i: int, epoch: int, seed: int):
+        path, label = self.files[i], self.labels[i]
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            image = Image.open(io.BytesIO(data))
+            box, flip = self.crop(i, *image.size, epoch, seed)
+            if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
+                # nvJPEG's baseline and progressive YCbCr/gray JPEGs: the GPU decodes these.
+                # Only the header was read here; a file broken further in fails on the GPU.
+                return Encoded(label, i, data=data, box=box, flip=flip)
+            pixels = crop_resize(image.convert("RGB"), box, flip, self.image_size)
+        except UNREADABLE as err:
+            why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err
+            raise BadImageFile(f"{path}: not a readable image ({why})") from None
+        if self.decode == "gpu":
+            return Encoded(label, i, pixels=pixels)
+        return pixels, torch.tensor(label, dtype=torch.int64)
+
+    def count_replaced(self, why: str) -> None:
+        """Count a replaced file (in this process's slot) and name it in the rank's log."""
+        worker = get_worker_info()
+        self._replaced[0 if worker is None else 1 + worker.id % (COUNTER_SLOTS - 1)] += 1
+        log.warning("%s; replaced by another image (data.bad_files=skip)", why)
+
+    def replaced(self) -> int:
+        """Files replaced so far by this process and its DataLoader workers."""
+        return int(self._replaced.sum())
+
+    def counters(self) -> dict[str, float]:
+        """Host counters for TensorBoard (mgpu.metrics.Recorder): this rank's replaced files."""
+        return {"data/bad_files_replaced": float(self.replaced())}
+
+    def device_decoder(self, device: torch.device):
+        """decode=gpu: the prefetcher's step that decodes and crops a batch on `device`."""
+        if self.decode != "gpu":
+            return None
+        from mgpu.data.gpu_decode import gpu_decoder
+
+        return gpu_decoder(self, device)

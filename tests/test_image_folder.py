@@ -1,0 +1,410 @@
+"""data=image_folder: a tiny class-per-folder tree of PNGs and JPEGs written here; batches checked
+against a decode and crop computed here with Pillow and numpy from the documented rule; two
+gloo ranks; bad files and bad trees; a training run that records its classes and replaced
+files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same crops."""
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import gloo_runtime, read_scalars, run_train, spawn
+from PIL import Image
+
+from mgpu.config import ConfigError, ImageFolderDataConfig
+from mgpu.data.image_folder import BadImageFile, ImageFolder
+from mgpu.dist import Runtime
+from mgpu.loader import build_dataloader, build_loader
+from mgpu.sampler import SampleKey
+
+CLASSES = ["ant", "bee", "cow"]
+SIZE = 12  # the crops' side
+
+
+def smooth_image(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """Gradients plus a little noise: JPEG keeps such images close, as it does photographs."""
+    y, x = np.mgrid[0:height, 0:width]
+    base = rng.uniform(0, 255, 3) + rng.uniform(-3, 3, 3) * (x[..., None] + y[..., None])
+    return np.clip(base + rng.normal(0, 4, (height, width, 3)), 0, 255).astype(np.uint8)
+
+
+def write_tree(root: Path, per_class: int = 4, seed: int = 0, sizes=((18, 24), (40, 26))):
+    """CLASSES folders of images (even files JPEG, odd PNG) of a few sizes; their paths in the
+    dataset's documented order (class, then file name)."""
+    rng = np.random.default_rng(seed)
+    files = []
+    for name in CLASSES:
+        (root / name).mkdir(parents=True)
+        for k in range(per_class):
+            h, w = sizes[k % len(sizes)]
+            path = root / name / f"img{k:02d}.{'jpg' if k % 2 == 0 else 'png'}"
+            Image.fromarray(smooth_image(rng, h, w)).save(path, quality=90)
+            files.append((str(path), CLASSES.index(name)))
+    return files
+
+
+# ---- the reference: the crop rule as documented, computed without mgpu ----
+
+
+def reference_crop(width, height, seed, epoch, index, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """(left, top, w, h, flip) for a training sample: numpy's generator seeded [seed, epoch,
+    index]; up to 10 draws of (area fraction, log aspect), then a top and a left; then the
+    flip; if no draw fits, the centered box of the clamped aspect ratio (and still the flip)."""
+    gen = np.random.default_rng([seed, epoch, index])
+    tries = 0
+    box = None
+    while tries < 10 and box is None:
+        tries += 1
+        fraction = gen.uniform(*scale)
+        aspect = math.exp(gen.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        bw = round(math.sqrt(width * height * fraction * aspect))
+        bh = round(math.sqrt(width * height * fraction / aspect))
+        if 1 <= bw <= width and 1 <= bh <= height:
+            top = int(gen.integers(0, height - bh + 1))
+            box = (int(gen.integers(0, width - bw + 1)), top, bw, bh)
+    if box is None:  # the whole image, trimmed to the nearest allowed aspect ratio
+        bw = min(width, round(height * ratio[1]))
+        bh = min(height, round(width / ratio[0]))
+        box = ((width - bw) // 2, (height - bh) // 2, bw, bh)
+    return (*box, bool(gen.random() < 0.5))
+
+
+def reference_pixels(path, box, flip, size=SIZE) -> torch.Tensor:
+    """Decode with Pillow, cut the box with numpy, resize with Pillow, mirror with numpy."""
+    pixels = np.asarray(Image.open(path).convert("RGB"))
+    left, top, w, h = box
+    cut = Image.fromarray(np.ascontiguousarray(pixels[top : top + h, left : left + w]))
+    out = np.asarray(cut.resize((size, size), Image.Resampling.BILINEAR))
+    if flip:
+        out = out[:, ::-1]
+    return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1)))
+
+
+def reference_train(files, key: SampleKey) -> tuple[torch.Tensor, int]:
+    path, label = files[key.index]
+    width, height = Image.open(path).size
+    *box, flip = reference_crop(width, height, key.seed, key.epoch, key.index)
+    return reference_pixels(path, box, flip), label
+
+
+def reference_eval(path) -> torch.Tensor:
+    width, height = Image.open(path).size
+    side = round(min(width, height) * 0.875)
+    return reference_pixels(path, ((width - side) // 2, (height - side) // 2, side, side), False)
+
+
+def folder(root: Path, eval_root: Path | None = None, **kwargs) -> dict:
+    args = dict(path=str(root), image_size=SIZE, decode="cpu", eval_samples=2)
+    if eval_root is not None:
+        args["eval_path"] = str(eval_root)
+    return {**args, **kwargs}
+
+
+def train_on_cpu(args: list[str], cwd: Path, timeout: float = 240):
+    """`python train.py args` with no GPU visible, also on a GPU machine: these runs check
+    the CPU path (bitwise on the CPU; a GPU's convolutions need not be)."""
+    return run_train(args, cwd=cwd, nproc=None, timeout=timeout, env={"CUDA_VISIBLE_DEVICES": ""})
+
+
+def cpu_runtime(rank: int = 0, world: int = 1) -> Runtime:
+    return Runtime(rank, rank, world, "gloo", torch.device("cpu"), has_process_group=False)
+
+
+# ---- tests ----
+
+
+def test_batches_match_reference_decode_and_crop(tmp_path):
+    files = write_tree(tmp_path / "train")
+    evals = write_tree(tmp_path / "val", per_class=1, seed=1)
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train", tmp_path / "val", batch_size=4))
+    cfg.num_workers = 2  # the samples are made in worker processes
+    train = ImageFolder("train", **cfg.dataset_kwargs())
+    assert train.classes == CLASSES and len(train) == len(files)
+    loader = build_dataloader(cfg, train, cpu_runtime(), seed=7, train=True)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        keys = list(loader.sampler)
+        assert all(k.epoch == epoch and k.seed == 7 for k in keys)
+        images, labels = (torch.cat(t) for t in zip(*loader, strict=True))
+        for k, key in enumerate(keys):
+            pixels, label = reference_train(files, key)
+            assert torch.equal(images[k], pixels), (epoch, key, files[key.index][0])
+            assert labels[k] == label
+        assert images.dtype == torch.uint8 and images.shape[1:] == (3, SIZE, SIZE)
+    flips = [reference_crop(24, 18, 7, 0, i)[-1] for i in range(40)]
+    assert 10 < sum(flips) < 30  # the reference does draw both ways
+    held = ImageFolder("eval", **cfg.dataset_kwargs())
+    assert len(held) == len(evals)
+    for i, (path, label) in enumerate(evals):
+        pixels, got = held[i]
+        assert torch.equal(pixels, reference_eval(path)) and int(got) == label
+
+
+def test_holdout_without_eval_path_is_disjoint_and_spread(tmp_path):
+    files = write_tree(tmp_path / "train")
+    kwargs = ImageFolderDataConfig(**folder(tmp_path / "train", eval_samples=3)).dataset_kwargs()
+    train, held = ImageFolder("train", **kwargs), ImageFolder("eval", **kwargs)
+    assert len(train) + len(held) == len(files) and len(held) == 3
+    assert set(train.files) | set(held.files) == {p for p, _ in files}
+    assert not set(train.files) & set(held.files)
+    assert sorted(held.labels) == [0, 1, 2]  # one of each class
+    with pytest.raises(ValueError, match="data.eval_samples=12"):
+        ImageFolder("train", **{**kwargs, "eval_samples": 12})
+
+
+def _rank_samples(rank: int, port: int, root: str, out: str) -> None:
+    cfg = ImageFolderDataConfig(**folder(Path(root), batch_size=2, num_workers=1))
+    with gloo_runtime(rank, port) as rt:
+        dataset = ImageFolder("train", **cfg.dataset_kwargs())
+        loader = build_loader(cfg, dataset, rt, seed=3, train=True)
+        loader.set_epoch(1)
+        keys = list(loader.sampler)
+        images = torch.cat([x for x, _ in loader])
+        loader.close()
+    torch.save({"keys": [tuple(k) for k in keys], "images": images}, f"{out}/rank{rank}.pt")
+
+
+def test_two_gloo_ranks_see_disjoint_samples(tmp_path):
+    from conftest import free_port
+
+    files = write_tree(tmp_path / "train", per_class=6)
+    spawn(_rank_samples, free_port(), str(tmp_path / "train"), str(tmp_path))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    indices = [[k[0] for k in g["keys"]] for g in got]
+    assert len(indices[0]) == len(indices[1]) == (len(files) - 2) // 2
+    assert not set(indices[0]) & set(indices[1])
+    train = ImageFolder(
+        "train", **ImageFolderDataConfig(**folder(tmp_path / "train")).dataset_kwargs()
+    )
+    for g in got:
+        # the normalised device batch: compare it as uint8 again
+        for k, key in enumerate(g["keys"]):
+            pixels, _ = reference_train(
+                list(zip(train.files, train.labels, strict=True)), SampleKey(*key)
+            )
+            levels = ((g["images"][k] + 2.0) * 63.75).round().to(torch.uint8)
+            assert torch.equal(levels, pixels)
+
+
+def test_corrupt_file_fails_naming_it(tmp_path):
+    write_tree(tmp_path / "train")
+    bad = tmp_path / "train" / "bee" / "img01.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really" * 20)
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train", batch_size=3, num_workers=1))
+    dataset = ImageFolder("train", **cfg.dataset_kwargs())
+    loader = build_loader(cfg, dataset, cpu_runtime(), seed=0, train=True)
+    try:
+        with pytest.raises(BadImageFile, match=r"bee/img01\.png: not a readable image.*skip"):
+            list(loader)
+    finally:
+        loader.close()  # its persistent worker
+
+
+def test_corrupt_file_ends_a_training_run(tmp_path):
+    write_tree(tmp_path / "train")
+    (tmp_path / "train" / "ant" / "img00.jpg").write_bytes(b"garbage")
+    args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.eval_samples=2"]
+    args += ["data.batch_size=5", "data.num_workers=1", "model=resnet_tiny"]
+    proc = train_on_cpu(args, tmp_path, timeout=120)  # and no hang on the way out
+    assert proc.returncode == 1
+    assert "ant/img00.jpg: not a readable image" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_skip_replaces_and_counts(tmp_path):
+    write_tree(tmp_path / "train")
+    (tmp_path / "train" / "cow" / "img00.jpg").write_bytes(b"\xff\xd8\xff" + b"\0" * 50)
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train", batch_size=2, bad_files="skip"))
+    cfg.num_workers = 2
+    dataset = ImageFolder("train", **cfg.dataset_kwargs())
+    bad = dataset.files.index(str(tmp_path / "train" / "cow" / "img00.jpg"))
+    loader = build_dataloader(cfg, dataset, cpu_runtime(), seed=0, train=True)
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        for _ in loader:
+            pass
+    assert dataset.replaced() == 3  # once an epoch, counted in the workers
+    assert dataset.counters() == {"data/bad_files_replaced": 3.0}
+    key = SampleKey(bad, 2, 5)
+    replaced, after = dataset[key], dataset[SampleKey(bad + 1, 2, 5)]
+    assert torch.equal(replaced[0], after[0]) and replaced[1] == after[1]
+    assert dataset.replaced() == 4  # counted in this process too
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda root: None, "does not exist"),
+        (lambda root: root.mkdir(), "has no class subfolders"),
+        (lambda root: (root / "ant").mkdir(parents=True), r"class folder .*ant holds no images"),
+    ],
+)
+def test_bad_trees_are_config_errors(tmp_path, make, needle):
+    root = tmp_path / "tree"
+    make(root)
+    with pytest.raises(ConfigError, match=needle):
+        ImageFolderDataConfig(path=str(root))
+
+
+def test_empty_class_folder_is_one_line_before_training(tmp_path):
+    write_tree(tmp_path / "train")
+    (tmp_path / "train" / "dog").mkdir()
+    args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "model=resnet_tiny"]
+    proc = train_on_cpu(args, tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "dog holds no images" in lines[0], proc.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_training_run_records_classes_and_replaced_files(tmp_path):
+    write_tree(tmp_path / "train", per_class=6)  # 18 images, 2 held out: 4 steps an epoch
+    (tmp_path / "train" / "ant" / "img02.jpg").write_bytes(b"garbage")
+    args = [
+        "data=image_folder",
+        f"data.path={tmp_path / 'train'}",
+        "data.image_size=16",
+        "data.batch_size=4",
+        "data.num_workers=1",
+        "data.eval_samples=2",
+        "data.bad_files=skip",
+        "data.decode=cpu",
+        "model=resnet_tiny",
+        "trainer.max_steps=8",
+        "trainer.log_every=4",
+        "trainer.eval_every=0",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    proc = train_on_cpu(args, tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "classes:\n  - ant\n  - bee\n  - cow\n" in (tmp_path / "run" / "config.yaml").read_text()
+    scalars = read_scalars(tmp_path / "run")
+    replaced = [v for _, v in scalars["data/bad_files_replaced"]]
+    # counted as at each record's step: the bad image is drawn once in each epoch
+    assert replaced == [1.0, 2.0], replaced
+    assert "ant/img02.jpg: not a readable image" in (tmp_path / "run" / "rank0.log").read_text()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_matches_cpu_decode(tmp_path):
+    pytest.importorskip("torchvision")
+    files = write_tree(tmp_path / "train", per_class=6, sizes=((375, 500), (333, 250), (64, 96)))
+    root = tmp_path / "train"
+    device = torch.device("cuda", torch.cuda.current_device())
+    rt = Runtime(0, 0, 1, "nccl", device, has_process_group=False)
+    batches = {}
+    for decode in ("cpu", "gpu"):
+        cfg = ImageFolderDataConfig(**folder(root, batch_size=5, num_workers=2, decode=decode))
+        cfg.image_size = 64
+        for split in ("train", "eval"):
+            dataset = ImageFolder(split, **cfg.dataset_kwargs())
+            loader = build_loader(cfg, dataset, rt, seed=11, train=split == "train")
+            loader.set_epoch(2)
+            batches[decode, split] = [(x.cpu(), y.cpu()) for x, y in loader]
+            loader.close()
+    assert len(files) == 18
+    for split in ("train", "eval"):
+        cpu, gpu = batches["cpu", split], batches["gpu", split]
+        assert len(cpu) == len(gpu) > 0
+        for (xc, yc), (xg, yg) in zip(cpu, gpu, strict=True):
+            assert torch.equal(yc, yg)
+            # back to uint8 levels: JPEG decoders differ by a level or two (IDCT, chroma
+            # upsampling); the PNGs (odd files) take the same CPU path in both modes.
+            diff = ((xc - xg) * 63.75).abs()
+            assert diff.mean() < 1.5 and diff.max() <= 24, (split, diff.mean(), diff.max())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a host without a GPU does")
+def test_without_a_gpu_auto_decodes_on_the_cpu_and_gpu_is_refused(tmp_path):
+    write_tree(tmp_path / "train")
+    auto = ImageFolderDataConfig(path=str(tmp_path / "train"))
+    assert auto.dataset_kwargs()["decode"] == "cpu"
+    with pytest.raises(ConfigError, match="data.decode='gpu': no CUDA GPU is visible"):
+        ImageFolderDataConfig(path=str(tmp_path / "train"), decode="gpu")
+    built = ImageFolder("train", path=str(tmp_path / "train"), decode="gpu", eval_samples=2)
+    with pytest.raises(ConfigError, match="data.decode='gpu': no CUDA GPU is visible"):
+        built.device_decoder(torch.device("cpu"))
+
+
+def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
+    """The worker half of decode=gpu, on any host: a JPEG's bytes and reference crop, a PNG's
+    reference pixels, gathered into one batch in their places."""
+    from mgpu.data.image_folder import collate_encoded
+
+    files = write_tree(tmp_path / "train")
+    kwargs = folder(tmp_path / "train", tmp_path / "train", decode="gpu")
+    dataset = ImageFolder("train", **{**kwargs, "classes": CLASSES})
+    keys = [SampleKey(i, 4, 2) for i in (5, 0, 3, 6)]  # png, jpg, png, jpg
+    batch = collate_encoded([dataset[k] for k in keys])
+    assert batch.jpeg_at.tolist() == [1, 3] and batch.pixels_at.tolist() == [0, 2]
+    assert batch.labels.tolist() == [files[k.index][1] for k in keys]
+    for data, box, flip, key in zip(batch.jpegs, batch.boxes, batch.flips, keys[1::2], strict=True):
+        path = files[key.index][0]
+        assert data.numpy().tobytes() == Path(path).read_bytes()
+        width, height = Image.open(path).size
+        assert (*box, bool(flip)) == reference_crop(width, height, key.seed, key.epoch, key.index)
+    for pixels, key in zip(batch.pixels, keys[0::2], strict=True):
+        assert torch.equal(pixels, reference_train(files, key)[0])
+
+
+def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
+    """decode=cpu: a run resumed from its step-4 checkpoint logs the losses of the run that went
+    on, to the bit (the crops of the steps after 4 are drawn from the same keys)."""
+    write_tree(tmp_path / "train", per_class=6)
+    args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.decode=cpu"]
+    args += ["data.image_size=16", "data.batch_size=4", "data.num_workers=1"]
+    args += ["data.eval_samples=2", "model=resnet_tiny", "trainer.max_steps=10"]
+    args += ["trainer.log_every=2", "trainer.eval_every=0", "ckpt.every=4"]
+    whole = train_on_cpu([*args, f"hydra.run.dir={tmp_path / 'a'}"], tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    start = tmp_path / "a" / "checkpoints" / "step-00000004"
+    args += [f"ckpt.resume={start}", f"hydra.run.dir={tmp_path / 'b'}"]
+    resumed = train_on_cpu(args, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
+    # 16 training images, 4 steps an epoch: steps 5-10 cross into a third epoch
+    assert [losses[1][s] for s in (6, 8, 10)] == [losses[0][s] for s in (6, 8, 10)], losses
+
+
+def pillow_jpegs(data: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A stand-in for nvJPEG on the CPU: Pillow's decode; an empty-looking 1x1 JPEG fails."""
+    out = []
+    for d in data:
+        image = Image.open(io.BytesIO(d.numpy().tobytes()))
+        if image.size == (1, 1):
+            raise RuntimeError("Failed to decode batch")
+        out.append(torch.from_numpy(np.asarray(image.convert("RGB")).transpose(2, 0, 1).copy()))
+    return out
+
+
+def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
+    """decode=gpu's batch step on the CPU, with Pillow standing in for nvJPEG: the crops match
+    decode=cpu's within a level (torch's antialiased resize against Pillow's), in their places,
+    with their labels; a JPEG the decoder refuses is named (error) or replaced (skip)."""
+    from mgpu.data.gpu_decode import BatchDecoder
+    from mgpu.data.image_folder import collate_encoded
+
+    write_tree(tmp_path / "train", per_class=6, sizes=((150, 200), (90, 60), (40, 64)))
+    kwargs = {**folder(tmp_path / "train", eval_samples=2), "image_size": 32, "classes": CLASSES}
+    cpu, gpu = ImageFolder("train", **kwargs), ImageFolder("train", **{**kwargs, "decode": "gpu"})
+    step = BatchDecoder(gpu, torch.device("cpu"), pillow_jpegs)
+    keys = [SampleKey(i, 1, 4) for i in range(len(cpu))]
+    images, labels = step(collate_encoded([gpu[k] for k in keys]))
+    expected = torch.stack([cpu[k][0] for k in keys])
+    assert torch.equal(labels, torch.tensor([cpu[k][1] for k in keys]))
+    assert (images.int() - expected.int()).abs().max() <= 1
+    # the third JPEG made undecodable, header and all intact
+    items = [gpu[k] for k in keys]
+    jpegs = [k for k, item in enumerate(items) if item.data is not None]
+    tiny = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(tiny, format="JPEG")
+    items[jpegs[2]].data, items[jpegs[2]].box = tiny.getvalue(), (0, 0, 1, 1)
+    with pytest.raises(BadImageFile, match=rf"{gpu.files[jpegs[2]]}: cannot be decoded.*skip"):
+        step(collate_encoded(items))
+    gpu.bad_files = "skip"
+    images, labels = step(collate_encoded(items))
+    assert gpu.replaced() == 1
+    # its place takes the batch's next JPEG, crop and label too
+    assert torch.equal(images[jpegs[2]], images[jpegs[3]])
+    assert labels[jpegs[2]] == labels[jpegs[3]]
