@@ -1,4 +1,6 @@
-"""Typed configuration: the dataclass schemas behind `conf/` and their validation.
+"""Typed configuration: the dataclass schemas behind `conf/` and their validation. The trainer,
+dist, optim and ckpt groups are here; the data and model groups' schemas are in config_data.py
+and config_model.py, the shared checks in config_checks.py (all importable from here).
 
 Every key a user can set is a field here with a docstring-comment; a bad value fails before any
 process group or run directory exists, with one line naming the key, the value and how to fix it.
@@ -20,35 +22,29 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mgpu import dist
+from mgpu.config_checks import (  # noqa: F401 - re-exported: schemas elsewhere use them too
+    ConfigError,
+    _auto_or_bool,
+    _non_negative,
+    _positive,
+    _require,
+)
+from mgpu.config_data import (  # noqa: F401 - re-exported: the data group's schemas
+    CustomDataConfig,
+    DataConfig,
+    ImageDataConfig,
+    NgramDataConfig,
+    TokenFileDataConfig,
+)
+from mgpu.config_model import (  # noqa: F401 - re-exported: the model group's schemas
+    CustomModelConfig,
+    GPTModelConfig,
+    MLPModelConfig,
+    ModelConfig,
+    ResNetModelConfig,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key, the value and the fix."""
-
-    def __init__(self, key: str, value: Any, why: str):
-        super().__init__(f"{key}={value!r}: {why}")
-
-
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ConfigError(key, value, why)
-
-
-def _positive(key: str, value: float, example: str) -> None:
-    _require(value > 0, key, value, f"must be > 0, e.g. {key}={example}")
-
-
-def _non_negative(key: str, value: float, example: str) -> None:
-    _require(value >= 0, key, value, f"must be >= 0, e.g. {key}={example}")
-
-
-def _auto_or_bool(key: str, value: Any) -> bool | str:
-    """A key that takes auto, true or false (as typed, or as Hydra parsed it): auto or a bool."""
-    text = str(value).lower()
-    _require(text in ("auto", "true", "false"), key, value, "must be auto, true or false")
-    return "auto" if text == "auto" else text == "true"
 
 
 # Enum member names are what users type (`trainer.precision=bf16`); OmegaConf rejects any other
@@ -247,204 +243,13 @@ class CheckpointConfig:
         _require(ok, "ckpt.resume", self.resume, why)
 
 
-# ---- data: one schema per built-in dataset; the loader keys are shared ----
-
-
-@dataclass
-class DataConfig:
-    _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)
-    batch_size: int = 32  # per device, per micro-step
-    # DataLoader worker processes per rank: a number, or auto (this node's CPUs shared out per
-    # local process, less two for the training process's own threads; mgpu.loader.worker_count).
-    num_workers: Any = "auto"
-    pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
-    prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)
-    prefetch_depth: int = 2  # batches copied to the GPU ahead of use, on the loader's side stream
-    device_transform: str = "auto"  # auto: the dataset's `device_transform`; none: leave inputs
-
-    def __post_init__(self) -> None:
-        _positive("data.batch_size", self.batch_size, "32")
-        if self.num_workers != "auto":
-            ok = isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
-            why = "must be auto or a number of worker processes >= 0, e.g. data.num_workers=8"
-            _require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
-        _positive("data.prefetch_factor", self.prefetch_factor, "2")
-        _positive("data.prefetch_depth", self.prefetch_depth, "2")
-        _require(
-            self.device_transform in ("auto", "none"),
-            "data.device_transform",
-            self.device_transform,
-            "must be auto (the dataset's own, if it has one) or none",
-        )
-
-    def dataset_kwargs(self) -> dict[str, Any]:
-        """The fields a Dataset's constructor receives: everything but the loader keys."""
-        loader_keys = {f.name for f in fields(DataConfig)}
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in loader_keys}
-
-
-@dataclass
-class NgramDataConfig(DataConfig):
-    _target_: str = "mgpu.data.NgramTokens"
-    vocab_size: int = 256
-    seq_len: int = 64
-    order: int = 1  # tokens of context that decide the next token's successor set
-    branching: int = 4  # successors per context; the source's entropy is ln(branching) nats/token
-    num_samples: int = 100_000
-    eval_samples: int = 1024
-    seed: int = 1234  # fixes the source and the samples (independent of trainer.seed)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-        _require(
-            self.branching <= self.vocab_size,
-            "data.branching",
-            self.branching,
-            f"must be <= data.vocab_size ({self.vocab_size})",
-        )
-
-
-@dataclass
-class ImageDataConfig(DataConfig):
-    _target_: str = "mgpu.data.SyntheticImages"
-    num_classes: int = 10
-    image_size: int = 32
-    channels: int = 3
-    num_samples: int = 50_000
-    eval_samples: int = 1_000
-    noise: float = 48.0  # pixel noise std around each class template (uint8 scale)
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-        _non_negative("data.noise", self.noise, "48")
-
-
-@dataclass
-class TokenFileDataConfig(DataConfig):
-    _target_: str = "mgpu.data.TokenFile"
-    path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
-    seq_len: int = 1024
-    eval_samples: int = 256  # the file's last windows, held out for evaluation
-    vocab_size: int = 50304  # every token in the file must be below this
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("seq_len", "eval_samples", "vocab_size"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-
-
-@dataclass
-class CustomDataConfig(DataConfig):
-    """A user's Dataset: `data=custom data._target_=pkg.MyDataset +data.kwargs.root=/data`."""
-
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def dataset_kwargs(self) -> dict[str, Any]:
-        return dict(self.kwargs)
-
-
-# ---- models ----
-
-
-@dataclass
-class ModelConfig:
-    _target_: str = MISSING  # import path of an nn.Module class built as Cls(**kwargs)
-
-    def model_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_target_"}
-
-
-@dataclass
-class GPTModelConfig(ModelConfig):
-    _target_: str = "mgpu.models.GPT"
-    vocab_size: int = 256
-    block_size: int = 64  # longest sequence the position embedding covers
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            _positive(f"model.{key}", getattr(self, key), "a positive integer")
-        _require(
-            self.n_embd % self.n_head == 0,
-            "model.n_embd",
-            self.n_embd,
-            f"must be divisible by model.n_head ({self.n_head})",
-        )
-        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
-
-
-@dataclass
-class ResNetModelConfig(ModelConfig):
-    _target_: str = "mgpu.models.ResNet"
-    num_classes: int = 10
-    block: str = "basic"  # basic | bottleneck
-    layers: list[int] = field(default_factory=lambda: [1, 1, 1, 1])  # blocks per stage
-    width: int = 16  # channels of the first stage
-    in_channels: int = 3
-    stem: str = "cifar"  # cifar (3x3, no pool, for small images) | imagenet (7x7 + pool)
-
-    def __post_init__(self) -> None:
-        _positive("model.num_classes", self.num_classes, "10")
-        _positive("model.width", self.width, "64")
-        _require(
-            self.block in ("basic", "bottleneck"),
-            "model.block",
-            self.block,
-            "must be basic or bottleneck",
-        )
-        _require(
-            self.stem in ("cifar", "imagenet"), "model.stem", self.stem, "must be cifar or imagenet"
-        )
-        _require(
-            len(self.layers) > 0 and all(n > 0 for n in self.layers),
-            "model.layers",
-            self.layers,
-            "must be a non-empty list of positive block counts",
-        )
-
-
-@dataclass
-class MLPModelConfig(ModelConfig):
-    _target_: str = "mgpu.models.MLP"
-    in_features: int = 3 * 32 * 32
-    num_classes: int = 10
-    hidden: list[int] = field(default_factory=lambda: [256, 256])
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        _positive("model.in_features", self.in_features, "3072")
-        _positive("model.num_classes", self.num_classes, "10")
-        _require(
-            all(h > 0 for h in self.hidden),
-            "model.hidden",
-            self.hidden,
-            "must be positive layer widths, e.g. [256,256]",
-        )
-
-
-@dataclass
-class CustomModelConfig(ModelConfig):
-    """A user's module: `model=custom model._target_=pkg.MyNet +model.kwargs.width=64`."""
-
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def model_kwargs(self) -> dict[str, Any]:
-        return dict(self.kwargs)
-
-
 @dataclass
 class Config:
-    model: Any = MISSING  # one of the model schemas above, chosen by `model=...`
-    data: Any = MISSING  # one of the data schemas above, chosen by `data=...`
+    # One of the built-in model schemas or CustomModelConfig, chosen by `model=...`. The field
+    # names their base class: OmegaConf 2.3 refuses a Union of dataclasses ("Unions of
+    # containers are not supported"), and a subclass assigned to a base-typed field is allowed.
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING  # likewise: one of the data schemas, chosen by `data=...`
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)

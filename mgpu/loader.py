@@ -6,25 +6,30 @@ ahead of use.
 from __future__ import annotations
 
 import atexit
-import copy
-import dataclasses
 import queue
-import signal
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from mgpu.batches import (  # noqa: F401 - re-exported: mgpu.loader was their home
+    Transform,
+    map_tensors,
+    tensors,
+    to_device,
+    transform_inputs,
+)
 from mgpu.config import ConfigError, DataConfig, build_from_target
 from mgpu.dist import Runtime
 from mgpu.metrics import DataWait
-from mgpu.sampler import DataCursor, ShardedSampler
+from mgpu.preempt import leave_preemption_to_the_trainer
+from mgpu.sampler import DataCursor, ShardedSampler, epochs  # noqa: F401 - epochs re-exported
 
 # Epochs still running, so that interpreter exit can end them first (below).
 _LIVE_EPOCHS: weakref.WeakSet = weakref.WeakSet()
@@ -39,9 +44,6 @@ def _end_live_epochs() -> None:
     exception") after its work is done."""
     for epoch in list(_LIVE_EPOCHS):
         epoch.close()
-
-
-Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 def build_dataset(cfg: DataConfig, split: str) -> Dataset:
@@ -94,18 +96,6 @@ def worker_count(setting: int | str, cpu_share: int) -> int:
     return max(1, cpu_share - TRAINER_CORES)
 
 
-def leave_preemption_to_the_trainer(worker_id: int) -> None:
-    """DataLoader workers ignore SIGTERM and SIGUSR1.
-
-    torchrun and SLURM signal every process of a worker, its DataLoader workers included; a
-    DataLoader worker killed by the signal makes the next batch raise in the trainer before the
-    preemption checkpoint is written. The trainer handles the signal (mgpu/preempt.py) and then
-    shuts its workers down itself; a worker whose trainer is gone exits on its own.
-    """
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-
-
 def build_loader(
     cfg: DataConfig, dataset: Dataset, rt: Runtime, *, seed: int, train: bool
 ) -> DeviceLoader:
@@ -122,83 +112,6 @@ def device_transform(cfg: DataConfig, dataset: Dataset) -> Transform | None:
     if cfg.device_transform == "auto":
         return getattr(dataset, "device_transform", None)
     raise ConfigError("data.device_transform", cfg.device_transform, "must be auto or none")
-
-
-def epochs(loader: DeviceLoader | DataLoader, start: DataCursor | None = None) -> Iterator[Any]:
-    """Batches forever, epoch after epoch, each with its own shuffle; from `start` (a resumed
-    run's cursor) the first epoch is `start.epoch` past its first `start.consumed` samples."""
-    set_epoch = getattr(loader, "set_epoch", None) or loader.sampler.set_epoch  # type: ignore
-    epoch, consumed = (start.epoch, start.consumed) if start is not None else (0, 0)
-    while True:
-        if consumed:
-            set_epoch(epoch, consumed)
-        else:
-            set_epoch(epoch)  # samplers without a prefix (any with set_epoch(epoch)) work too
-        yield from loader
-        epoch, consumed = epoch + 1, 0
-
-
-# ---- nested batches ----
-
-
-def map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`batch` with `fn` applied to each tensor in it, through dicts, lists, tuples, namedtuples
-    and dataclasses (their types kept); anything else passes through untouched."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, dict):
-        out = copy.copy(batch)  # keeps the dict's own type (OrderedDict, defaultdict, ...)
-        for key, value in batch.items():
-            out[key] = map_tensors(value, fn)
-        return out
-    if isinstance(batch, (list, tuple)):
-        return _rebuild(batch, [map_tensors(v, fn) for v in batch])
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        # A shallow copy with fields replaced: __init__/__post_init__ do not run again, and
-        # object.__setattr__ works for frozen dataclasses too.
-        out = copy.copy(batch)
-        for f in dataclasses.fields(batch):
-            object.__setattr__(out, f.name, map_tensors(getattr(batch, f.name), fn))
-        return out
-    return batch
-
-
-def _rebuild(seq: list | tuple, items: list) -> Any:
-    return type(seq)(*items) if hasattr(seq, "_fields") else type(seq)(items)  # namedtuple
-
-
-def tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in a nested batch (the structures `map_tensors` walks)."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, dict):
-        for value in batch.values():
-            yield from tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from tensors(value)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for f in dataclasses.fields(batch):
-            yield from tensors(getattr(batch, f.name))
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move the tensors of a (nested) batch to `device`; anything else passes through.
-
-    non_blocking only overlaps when the source is pinned; from pageable memory it is a plain copy.
-    A tensor already on `device` is returned as it is.
-    """
-    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-
-
-def transform_inputs(batch: Any, fn: Transform) -> Any:
-    """`fn` applied to the inputs of an (inputs, targets, ...) batch; the rest is untouched."""
-    if isinstance(batch, (list, tuple)) and len(batch) > 0:
-        return _rebuild(batch, [fn(batch[0]), *batch[1:]])
-    raise TypeError(
-        f"a device transform applies to the inputs of an (inputs, targets) batch, but this batch "
-        f"is a {type(batch).__name__}; set data.device_transform=none or yield (inputs, targets)"
-    )
 
 
 # ---- the prefetcher ----

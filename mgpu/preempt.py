@@ -71,3 +71,15 @@ class Preemption:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+
+def leave_preemption_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM and SIGUSR1.
+
+    torchrun and SLURM signal every process of a worker, its DataLoader workers included; a
+    DataLoader worker killed by the signal makes the next batch raise in the trainer before the
+    preemption checkpoint is written. The trainer handles the signal (mgpu/preempt.py) and then
+    shuts its workers down itself; a worker whose trainer is gone exits on its own.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
