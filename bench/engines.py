@@ -273,11 +273,9 @@ def gaps(spans: list[tuple[int, int, int, str]], steps: int, top: int) -> dict:
 def exposed_ms(model) -> float | None:
     if not isinstance(model, MgpuDataParallel):
         return None
-    marks = model.reducer.exposed
+    marks = model.reducer.take_exposed()
     total = sum(a.elapsed_time(b) for a, b in marks)  # all events are complete here
-    count = len(marks)
-    marks.clear()
-    return total / max(count, 1)
+    return total / max(len(marks), 1)
 
 
 def peak_memory_gib(name, engine, rt, use_compile, batch) -> float:

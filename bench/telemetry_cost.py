@@ -79,7 +79,7 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
             samples_per_step=batch * rt.world_size,
             tokens_per_sample=shape if isinstance(shape, int) else None,
             max_steps=steps,
-            comm_marks=model.reducer.exposed if isinstance(model, MgpuDataParallel) else None,
+            comm_marks=model.reducer.take_exposed if isinstance(model, MgpuDataParallel) else None,
             flops_per_sample=None,
             peak_tflops=None,
         )

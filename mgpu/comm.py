@@ -79,7 +79,7 @@ class GradReducer:
         # ids of parameters whose .grad is their bucket slice in this step
         self.attached: set[int] = set()
         self.observed: list[int] | None = []  # first step's gradient order; None once learned
-        # (backward end, reduce end) marks per synchronised step, taken by the metrics; bounded
+        # (backward end, reduce end) marks per synchronised step (take_exposed); bounded
         # so that a run that never reads them does not grow without limit.
         self.exposed: deque = deque(maxlen=10_000)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -91,6 +91,13 @@ class GradReducer:
         # Kept so that remove() can take the reducer off the parameters again.
         hook = self._on_grad_ready
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def take_exposed(self) -> list:
+        """The (backward end, communication end) marks of the synchronised steps since the last
+        call (CUDA events, or host times on CPU), for telemetry; the reducer forgets them."""
+        marks = list(self.exposed)
+        self.exposed.clear()
+        return marks
 
     def remove(self) -> None:
         """Take this reducer off its parameters: no hook of it runs in a later backward. Before

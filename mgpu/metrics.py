@@ -12,22 +12,30 @@ import logging
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as tdist
 
 from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
-
-if TYPE_CHECKING:
-    from mgpu.board import TensorBoard
+from mgpu.lagged import HostCopy
 
 log = logging.getLogger(__name__)
 
 Mark = torch.cuda.Event | float
+
+
+class Board(Protocol):
+    """Where the Recorder writes (mgpu.board.TensorBoard, which imports this module's PARTS)."""
+
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+    def flush(self) -> None: ...
+
+
 # Seconds between rewrites of the goodput file at log steps (each is an fsync); checkpoints and
 # the end of training write it too.
 GOODPUT_SAVE_S = 30.0
@@ -60,6 +68,35 @@ class Clock:
 
 # The parts of a step (breakdown()), each in time/<part>_ms and time/<part>_pct.
 PARTS = ("data_wait", "compute", "exposed_comm", "optimizer", "other")
+
+
+class StepTimer:
+    """The marks breakdown() tiles a step with, taken by the training loop at four points: per
+    micro-step when its batch is asked for, when the batch is ready and when backward is done;
+    then when the optimizer step is done. Kept here until the interval that holds them closes.
+    Without a clock (no Recorder) it takes no marks."""
+
+    def __init__(self, clock: Clock | None):
+        self.clock = clock
+        self.steps: list[list[Mark]] = []  # per step: (asked, ready, backward) x micro, done
+        self._current: list[Mark] = []
+
+    def _mark(self) -> None:
+        if self.clock is not None:
+            self._current.append(self.clock.mark())
+
+    data_asked = data_ready = backward_done = _mark
+
+    def step_done(self) -> None:
+        if self.clock is not None:
+            self._mark()
+            self.steps.append(self._current)
+            self._current = []
+
+    def take(self) -> list[list[Mark]]:
+        """Every finished step's marks since the last take."""
+        steps, self.steps = self.steps, []
+        return steps
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
@@ -146,9 +183,7 @@ class Interval:
     step: int
     steps: int
     lr: float
-    # host [mean loss, good steps(, fp16 loss scale)], filled by a copy that may be in flight
-    loss: torch.Tensor
-    copied: torch.cuda.Event | None
+    loss: HostCopy  # [mean loss, good steps(, fp16 loss scale)]: a copy that may be in flight
     start: Mark
     end: Mark
     data_wait: WaitSample | None = None
@@ -199,33 +234,27 @@ class RankSpread:
 
     def exchange(self, step: int, values: list[float]) -> None:
         if not self.distributed:
-            self.pending.append((step, torch.tensor([values]), None, None))
+            self.pending.append((step, HostCopy(torch.tensor([values]))))
             return
         n, world = len(values), self.rt.world_size
         if not self.cuda:
             out = torch.empty(world * n, dtype=torch.float64)
             _all_gather(out, torch.tensor(values, dtype=torch.float64))
-            self.pending.append((step, out.view(world, n), None, None))
+            self.pending.append((step, HostCopy(out.view(world, n))))
             return
         # Pinned staging both ways: a copy from pageable memory would wait for the stream.
         src = torch.tensor(values, dtype=torch.float64).pin_memory()
         mine = src.to(self.rt.device, non_blocking=True)
         out = torch.empty(world * n, dtype=torch.float64, device=self.rt.device)
         _all_gather(out, mine)  # queued behind this step's work, not awaited
-        host = torch.empty(world * n, dtype=torch.float64, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self.pending.append((step, host.view(world, n), copied, src))  # src lives until read
+        self.pending.append((step, HostCopy(out.view(world, n), keep=(src,))))  # src until read
 
     def take(self, everything: bool = False) -> list[tuple[int, list[list[float]]]]:
         """Exchanges issued before the latest one (all of them with `everything`)."""
         out = []
         while len(self.pending) > (0 if everything else 1):
-            step, table, copied, _src = self.pending.popleft()
-            if copied is not None:
-                copied.synchronize()  # sync point, on an exchange a log interval old
-            out.append((step, table.tolist()))
+            step, table = self.pending.popleft()
+            out.append((step, table.read().tolist()))  # an exchange a log interval old
         return out
 
 
@@ -258,18 +287,19 @@ class Recorder:
     def __init__(
         self,
         rt: Runtime,
-        board: TensorBoard,
+        board: Board,
         *,
         samples_per_step: int,
         tokens_per_sample: int | None,
         max_steps: int,
-        comm_marks: deque | None = None,
+        comm_marks: Callable[[], list[tuple[Mark, Mark]]] | None = None,
         flops_per_sample: float | None = None,
         peak_tflops: float | None = None,
         goodput: Goodput | None = None,
     ):
         self.rt, self.board, self.clock = rt, board, Clock(rt.device)
-        # The reducer's (backward end, communication end) marks: rank 0's own, like data wait.
+        # Takes the reducer's (backward end, communication end) marks since the last call
+        # (GradReducer.take_exposed): rank 0's own, like data wait.
         self.comm_marks = comm_marks
         self.samples_per_step = samples_per_step  # global: batch x accumulation x world
         self.tokens_per_sample = tokens_per_sample
@@ -277,8 +307,7 @@ class Recorder:
         self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops
         self.goodput = goodput
         self.spread = RankSpread(rt)
-        self.step_marks: list[list[Mark]] = []  # the trainer appends one list per step
-        self.scaler: torch.amp.GradScaler | None = None  # set by the trainer under fp16
+        self.timer = StepTimer(self.clock)  # the training loop marks each step's parts here
         self._saved_goodput = time.monotonic()
 
     def snapshot(
@@ -289,43 +318,34 @@ class Recorder:
         lr: float,
         start: Mark,
         data_wait: WaitSample | None = None,
+        loss_scale: torch.Tensor | None = None,
     ) -> Interval:
         """Close an interval. A collective: every rank calls it at the same step.
 
         `loss_sum`: [summed loss, count] over the interval's steps that were not skipped as
         non-finite (the count is the same on every rank). `data_wait` is this rank's own (rank
         0's is what gets written): averaging it across ranks would need a collective at publish
-        time, queued behind the current step.
+        time, queued behind the current step. `loss_scale` (fp16): a device scalar, which
+        rides the loss's copy to the host and is read an interval later (GradScaler.get_scale()
+        would wait for every step queued so far).
         """
         sums = all_reduce_sum_(loss_sum.detach().clone(), self.rt)
         parts = [sums[0] / sums[1].clamp(min=1), sums[1] / self.rt.world_size]
-        # fp16 only: the scale tensor rides the loss's copy to the host and is read an
-        # interval later (GradScaler.get_scale() would wait for every step queued so far).
-        scale = getattr(self.scaler, "_scale", None)
-        if scale is not None:
-            parts.append(scale.to(sums.dtype).reshape(()))
+        if loss_scale is not None:
+            parts.append(loss_scale.to(sums.dtype).reshape(()))
         mean = torch.stack(parts)  # [loss, good steps(, loss scale)]
         end = self.clock.mark()
-        marks, self.step_marks = self.step_marks, []
-        comm = None
-        if self.comm_marks is not None:
-            # backward (which appends these) has returned on this thread; events read later
-            comm = list(self.comm_marks)
-            self.comm_marks.clear()
-        loss, copied = mean, None
-        if self.clock.cuda:
-            loss = torch.empty(mean.shape, dtype=mean.dtype, pin_memory=True)
-            loss.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
-            copied = torch.cuda.Event()
-            copied.record()
-        return Interval(step, steps, lr, loss, copied, start, end, data_wait, comm, marks)
+        # Backward (which makes the reducer's marks) has returned on this thread; read later.
+        comm = self.comm_marks() if self.comm_marks is not None else None
+        loss = HostCopy(mean)  # lands when the GPU gets here; read at publish
+        return Interval(step, steps, lr, loss, start, end, data_wait, comm, self.timer.take())
 
     def publish(self, iv: Interval) -> None:
         """Write a closed interval. A collective (the rank spread): every rank calls it."""
-        if iv.copied is not None:
-            iv.copied.synchronize()  # sync point on an interval that ended a log interval ago
+        # A sync point, on an interval that ended a log interval ago. The loss is the mean over
+        # ranks: the same on every rank.
+        loss, good, *scale = iv.loss.read().tolist()
         step_ms = self.clock.elapsed_ms(iv.start, iv.end) / iv.steps
-        loss, good, *scale = iv.loss.tolist()  # the mean over ranks: the same on every rank
         values = {"train/lr": iv.lr, "time/step_ms": step_ms}
         if good > 0:  # an interval whose every step was skipped as non-finite has no loss
             values["train/loss"] = loss

@@ -176,7 +176,7 @@ def build_run(
         samples_per_step=samples_per_step,
         tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
         max_steps=cfg.trainer.max_steps,
-        comm_marks=model.reducer.exposed if isinstance(model, MgpuDataParallel) else None,
+        comm_marks=model.reducer.take_exposed if isinstance(model, MgpuDataParallel) else None,
         flops_per_sample=flops,
         peak_tflops=peak,
         goodput=goodput,

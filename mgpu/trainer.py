@@ -32,7 +32,7 @@ from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
-from mgpu.metrics import Recorder
+from mgpu.metrics import Recorder, StepTimer
 from mgpu.models import compile_mode
 from mgpu.preempt import Preempted, Preemption
 from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
@@ -76,10 +76,6 @@ def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
 
 # clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
 CLIP_EPS = 1e-6
-
-
-def _no_mark() -> None:
-    return None
 
 
 class Trainer:
@@ -132,9 +128,8 @@ class Trainer:
             preemptible=preemption is not None,
             on_skip=recorder.skipped if recorder is not None else None,
         )
-        if recorder is not None:
-            if self.scaler.is_enabled():
-                recorder.scaler = self.scaler  # train/loss_scale
+        # Where train_step marks the parts of each step for the Recorder's breakdown.
+        self.timer = recorder.timer if recorder is not None else StepTimer(None)
 
     def _autocast(self) -> AbstractContextManager:
         return torch.autocast(
@@ -186,16 +181,15 @@ class Trainer:
         accum = self.cfg.grad_accum_steps
         # The step's marks for the Recorder's breakdown (metrics.breakdown): CUDA events on
         # the compute stream, read a log interval later; host time on CPU.
-        marks: list = []
-        mark = self.recorder.clock.mark if self.recorder is not None else _no_mark
+        timer = self.timer
         total = torch.zeros((), device=self.rt.device)
         watch = self.watch
         for micro in range(accum):
             watch.beat(step, watchdog.DATA)
-            marks.append(mark())
+            timer.data_asked()
             with phase(DATA):
                 inputs, targets = self._prepare(next(batches))
-            marks.append(mark())
+            timer.data_ready()
             watch.beat(step, watchdog.STEP)
             # Gradients are averaged across ranks on the last micro-step only; the earlier
             # ones accumulate locally (forward and backward both inside the no-sync region).
@@ -204,16 +198,21 @@ class Trainer:
                     loss = self.loss_fn(self.model(inputs), targets)
                 with phase(BACKWARD):
                     self.scaler.scale(loss / accum).backward()
-            marks.append(mark())
+            timer.backward_done()
             total += loss.detach()
         watch.beat(step, watchdog.UPDATE)
         with phase(OPTIMIZER):
             loss, bad = self._update(total / accum, step)
-        marks.append(mark())
-        if self.recorder is not None:
-            self.recorder.step_marks.append(marks)
+        timer.step_done()
         self.guard.poll()  # verdicts LAG steps old: raises under trainer.nonfinite=stop
         return loss, bad
+
+    def loss_scale(self) -> torch.Tensor | None:
+        """fp16's current loss scale as a device scalar (no host sync), else None: the scaler
+        multiplies a one by its scale, through its public API."""
+        if not self.scaler.is_enabled():
+            return None
+        return self.scaler.scale(torch.ones((), device=self.rt.device))
 
     def _stop_asked(self) -> bool:
         return self.preemption is not None and self.preemption.asked
@@ -317,7 +316,8 @@ class Trainer:
                 if step % cfg.log_every == 0 or last or evaluate or save:
                     self.watch.beat(step, watchdog.LOG)
                     wait = train.wait.take()  # GPU events in it are read at publish, not now
-                    interval = rec.snapshot(step, steps, loss_sum, lr, start, wait)
+                    scale = self.loss_scale()
+                    interval = rec.snapshot(step, steps, loss_sum, lr, start, wait, scale)
                     if pending is not None:
                         rec.publish(pending)  # the previous interval: its GPU work is done by now
                     pending, start, steps = interval, interval.end, 0
