@@ -97,7 +97,14 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: 
 class FlatBuffers:
     """Tensors (buffers every step; parameters too, once, at wrap time) packed into one flat
     tensor per dtype, kept, so that a broadcast is one collective per dtype with two
-    multi-tensor copies around it and no allocation."""
+    multi-tensor copies around it and no allocation.
+
+    Buffers (BatchNorm running statistics) follow rank 0's: with dist.broadcast_buffers they are
+    broadcast on the communication stream right after the step's last gradient reduction, where the
+    ranks have just met anyway, instead of at the next forward, which would add a second meeting
+    point per step on the compute stream (one that waits for the slowest rank's host to launch it).
+    The values the next forward sees are the ones a broadcast at its start would give; in addition,
+    after the last step every rank holds rank 0's statistics."""
 
     def __init__(self, buffers: list[torch.Tensor]):
         self.buffers: list[list[torch.Tensor]] = []
