@@ -99,7 +99,7 @@ def sync() -> None:
 
 def run_fit(trainer: Trainer, loader: DeviceLoader, steps: int) -> float:
     """ms per step over `steps` steps of fit, from the host (synchronised only at both ends)."""
-    trainer.ckpt.start_step = 0  # every timed run starts a fresh fit at step 1
+    trainer.start_step = trainer.step = 0  # every timed run starts a fresh fit at step 1
     trainer.cfg.max_steps = steps
     sync()
     start = time.perf_counter()

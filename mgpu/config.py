@@ -304,6 +304,13 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
         )
 
 
+def resolved_yaml(cfg: DictConfig) -> str:
+    """The composed config without Hydra's own node, resolved, as YAML: what the run directory's
+    config.yaml and every checkpoint hold, and what the ranks compare at start-up."""
+    resolved = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return OmegaConf.to_yaml(resolved, resolve=True)
+
+
 def build_from_target(key: str, target: str, kwargs: dict[str, Any], **extra: Any) -> Any:
     """`target(**extra, **kwargs)` for a `_target_` import path, naming the key if it fails."""
     try:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from mgpu.dist import RunStopped
 
-class ConfigError(ValueError):
+
+class ConfigError(ValueError, RunStopped):
     """A config value that cannot work; the message names the key, the value and the fix."""
 
     def __init__(self, key: str, value: Any, why: str):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +34,22 @@ from mgpu.launch import (  # noqa: F401 - re-exported: mgpu.dist was their home
 )
 
 log = logging.getLogger(__name__)
+
+# Whether this process joined a process group (the teardown rule in exit_process).
+_joined = False
+
+
+class RunStopped(Exception):
+    """An error that ends the run with a message and an exit code, not a traceback (stopped()
+    turns it into the exit). `every_rank`: every rank meets it at the same point, so no
+    collective is left waiting; rank 0 says it on the console, every rank in its log file."""
+
+    exit_code = 1
+    every_rank = True
+    level = logging.ERROR
+
+    def report(self) -> str:
+        return str(self)
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,8 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
         torch.cuda.set_device(device)
     with torch.cuda.device(device) if on_cuda else nullcontext():
         if env.under_torchrun:
+            global _joined
+            _joined = True
             # device_id binds the NCCL communicator to this GPU eagerly, so barriers and the
             # first collective cannot guess a device (which would touch GPU 0 from every rank).
             tdist.init_process_group(
@@ -197,3 +216,49 @@ def store_client(rt: Runtime, timeout_s: float) -> tdist.Store | None:
     except Exception as err:  # noqa: BLE001 - the side channel is lost, nothing else
         log.warning("the launch's store at %s:%s is unreachable: %s", host, port, err)
         return None
+
+
+def quiet_other_ranks(rt: Runtime) -> None:
+    """Only rank 0 talks on the console; every rank keeps its full log file."""
+    if not rt.is_primary:
+        for handler in logging.getLogger().handlers:
+            if type(handler) is logging.StreamHandler:
+                handler.setLevel(logging.WARNING)
+
+
+@contextmanager
+def stopped(rt: Runtime) -> Iterator[None]:
+    """A RunStopped raised inside becomes its one-line report and SystemExit(its exit code)."""
+    try:
+        yield
+    except RunStopped as err:
+        loud = rt.is_primary or not err.every_rank  # an agreed stop is said once
+        logging.getLogger("mgpu").log(err.level if loud else logging.INFO, "%s", err.report())
+        raise SystemExit(err.exit_code) from None
+
+
+def _exit_code(stop: SystemExit) -> int:
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    print(stop.code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
+    return 1
+
+
+def exit_process(main: Callable[[], None]) -> None:
+    """Run `main` (Hydra's, which ends with sys.exit, errors included) and end the process.
+
+    Teardown rule: by the time `main` returns, the process group is destroyed and every file the
+    run writes is closed. A process that joined a group then ends without Python's and C++'s
+    teardown of torch's communication threads, which can abort ("terminate called without an
+    active exception") after the work is done and turn a finished run into a failed one."""
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = _exit_code(stop)
+    if not _joined:  # no process group, no communication threads: a plain exit
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

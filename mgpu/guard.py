@@ -22,7 +22,7 @@ import torch.distributed as tdist
 from torch.distributed import ReduceOp
 
 from mgpu.config import NonFinite
-from mgpu.dist import Runtime
+from mgpu.dist import RunStopped, Runtime
 from mgpu.lagged import HostCopy
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 LAG = 2
 
 
-class NonFiniteStep(RuntimeError):
+class NonFiniteStep(RuntimeError, RunStopped):
     """Every rank raises it at the same step: the run stops with no checkpoint saved after the
     last good one."""
 

@@ -27,9 +27,9 @@ from mgpu.batches import (  # noqa: F401 - re-exported: mgpu.loader was their ho
 )
 from mgpu.config import ConfigError, DataConfig, build_from_target
 from mgpu.dist import Runtime
-from mgpu.metrics import DataWait
 from mgpu.preempt import leave_preemption_to_the_trainer
 from mgpu.sampler import DataCursor, ShardedSampler, epochs  # noqa: F401 - epochs re-exported
+from mgpu.timing import DataWait
 
 # Epochs still running, so that interpreter exit can end them first (below).
 _LIVE_EPOCHS: weakref.WeakSet = weakref.WeakSet()

@@ -15,7 +15,7 @@ import signal
 import threading
 from types import FrameType
 
-from mgpu.dist import Runtime
+from mgpu.dist import RunStopped, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +25,22 @@ PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class Preempted(Exception):
+class Preempted(RunStopped):
     """Raised out of the training loop after every rank saved at the step they agreed on."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+    level = logging.WARNING
 
     def __init__(self, step: int, signum: int | None):
         name = signal.Signals(signum).name if signum else "another rank's signal"
         super().__init__(f"preempted ({name}) after step {step}")
         self.step = step
+
+    def report(self) -> str:
+        return (
+            f"{self}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}, run the same command "
+            "to resume"
+        )
 
 
 class Preemption:

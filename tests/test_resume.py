@@ -26,7 +26,7 @@ from mgpu.guard import LAG, NonFiniteGuard
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
-from mgpu.resume import CheckpointPlan
+from mgpu.resume import Checkpointer, CheckpointPlan
 from mgpu.sampler import ShardedSampler, epoch_order
 from mgpu.trainer import Trainer
 
@@ -389,7 +389,8 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     root = tmp_path / "checkpoints"
     plan = CheckpointPlan(root, every=1, keep_last=3, token="t", config="trainer: {}\n")
     tcfg = TrainerConfig(precision=Precision.fp32, grad_accum_steps=2)
-    trainer = Trainer(tcfg, model, optimizer, schedule, rt, checkpoints=plan)
+    checkpointer = Checkpointer(plan, rt, seed=0, loaded=None)
+    trainer = Trainer(tcfg, model, optimizer, schedule, rt, checkpointer=checkpointer)
     data = TensorDataset(torch.randn(40, 8), torch.randint(0, 5, (40,)))
     sampler = ShardedSampler(40, 0, 1, shuffle=True, seed=0, even=True)
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
