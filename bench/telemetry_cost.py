@@ -57,8 +57,10 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
     factory, batch, shape, optim = WORKLOADS[name]
     torch.manual_seed(0)
     model = factory().to(rt.device)
+    layout = None  # the model's layout, for the model and its inputs (as build_run decides it)
     if getattr(model, "channels_last", False):
-        model = model.to(memory_format=torch.channels_last)
+        layout = torch.channels_last
+        model = model.to(memory_format=layout)
     ocfg = OptimConfig(name=OptimizerName(optim), lr=1e-4, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
@@ -88,7 +90,7 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
     sampler = ShardedSampler(len(samples), rt.rank, rt.world_size, shuffle=True, seed=0, even=True)
     pin = rt.device.type == "cuda"
     data = DataLoader(samples, batch_size=batch, sampler=sampler, pin_memory=pin, drop_last=True)
-    loader = DeviceLoader(data, rt.device)
+    loader = DeviceLoader(data, rt.device, memory_format=layout)
     return trainer, loader
 
 

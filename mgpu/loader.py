@@ -97,12 +97,25 @@ def worker_count(setting: int | str, cpu_share: int) -> int:
 
 
 def build_loader(
-    cfg: DataConfig, dataset: Dataset, rt: Runtime, *, seed: int, train: bool
+    cfg: DataConfig,
+    dataset: Dataset,
+    rt: Runtime,
+    *,
+    seed: int,
+    train: bool,
+    memory_format: torch.memory_format | None = None,
 ) -> DeviceLoader:
-    """This rank's batches on its device: the DataLoader behind a side-stream prefetcher."""
+    """This rank's batches on its device: the DataLoader behind a side-stream prefetcher.
+    `memory_format`: the layout 4-D inputs leave in (the model's, e.g. channels_last)."""
     loader = build_dataloader(cfg, dataset, rt, seed=seed, train=train)
     transform = device_transform(cfg, dataset)
-    return DeviceLoader(loader, rt.device, depth=cfg.prefetch_depth, transform=transform)
+    return DeviceLoader(
+        loader,
+        rt.device,
+        depth=cfg.prefetch_depth,
+        transform=transform,
+        memory_format=memory_format,
+    )
 
 
 def device_transform(cfg: DataConfig, dataset: Dataset) -> Transform | None:
@@ -184,8 +197,8 @@ class DeviceLoader:
             device = torch.device("cuda", torch.cuda.current_device())
         self.loader, self.device, self.depth = loader, device, depth
         self.transform, self.copy_thread = transform, copy_thread
-        # The layout 4-D inputs leave in (the trainer sets channels_last for models that want
-        # it), converted on the side stream too.
+        # The layout 4-D inputs leave in (channels_last for models that want it, as
+        # build_run and the Trainer's own prefetcher ask), converted on the side stream too.
         self.memory_format = memory_format
         self.cuda = self.device.type == "cuda"
         # Stream-lifetime rule: one side stream for the loader's whole life, reused by every

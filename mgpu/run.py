@@ -25,11 +25,12 @@ from mgpu.goodput import Goodput
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
 from mgpu.metrics import Recorder, mfu_inputs
 from mgpu.models import build_model, compile_mode, compile_model
+from mgpu.numerics import set_math_modes
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import Preemption
 from mgpu.profiling import StepProfiler
 from mgpu.resume import Checkpointer, CheckpointPlan, check_same_data, resume_point
-from mgpu.trainer import Trainer, set_math_modes
+from mgpu.trainer import Trainer
 
 log = logging.getLogger("mgpu")
 
@@ -125,13 +126,20 @@ def build_run(
     set_math_modes(cfg.trainer, rt.device)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
+    # The model's layout, decided here once for the model and its inputs: convolutions run
+    # faster in NHWC on a GPU.
+    layout = None
     if rt.device.type == "cuda" and getattr(model, "channels_last", False):
-        model = model.to(memory_format=torch.channels_last)  # convolutions run faster in NHWC
+        layout = torch.channels_last
+        model = model.to(memory_format=layout)
     seed_everything(cfg.trainer.seed + rt.rank)  # then independent dropout per rank
     train_set = build_dataset(cfg.data, "train")
     eval_set = build_dataset(cfg.data, "eval")
-    train_loader = build_loader(cfg.data, train_set, rt, seed=cfg.trainer.seed, train=True)
-    eval_loader = build_loader(cfg.data, eval_set, rt, seed=cfg.trainer.seed, train=False)
+    seed = cfg.trainer.seed
+    train_loader = build_loader(
+        cfg.data, train_set, rt, seed=seed, train=True, memory_format=layout
+    )
+    eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, memory_format=layout)
     mfu = mfu_inputs(cfg, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)

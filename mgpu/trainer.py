@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_
@@ -27,13 +26,19 @@ from torch.utils.data import DataLoader
 
 from mgpu import watchdog
 from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
-from mgpu.config import Precision, TrainerConfig
+from mgpu.config import TrainerConfig
 from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.metrics import Recorder
 from mgpu.models import compile_mode
+from mgpu.numerics import (  # noqa: F401 - set_math_modes re-exported: benchmarks import it here
+    autocast_dtype,
+    cross_entropy,
+    set_math_modes,
+    training_loss,
+)
 from mgpu.preempt import Preempted, Preemption
 from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
 from mgpu.resume import Checkpointer, check_resumable
@@ -47,39 +52,6 @@ log = logging.getLogger(__name__)
 def generators(data: DataLoader) -> dict[str, torch.Generator]:
     """The RNGs a checkpoint carries besides the global ones: the DataLoader's (worker seeds)."""
     return {"loader": data.generator} if data.generator is not None else {}
-
-
-def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for `trainer.precision`, or None for plain fp32."""
-    if precision is Precision.auto:
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
-    """Classification loss over the last dim: [B, C] (images) and [B, T, V] (tokens) alike."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
-
-
-def training_loss(cfg: TrainerConfig, device: torch.device, mode: str | None) -> Callable:
-    """The training loss, compiled where trainer.compile is on. Eager, the fp32 upcast, log-softmax
-    and their backward each make a pass over the logits; over GPT-2's 16x1024x50304 logits that
-    is ~30 GB of memory traffic, about 10 ms a step on an H100. Compiled, they fuse into a pass or
-    two. The loss region holds no parameters, so gradient buckets still launch as before."""
-    if not cfg.compiles(device.type):
-        return cross_entropy
-    return torch.compile(cross_entropy, backend=cfg.compile_backend, mode=mode)
-
-
-def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
-    """trainer.tf32 and trainer.cudnn_benchmark, for this process (torch keeps them globally)."""
-    if device.type != "cuda":
-        return
-    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
 
 
 # clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
@@ -148,8 +120,9 @@ class Trainer:
         )
 
     def _prepare(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device batch in the layout the model wants. A host batch is moved here (on the
-        current stream; to_device leaves tensors already on the device as they are)."""
+        """A device batch in the layout the model wants (a no-op for a DeviceLoader's made with
+        that layout). A host batch is moved here (on the current stream; to_device leaves
+        tensors already on the device as they are)."""
         inputs, targets = to_device(batch, self.rt.device)
         if self.channels_last and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -158,7 +131,7 @@ class Trainer:
     def _device_batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """A DeviceLoader's batches as they come; a plain loader's moved and transformed here."""
         if isinstance(loader, DeviceLoader):
-            yield from self._adopt(loader)
+            yield from loader
             return
         for batch in loader:
             inputs, targets = to_device(batch, self.rt.device)
@@ -169,16 +142,14 @@ class Trainer:
     def _prefetcher(self, loader: DeviceLoader | DataLoader) -> tuple[DeviceLoader, bool]:
         """The loader to train from, and whether fit made it (and so must close it)."""
         if isinstance(loader, DeviceLoader):
-            return self._adopt(loader), False
-        prefetcher = DeviceLoader(loader, self.rt.device, transform=self.input_transform)
-        return self._adopt(prefetcher), True
-
-    def _adopt(self, loader: DeviceLoader) -> DeviceLoader:
-        """Have the loader hand over inputs in the model's layout, converted on its side stream
-        (the conversion in _prepare is then a no-op)."""
-        if self.channels_last:
-            loader.memory_format = torch.channels_last
-        return loader
+            return loader, False
+        # Inputs in the model's layout, converted on the side stream (_prepare's is then a
+        # no-op); a DeviceLoader given to fit was built with its memory_format (build_run).
+        layout = torch.channels_last if self.channels_last else None
+        prefetcher = DeviceLoader(
+            loader, self.rt.device, transform=self.input_transform, memory_format=layout
+        )
+        return prefetcher, True
 
     def train_step(
         self, batches: Iterator[Any], step: int = 0
