@@ -103,19 +103,13 @@ def build_loader(
     *,
     seed: int,
     train: bool,
-    memory_format: torch.memory_format | None = None,
+    layout: torch.memory_format | None = None,
 ) -> DeviceLoader:
     """This rank's batches on its device: the DataLoader behind a side-stream prefetcher.
-    `memory_format`: the layout 4-D inputs leave in (the model's, e.g. channels_last)."""
+    `layout`: the memory format 4-D inputs leave in (the model's, e.g. channels_last)."""
     loader = build_dataloader(cfg, dataset, rt, seed=seed, train=train)
-    transform = device_transform(cfg, dataset)
-    return DeviceLoader(
-        loader,
-        rt.device,
-        depth=cfg.prefetch_depth,
-        transform=transform,
-        memory_format=memory_format,
-    )
+    transform, depth = device_transform(cfg, dataset), cfg.prefetch_depth
+    return DeviceLoader(loader, rt.device, depth=depth, transform=transform, memory_format=layout)
 
 
 def device_transform(cfg: DataConfig, dataset: Dataset) -> Transform | None:

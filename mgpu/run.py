@@ -136,10 +136,8 @@ def build_run(
     train_set = build_dataset(cfg.data, "train")
     eval_set = build_dataset(cfg.data, "eval")
     seed = cfg.trainer.seed
-    train_loader = build_loader(
-        cfg.data, train_set, rt, seed=seed, train=True, memory_format=layout
-    )
-    eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, memory_format=layout)
+    train_loader = build_loader(cfg.data, train_set, rt, seed=seed, train=True, layout=layout)
+    eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
     mfu = mfu_inputs(cfg, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
