@@ -20,12 +20,18 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from profile_tables import idle_table, kernel_table  # noqa: E402  (bench/, beside this file)
 
 from mgpu.comm import MgpuDataParallel, wrap_model  # noqa: E402
 from mgpu.config import (  # noqa: E402
@@ -43,49 +49,92 @@ from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
 from mgpu.preempt import Preemption  # noqa: E402
 from mgpu.trainer import Trainer, set_math_modes  # noqa: E402
 
-ENGINES = {
-    "none": DistConfig(engine=Engine.none),
-    "torch_ddp": DistConfig(engine=Engine.torch_ddp),
-    "torch_ddp_tuned": DistConfig(
-        engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True
+
+@dataclass(frozen=True)
+class Lever:
+    """An engine, or a lever measured against one: its dist config, and what sets it up beyond
+    that, through public APIs only."""
+
+    dist: DistConfig
+    # (model, dist config, runtime) -> the model wrapped for data parallelism
+    wrap: Callable[[nn.Module, DistConfig, Any], nn.Module] = wrap_model
+    whole_compile: bool = False  # with --compile: the whole model as one graph
+    preemptible: bool = False  # a Preemption takes part: the per-step agreement runs
+
+
+def ddp_bf16_compressed(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
+    """torch DDP with its bf16 compression hook: half the bytes on the wire."""
+    model = wrap_model(model, cfg, rt)
+    model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return model
+
+
+def mgpu_without_collectives(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
+    """Everything the reducer does per bucket except the all-reduce (wrong math; timing only)."""
+    return MgpuDataParallel(model, rt, cfg, communicate=False)
+
+
+def mgpu_high_priority_stream(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
+    """The reducer in a group of its own whose NCCL kernels run on a high-priority stream.
+    Creating a group is a collective: every rank builds its engines in one order."""
+    options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=True)
+    group = torch.distributed.new_group(backend="nccl", pg_options=options)
+    return MgpuDataParallel(model, rt, cfg, group=group)
+
+
+def mgpu_packed_buckets(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
+    """Every bucket packed into a flat buffer, a bucket of one parameter too."""
+    return MgpuDataParallel(model, rt, cfg, in_place=False)
+
+
+ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
+    "none": Lever(DistConfig(engine=Engine.none)),
+    "torch_ddp": Lever(DistConfig(engine=Engine.torch_ddp)),
+    "torch_ddp_tuned": Lever(
+        DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True)
     ),
-    "mgpu": DistConfig(engine=Engine.mgpu),
+    "mgpu": Lever(DistConfig(engine=Engine.mgpu)),
     # levers, measured one at a time against "mgpu": the wire dtype and the bucket size
-    "mgpu_bf16": DistConfig(engine=Engine.mgpu, reduce_dtype=ReduceDtype.bf16),
-    "mgpu_cap10": DistConfig(engine=Engine.mgpu, bucket_cap_mb=10),
-    "mgpu_cap50": DistConfig(engine=Engine.mgpu, bucket_cap_mb=50),
-    "mgpu_cap100": DistConfig(engine=Engine.mgpu, bucket_cap_mb=100),
-    "mgpu_ctas2": DistConfig(engine=Engine.mgpu, nccl_max_ctas=2),
-    "mgpu_ctas4": DistConfig(engine=Engine.mgpu, nccl_max_ctas=4),
-    "mgpu_ctas8": DistConfig(engine=Engine.mgpu, nccl_max_ctas=8),
+    "mgpu_bf16": Lever(DistConfig(engine=Engine.mgpu, reduce_dtype=ReduceDtype.bf16)),
+    "mgpu_cap10": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=10)),
+    "mgpu_cap50": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=50)),
+    "mgpu_cap100": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=100)),
+    "mgpu_ctas2": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=2)),
+    "mgpu_ctas4": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=4)),
+    "mgpu_ctas8": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=8)),
     # BatchNorm statistics kept per rank: one collective less per step (ResNet-50), for both
-    "mgpu_own_buffers": DistConfig(engine=Engine.mgpu, broadcast_buffers=False),
-    "torch_ddp_tuned_own_buffers": DistConfig(
-        engine=Engine.torch_ddp,
-        ddp_bucket_view=True,
-        ddp_static_graph=True,
-        broadcast_buffers=False,
+    "mgpu_own_buffers": Lever(DistConfig(engine=Engine.mgpu, broadcast_buffers=False)),
+    "torch_ddp_tuned_own_buffers": Lever(
+        DistConfig(
+            engine=Engine.torch_ddp,
+            ddp_bucket_view=True,
+            ddp_static_graph=True,
+            broadcast_buffers=False,
+        )
     ),
     # diagnostic: mgpu's hooks, buckets, events and stream waits with the all-reduce left out,
     # to split mgpu's overhead into its own machinery and the cost of communicating
-    "mgpu_nocomm": DistConfig(engine=Engine.mgpu),
+    "mgpu_nocomm": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_without_collectives),
     # diagnostic: every GPU training alone, plus the one per-step collective that every
     # data-parallel engine adds on top of its gradient reduction (the non-finite agreement):
     # what a single meeting point per step costs, with no gradient traffic at all
-    "none_agree": DistConfig(engine=Engine.none),
+    "none_agree": Lever(DistConfig(engine=Engine.none), preemptible=True),
     # the reduction's NCCL kernels on a high-priority stream (ProcessGroupNCCL's
     # is_high_priority_stream): the GPU's block scheduler serves them before backward's queued
     # kernels, instead of after
-    "mgpu_hipri": DistConfig(engine=Engine.mgpu),
+    "mgpu_hipri": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_high_priority_stream),
     # diagnostic: every bucket packed into a flat buffer, a bucket of one parameter included
     # (mgpu's default reduces such a bucket in the parameter's own .grad, with no copy)
-    "mgpu_packed": DistConfig(engine=Engine.mgpu),
+    "mgpu_packed": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_packed_buckets),
     # with --compile: the whole model compiled as one graph, as torch DDP's engines are, so
     # every gradient appears at the end of backward (mgpu's default compiles block by block)
-    "mgpu_whole_compile": DistConfig(engine=Engine.mgpu, broadcast_buffers=False),
-    "torch_ddp_bf16": DistConfig(
-        engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True
-    ),  # + bf16 compress hook, see build()
+    "mgpu_whole_compile": Lever(
+        DistConfig(engine=Engine.mgpu, broadcast_buffers=False), whole_compile=True
+    ),
+    "torch_ddp_bf16": Lever(
+        DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True),
+        wrap=ddp_bf16_compressed,
+    ),
 }
 CORE = ["none", "torch_ddp", "torch_ddp_tuned", "mgpu"]
 
@@ -100,16 +149,6 @@ MODELS = {  # (factory, per-GPU batch, sample shape or seq len, optimizer)
 }
 
 
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-def skip_collectives(reducer) -> None:
-    """Everything the reducer does per bucket except the all-reduce (wrong math; timing only)."""
-    reducer._all_reduce = lambda bucket: setattr(bucket, "work", _Done())
-
-
 def make_batch(name: str, device: torch.device):
     _, batch, shape, _ = MODELS[name]
     if name.startswith("gpt"):
@@ -117,6 +156,17 @@ def make_batch(name: str, device: torch.device):
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     images = torch.randn(batch, *shape, device=device).contiguous(memory_format=torch.channels_last)
     return images, torch.randint(0, 1000, (batch,), device=device)
+
+
+def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Module:
+    mode = compile_mode(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
+    if spec.dist.engine is Engine.mgpu and not spec.whole_compile:
+        return compile_model(model, tcfg.compile_backend, mode)  # what train.py does
+    if spec.dist.engine is Engine.none:
+        # The scaling baseline is the fastest single-GPU path measured (bench/vs_plain.py):
+        # the whole model as one graph, replayed as CUDA graphs.
+        return torch.compile(model, mode="reduce-overhead")
+    return torch.compile(model)  # torch DDP splits the graph at its buckets itself
 
 
 def build(name: str, engine: str, rt, use_compile: bool):
@@ -128,33 +178,15 @@ def build(name: str, engine: str, rt, use_compile: bool):
     ocfg = OptimConfig(name=OptimizerName(optim), lr=1e-4, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
-    cfg = ENGINES[engine]
+    spec = ENGINES[engine]
     # The Trainer compiles the loss when compile is on (as train.py's does) and leaves it eager
     # when off, so eager engines measure eager steps.
     tcfg = TrainerConfig(precision=Precision.bf16, grad_clip=1.0, compile=use_compile)
     if use_compile:
-        mode = compile_mode(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
-        if cfg.engine is Engine.mgpu and engine != "mgpu_whole_compile":
-            model = compile_model(model, tcfg.compile_backend, mode)  # what train.py does
-        elif cfg.engine is Engine.none:
-            # The scaling baseline is the fastest single-GPU path measured (bench/vs_plain.py):
-            # the whole model as one graph, replayed as CUDA graphs.
-            model = torch.compile(model, mode="reduce-overhead")
-        else:
-            model = torch.compile(model)  # torch DDP splits the graph at its buckets itself
-    model = wrap_model(model, cfg, rt)
-    if engine == "torch_ddp_bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    if engine == "mgpu_nocomm":
-        skip_collectives(model.reducer)
-    if engine == "mgpu_hipri":  # a collective: every rank builds its engines in one order
-        options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-        model.reducer.group = torch.distributed.new_group(backend="nccl", pg_options=options)
-    if engine == "mgpu_packed":
-        model.reducer.in_place = False
-        model.reducer._build(list(reversed(range(len(model.reducer.params)))))
+        model = compiled(model, spec, tcfg, rt)
+    model = spec.wrap(model, spec.dist, rt)
     # none_agree: ranks that train apart still agree on preemption, one collective a step
-    preemption = Preemption(rt) if engine == "none_agree" else None
+    preemption = Preemption(rt) if spec.preemptible else None
     trainer = Trainer(tcfg, model, optimizer, schedule, rt, preemption=preemption)
     return model, trainer
 
@@ -175,109 +207,12 @@ def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
     return start.elapsed_time(end) / steps, ahead_ms
 
 
-def profiled(trainer: Trainer, batch, steps: int, warmup: int = 2):
-    """torch.profiler (CUDA activity) over `steps` training steps. Tracing starts `warmup` steps
-    before the recorded ones: a profiler starts at a different moment on each rank, and an NCCL
-    kernel would count that difference as its own time. The recorded window opens on an empty
-    queue with the ranks together (the host is otherwise a step ahead, and the queued step's
-    kernels would fall into the window), and closes once its last kernel has run."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    plan = schedule(wait=0, warmup=warmup, active=steps, repeat=1)  # one cycle: kept after
-    batches = iter([batch] * (warmup + steps))
-    with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
-        for i in range(warmup + steps):
-            trainer.train_step(batches)
-            if i == warmup - 1:
-                torch.cuda.synchronize()
-                torch.distributed.barrier()
-                torch.cuda.synchronize()  # the barrier's own kernel stays out of the window
-            if i == warmup + steps - 1:
-                torch.cuda.synchronize()
-            prof.step()
-    return prof
-
-
-def kernel_table(trainer: Trainer, batch, steps: int = 3, top: int = 25) -> dict:
-    """GPU time per step by kernel (and copy/memset), from torch.profiler over `steps` steps
-    taken after the timed rounds. Kernels on different streams can run at once, so the total
-    is GPU work, not step time: it shows what an engine adds to the GPU's work."""
-    prof = profiled(trainer, batch, steps)
-    rows = [
-        (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
-        for e in prof.key_averages()
-        if e.self_device_time_total > 0
-    ]
-    rows.sort(key=lambda r: -r[1])
-    return {
-        "gpu_work_ms": sum(ms for _, ms, _ in rows),
-        "kernels_per_step": sum(n for _, _, n in rows),
-        "top": [{"kernel": k[:120], "ms": ms, "calls": n} for k, ms, n in rows[:top]],
-    }
-
-
-def idle_table(trainer: Trainer, batch, steps: int = 3, top: int = 12) -> dict:
-    """Where the GPU sits idle: from torch.profiler over `steps` steps (after the timed rounds),
-    every moment between the first and the last kernel when no kernel, copy or memset runs on
-    any stream of this GPU, per step, with the gaps grouped by the kernels around them (the one
-    that ended before, the one that started after). A gap before a forward's first kernel is
-    the host launching late. An NCCL kernel that waits for another rank counts as busy: its
-    wait shows as its length in --kernels, not here."""
-    from torch.autograd import DeviceType
-
-    prof = profiled(trainer, batch, steps)
-    spans = sorted(
-        (e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id(), e.name())
-        for e in prof.profiler.kineto_results.events()
-        if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0
-    )
-    every = gaps(spans, steps, top)
-    # The compute stream (the busiest): its own gaps are waits on the host, on another stream
-    # (the reducer's) or on a collective of its own, whatever else the GPU is doing meanwhile.
-    busiest = max(every["busy_ms_by_stream"], key=every["busy_ms_by_stream"].get, default=None)
-    compute = gaps([s for s in spans if str(s[2]) == busiest], steps, top)
-    return {
-        **every,
-        "compute_stream": busiest,
-        "compute_idle_ms": compute["idle_ms"],
-        "compute_gaps": compute["gaps"],
-        "steps": steps,
-    }
-
-
-def gaps(spans: list[tuple[int, int, int, str]], steps: int, top: int) -> dict:
-    """GPU idle time from (start_ns, end_ns, stream, name) spans sorted by start: per step, by
-    stream (busy time), and the largest groups of gaps keyed by the kernels around them."""
-    busy: dict[int, float] = {}
-    groups: dict[tuple[str, str], list[float]] = {}
-    idle_ns, reach, last = 0, None, ""
-    for start, end, stream, name in spans:
-        busy[stream] = busy.get(stream, 0) + (end - start) / 1e6 / steps
-        if reach is not None and start > reach:
-            idle_ns += start - reach
-            groups.setdefault((last[:70], name[:70]), []).append((start - reach) / 1e6)
-        if reach is None or end > reach:
-            reach, last = end, name
-    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
-    return {
-        "idle_ms": idle_ns / 1e6 / steps,
-        "span_ms": (reach - spans[0][0]) / 1e6 / steps if spans else 0.0,
-        "busy_ms_by_stream": {str(k): v for k, v in sorted(busy.items())},
-        "gaps": [
-            {"after": a, "before": b, "ms": sum(v) / steps, "count": len(v) / steps}
-            for (a, b), v in rows[:top]
-        ],
-    }
-
-
 def exposed_ms(model) -> float | None:
     if not isinstance(model, MgpuDataParallel):
         return None
-    marks = model.reducer.exposed
+    marks = model.reducer.take_exposed()
     total = sum(a.elapsed_time(b) for a, b in marks)  # all events are complete here
-    count = len(marks)
-    marks.clear()
-    return total / max(count, 1)
+    return total / max(len(marks), 1)
 
 
 def peak_memory_gib(name, engine, rt, use_compile, batch) -> float:

@@ -57,8 +57,10 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
     factory, batch, shape, optim = WORKLOADS[name]
     torch.manual_seed(0)
     model = factory().to(rt.device)
+    layout = None  # the model's layout, for the model and its inputs (as build_run decides it)
     if getattr(model, "channels_last", False):
-        model = model.to(memory_format=torch.channels_last)
+        layout = torch.channels_last
+        model = model.to(memory_format=layout)
     ocfg = OptimConfig(name=OptimizerName(optim), lr=1e-4, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
@@ -79,7 +81,7 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
             samples_per_step=batch * rt.world_size,
             tokens_per_sample=shape if isinstance(shape, int) else None,
             max_steps=steps,
-            comm_marks=model.reducer.exposed if isinstance(model, MgpuDataParallel) else None,
+            comm_marks=model.reducer.take_exposed if isinstance(model, MgpuDataParallel) else None,
             flops_per_sample=None,
             peak_tflops=None,
         )
@@ -88,7 +90,7 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
     sampler = ShardedSampler(len(samples), rt.rank, rt.world_size, shuffle=True, seed=0, even=True)
     pin = rt.device.type == "cuda"
     data = DataLoader(samples, batch_size=batch, sampler=sampler, pin_memory=pin, drop_last=True)
-    loader = DeviceLoader(data, rt.device)
+    loader = DeviceLoader(data, rt.device, memory_format=layout)
     return trainer, loader
 
 
@@ -99,7 +101,7 @@ def sync() -> None:
 
 def run_fit(trainer: Trainer, loader: DeviceLoader, steps: int) -> float:
     """ms per step over `steps` steps of fit, from the host (synchronised only at both ends)."""
-    trainer.ckpt.start_step = 0  # every timed run starts a fresh fit at step 1
+    trainer.start_step = trainer.step = 0  # every timed run starts a fresh fit at step 1
     trainer.cfg.max_steps = steps
     sync()
     start = time.perf_counter()

@@ -7,8 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from mgpu.config import Config
+from mgpu.dist import Runtime
 from mgpu.goodput import CATEGORIES
-from mgpu.metrics import PARTS
+from mgpu.timing import PARTS
 
 
 def _lines(*tags: str) -> list:
@@ -100,3 +104,23 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def describe(cfg: Config, rt: Runtime, params: int, config_text: str) -> str:
+    """The run in a few lines of Markdown, for TensorBoard's text tab."""
+    device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
+    return "\n".join(
+        [
+            f"- model: `{cfg.model._target_}`, {params / 1e6:.2f}M parameters",
+            f"- {rt.world_size} process(es) on {device}, backend {rt.backend}, "
+            f"engine {cfg.dist.engine.value}, precision {cfg.trainer.precision.value}, "
+            f"compiled {cfg.trainer.compiles(rt.device.type)}",
+            f"- batch {cfg.data.batch_size} per device x {cfg.trainer.grad_accum_steps} "
+            f"accumulation x {rt.world_size} processes per optimizer step",
+            f"- torch {torch.__version__}",
+            "",
+            "```yaml",
+            config_text,
+            "```",
+        ]
+    )

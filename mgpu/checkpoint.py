@@ -1,7 +1,9 @@
 """Crash-safe checkpoint files: the on-disk layout, atomic writes sealed by a manifest of checksums,
-weights_only loading whose errors name the file and the failed check, pruning, and the resume
-policy. What the files hold, and how it is put back into live objects, is mgpu.state's; the data
-cursor a checkpoint records lives beside the sampler (loader.py).
+weights_only loading whose errors name the file and the failed check (`load` and `Loaded`: one
+rank's view of a checkpoint, the model weights and the run's config among it), and pruning. What
+the files hold, and how it is put back into live objects, is mgpu.state's; the data cursor a
+checkpoint records is mgpu.sampler's; which checkpoint a launch resumes from and when one is
+saved, mgpu.resume's.
 
 Layout (the run directory must be on a filesystem that every rank sees):
 
@@ -32,6 +34,8 @@ from typing import Any
 
 import torch
 
+from mgpu.dist import RunStopped
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -41,7 +45,7 @@ _STEP = re.compile(r"^step-(\d{8,})$")
 _SCRATCH = re.compile(r"^step-(\d{8,})\.(tmp|old)-.+$")  # a save in progress, or one being deleted
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, RunStopped):
     """A checkpoint that cannot be written or used; names the file and the check that failed."""
 
     def __init__(self, file: Path | str, check: str):
@@ -357,6 +361,11 @@ def load(path: Path, *, rank: int, map_location: Any = "cpu") -> Loaded:
     return Loaded(path, int(manifest["step"]), world, shared, own)
 
 
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step-N directory under `root`, sealed or not, newest first."""
+    return _dirs(Path(root), _STEP)
+
+
 def find_latest_valid(root: Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under `root` that verifies fully, and one line per newer checkpoint
     that did not (file and failed check). Staging directories are not checkpoints."""
@@ -368,51 +377,6 @@ def find_latest_valid(root: Path) -> tuple[Path | None, list[str]]:
         except CheckpointError as err:
             problems.append(str(err))
     return None, problems
-
-
-def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path | None:
-    """`ckpt.resume`: "auto" -> the newest valid checkpoint under root, if any, warning about
-    each newer invalid one; "never" -> None; else a path that must verify (CheckpointError if
-    not). After a torchrun restart (`restarted`) the newest valid one under root comes first,
-    whatever the setting: the attempt before this one wrote it.
-
-    "never" and a path refuse a root that holds a valid checkpoint newer than where they start
-    (another run's): pruning would delete this run's checkpoints first, and a restart would
-    resume from the other run's.
-    """
-    if setting == "auto" or restarted:
-        path = _newest_valid(Path(root))
-        if path is not None or setting == "auto":
-            return path
-    start = None if setting == "never" else Path(setting)
-    step = 0 if start is None else verify(start)["step"]
-    for other_step, other in _dirs(Path(root), _STEP):
-        if other_step <= step or (start is not None and other.resolve() == start.resolve()):
-            continue
-        try:
-            verify(other)
-        except CheckpointError:
-            continue  # not a checkpoint: resume skips it, and a save at its step replaces it
-        what = "a fresh start (ckpt.resume=never)" if start is None else f"resuming from {start}"
-        raise CheckpointError(
-            other,
-            f"a valid checkpoint newer than {what}; this run's checkpoints would mix with it. "
-            f"Use another run directory (hydra.run.dir=..., RUN_ID=...), move {root} away, or "
-            "continue that run with ckpt.resume=auto",
-        )
-    return start
-
-
-def _newest_valid(root: Path) -> Path | None:
-    path, problems = find_latest_valid(root)
-    for problem in problems:
-        log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", problem)
-    if path is None:
-        level = logging.WARNING if problems else logging.INFO
-        log.log(level, "ckpt.resume=auto: no valid checkpoint under %s", root)
-    elif problems:
-        log.warning("ckpt.resume=auto: resuming from an OLDER checkpoint, %s", path)
-    return path
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

@@ -1,4 +1,6 @@
-"""Typed configuration: the dataclass schemas behind `conf/` and their validation.
+"""Typed configuration: the dataclass schemas behind `conf/` and their validation. The trainer,
+dist, optim and ckpt groups are here; the data and model groups' schemas are in config_data.py
+and config_model.py, the shared checks in config_checks.py (all importable from here).
 
 Every key a user can set is a field here with a docstring-comment; a bad value fails before any
 process group or run directory exists, with one line naming the key, the value and how to fix it.
@@ -20,37 +22,32 @@ from omegaconf import MISSING, DictConfig, OmegaConf, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mgpu import dist
-from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
-from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
+from mgpu.config_checks import (  # noqa: F401 - re-exported: schemas elsewhere use them too
+    ConfigError,
+    _auto_or_bool,
+    _non_negative,
+    _positive,
+    _require,
+)
+from mgpu.config_data import (  # noqa: F401 - re-exported: the data group's schemas
+    BadFiles,
+    CustomDataConfig,
+    DataConfig,
+    Decode,
+    ImageDataConfig,
+    ImageFolderDataConfig,
+    NgramDataConfig,
+    TokenFileDataConfig,
+)
+from mgpu.config_model import (  # noqa: F401 - re-exported: the model group's schemas
+    CustomModelConfig,
+    GPTModelConfig,
+    MLPModelConfig,
+    ModelConfig,
+    ResNetModelConfig,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key, the value and the fix."""
-
-    def __init__(self, key: str, value: Any, why: str):
-        super().__init__(f"{key}={value!r}: {why}")
-
-
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ConfigError(key, value, why)
-
-
-def _positive(key: str, value: float, example: str) -> None:
-    _require(value > 0, key, value, f"must be > 0, e.g. {key}={example}")
-
-
-def _non_negative(key: str, value: float, example: str) -> None:
-    _require(value >= 0, key, value, f"must be >= 0, e.g. {key}={example}")
-
-
-def _auto_or_bool(key: str, value: Any) -> bool | str:
-    """A key that takes auto, true or false (as typed, or as Hydra parsed it): auto or a bool."""
-    text = str(value).lower()
-    _require(text in ("auto", "true", "false"), key, value, "must be auto, true or false")
-    return "auto" if text == "auto" else text == "true"
 
 
 # Enum member names are what users type (`trainer.precision=bf16`); OmegaConf rejects any other
@@ -81,17 +78,6 @@ class Backend(Enum):
 
 class NonFinite(Enum):
     stop = "stop"
-    skip = "skip"
-
-
-class Decode(Enum):
-    auto = "auto"
-    cpu = "cpu"
-    gpu = "gpu"
-
-
-class BadFiles(Enum):
-    error = "error"
     skip = "skip"
 
 
@@ -260,293 +246,13 @@ class CheckpointConfig:
         _require(ok, "ckpt.resume", self.resume, why)
 
 
-# ---- data: one schema per built-in dataset; the loader keys are shared ----
-
-
-@dataclass
-class DataConfig:
-    _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)
-    batch_size: int = 32  # per device, per micro-step
-    # DataLoader worker processes per rank: a number, or auto (this node's CPUs shared out per
-    # local process, less two for the training process's own threads; mgpu.loader.worker_count).
-    num_workers: Any = "auto"
-    pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
-    prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)
-    prefetch_depth: int = 2  # batches copied to the GPU ahead of use, on the loader's side stream
-    device_transform: str = "auto"  # auto: the dataset's `device_transform`; none: leave inputs
-
-    def __post_init__(self) -> None:
-        _positive("data.batch_size", self.batch_size, "32")
-        if self.num_workers != "auto":
-            ok = isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
-            why = "must be auto or a number of worker processes >= 0, e.g. data.num_workers=8"
-            _require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
-        _positive("data.prefetch_factor", self.prefetch_factor, "2")
-        _positive("data.prefetch_depth", self.prefetch_depth, "2")
-        _require(
-            self.device_transform in ("auto", "none"),
-            "data.device_transform",
-            self.device_transform,
-            "must be auto (the dataset's own, if it has one) or none",
-        )
-
-    def dataset_kwargs(self) -> dict[str, Any]:
-        """The fields a Dataset's constructor receives: everything but the loader keys."""
-        loader_keys = {f.name for f in fields(DataConfig)}
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in loader_keys}
-
-
-@dataclass
-class NgramDataConfig(DataConfig):
-    _target_: str = "mgpu.data.NgramTokens"
-    vocab_size: int = 256
-    seq_len: int = 64
-    order: int = 1  # tokens of context that decide the next token's successor set
-    branching: int = 4  # successors per context; the source's entropy is ln(branching) nats/token
-    num_samples: int = 100_000
-    eval_samples: int = 1024
-    seed: int = 1234  # fixes the source and the samples (independent of trainer.seed)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-        _require(
-            self.branching <= self.vocab_size,
-            "data.branching",
-            self.branching,
-            f"must be <= data.vocab_size ({self.vocab_size})",
-        )
-
-
-@dataclass
-class ImageDataConfig(DataConfig):
-    _target_: str = "mgpu.data.SyntheticImages"
-    num_classes: int = 10
-    image_size: int = 32
-    channels: int = 3
-    num_samples: int = 50_000
-    eval_samples: int = 1_000
-    noise: float = 48.0  # pixel noise std around each class template (uint8 scale)
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-        _non_negative("data.noise", self.noise, "48")
-
-
-@dataclass
-class TokenFileDataConfig(DataConfig):
-    _target_: str = "mgpu.data.TokenFile"
-    path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
-    seq_len: int = 1024
-    eval_samples: int = 256  # the file's last windows, held out for evaluation
-    vocab_size: int = 50304  # every token in the file must be below this
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("seq_len", "eval_samples", "vocab_size"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-
-
-@dataclass
-class ImageFolderDataConfig(DataConfig):
-    """Your own images: `data=image_folder data.path=DIR`, one subfolder of images per class."""
-
-    _target_: str = "mgpu.data.ImageFolder"
-    path: str = MISSING  # DIR/<class>/<image>.jpg|.jpeg|.png: the training images
-    # The same layout for evaluation; empty: eval_samples images of data.path are held out
-    # (spread evenly over its sorted file list) and not trained on.
-    eval_path: str = ""
-    eval_samples: int = 1000
-    # The class folders, in label order. Empty: every subfolder of data.path, sorted by name;
-    # the run's config.yaml records the list, so a later evaluation keeps the same labels.
-    classes: list[str] = field(default_factory=list)
-    image_size: int = 224  # training crops and evaluation crops are image_size x image_size
-    # Where JPEGs are decoded: cpu (Pillow, in the DataLoader workers), gpu (torchvision's
-    # nvJPEG, in the prefetcher; PNGs stay on the CPU), auto (mgpu.data.gpu_decode says which).
-    decode: Decode = Decode.auto
-    # An unreadable image: error stops the run naming the file; skip replaces it by the next
-    # readable one, names it in the rank's log and counts it (data/bad_files_replaced).
-    bad_files: BadFiles = BadFiles.error
-    # Training crops: a random box of scale x the image's area and an aspect ratio log-uniform
-    # in ratio, resized to image_size, flipped half the time (drawn from trainer.seed, the
-    # epoch and the sample). Evaluation: the center square of eval_crop x the shorter side.
-    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
-    ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
-    eval_crop: float = 0.875
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # Built in code (tests, benchmarks) these may come as the names users type.
-        self.decode = Decode(getattr(self.decode, "value", self.decode))
-        self.bad_files = BadFiles(getattr(self.bad_files, "value", self.bad_files))
-        _positive("data.image_size", self.image_size, "224")
-        _positive("data.eval_samples", self.eval_samples, "1000")
-        ok = len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] <= 1
-        _require(ok, "data.scale", self.scale, "must be [min,max] in (0, 1], e.g. [0.08,1.0]")
-        ok = len(self.ratio) == 2 and 0 < self.ratio[0] <= self.ratio[1]
-        _require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
-        ok = 0 < self.eval_crop <= 1
-        _require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
-        if self.decode is Decode.gpu:
-            why = gpu_decode_unavailable()
-            _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
-        self._check_folders()
-
-    def _check_folders(self) -> None:
-        """The image tree: missing paths, no class folders, empty ones. A folder listing per
-        class, before any process group exists."""
-        try:
-            check_root("data.path", self.path)
-            discovered = class_folders(self.path)
-            if not self.classes:
-                self.classes = discovered
-            check_layout("data.path", self.path, self.classes)
-            if self.eval_path:
-                check_layout("data.eval_path", self.eval_path, self.classes)
-                extra = sorted(set(class_folders(self.eval_path)) - set(self.classes))
-                _require(
-                    not extra,
-                    "data.eval_path",
-                    self.eval_path,
-                    f"has class folders {extra} that are not among the classes; remove them "
-                    "or add them to data.path",
-                )
-        except FolderError as err:
-            raise ConfigError(err.key, err.value, err.why) from None
-
-    def resolved(self) -> dict[str, Any]:
-        """Values found on disk, for the run's saved config: the class list."""
-        return {"classes": list(self.classes)}
-
-    def dataset_kwargs(self) -> dict[str, Any]:
-        kwargs = super().dataset_kwargs()
-        kwargs["decode"] = resolve_decode(self.decode.value)
-        kwargs["bad_files"] = self.bad_files.value
-        return kwargs
-
-
-@dataclass
-class CustomDataConfig(DataConfig):
-    """A user's Dataset: `data=custom data._target_=pkg.MyDataset +data.kwargs.root=/data`."""
-
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def dataset_kwargs(self) -> dict[str, Any]:
-        return dict(self.kwargs)
-
-
-# ---- models ----
-
-
-@dataclass
-class ModelConfig:
-    _target_: str = MISSING  # import path of an nn.Module class built as Cls(**kwargs)
-
-    def model_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_target_"}
-
-
-@dataclass
-class GPTModelConfig(ModelConfig):
-    _target_: str = "mgpu.models.GPT"
-    vocab_size: int = 256
-    block_size: int = 64  # longest sequence the position embedding covers
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False
-    # Attention kernel: auto (cuDNN first, then torch's order), torch (torch's own choice), or
-    # only one of cudnn, flash, efficient, math.
-    attention: str = "auto"
-
-    def __post_init__(self) -> None:
-        from mgpu.models.gpt import ATTENTION  # the kernels live with the model
-
-        _require(
-            self.attention in ATTENTION,
-            "model.attention",
-            self.attention,
-            f"must be one of {', '.join(ATTENTION)}",
-        )
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            _positive(f"model.{key}", getattr(self, key), "a positive integer")
-        _require(
-            self.n_embd % self.n_head == 0,
-            "model.n_embd",
-            self.n_embd,
-            f"must be divisible by model.n_head ({self.n_head})",
-        )
-        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
-
-
-@dataclass
-class ResNetModelConfig(ModelConfig):
-    _target_: str = "mgpu.models.ResNet"
-    num_classes: int = 10
-    block: str = "basic"  # basic | bottleneck
-    layers: list[int] = field(default_factory=lambda: [1, 1, 1, 1])  # blocks per stage
-    width: int = 16  # channels of the first stage
-    in_channels: int = 3
-    stem: str = "cifar"  # cifar (3x3, no pool, for small images) | imagenet (7x7 + pool)
-
-    def __post_init__(self) -> None:
-        _positive("model.num_classes", self.num_classes, "10")
-        _positive("model.width", self.width, "64")
-        _require(
-            self.block in ("basic", "bottleneck"),
-            "model.block",
-            self.block,
-            "must be basic or bottleneck",
-        )
-        _require(
-            self.stem in ("cifar", "imagenet"), "model.stem", self.stem, "must be cifar or imagenet"
-        )
-        _require(
-            len(self.layers) > 0 and all(n > 0 for n in self.layers),
-            "model.layers",
-            self.layers,
-            "must be a non-empty list of positive block counts",
-        )
-
-
-@dataclass
-class MLPModelConfig(ModelConfig):
-    _target_: str = "mgpu.models.MLP"
-    in_features: int = 3 * 32 * 32
-    num_classes: int = 10
-    hidden: list[int] = field(default_factory=lambda: [256, 256])
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        _positive("model.in_features", self.in_features, "3072")
-        _positive("model.num_classes", self.num_classes, "10")
-        _require(
-            all(h > 0 for h in self.hidden),
-            "model.hidden",
-            self.hidden,
-            "must be positive layer widths, e.g. [256,256]",
-        )
-
-
-@dataclass
-class CustomModelConfig(ModelConfig):
-    """A user's module: `model=custom model._target_=pkg.MyNet +model.kwargs.width=64`."""
-
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def model_kwargs(self) -> dict[str, Any]:
-        return dict(self.kwargs)
-
-
 @dataclass
 class Config:
-    model: Any = MISSING  # one of the model schemas above, chosen by `model=...`
-    data: Any = MISSING  # one of the data schemas above, chosen by `data=...`
+    # One of the built-in model schemas or CustomModelConfig, chosen by `model=...`. The field
+    # names their base class: OmegaConf 2.3 refuses a Union of dataclasses ("Unions of
+    # containers are not supported"), and a subclass assigned to a base-typed field is allowed.
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING  # likewise: one of the data schemas, chosen by `data=...`
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -601,6 +307,13 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
             model.in_features,
             f"must equal data.channels * data.image_size**2 = {pixels}",
         )
+
+
+def resolved_yaml(cfg: DictConfig) -> str:
+    """The composed config without Hydra's own node, resolved, as YAML: what the run directory's
+    config.yaml and every checkpoint hold, and what the ranks compare at start-up."""
+    resolved = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return OmegaConf.to_yaml(resolved, resolve=True)
 
 
 def _check_model_fits_folder(model: ModelConfig, data: ImageFolderDataConfig) -> None:

@@ -22,7 +22,8 @@ import torch.distributed as tdist
 from torch.distributed import ReduceOp
 
 from mgpu.config import NonFinite
-from mgpu.dist import Runtime
+from mgpu.dist import RunStopped, Runtime
+from mgpu.lagged import HostCopy
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 LAG = 2
 
 
-class NonFiniteStep(RuntimeError):
+class NonFiniteStep(RuntimeError, RunStopped):
     """Every rank raises it at the same step: the run stops with no checkpoint saved after the
     last good one."""
 
@@ -39,9 +40,8 @@ class NonFiniteStep(RuntimeError):
 @dataclass
 class _Verdict:
     step: int
-    # host copy: per rank 1 if its loss was non-finite; then the gradients; last: preemption
-    flags: torch.Tensor
-    copied: torch.cuda.Event | None  # when the copy has landed (CUDA)
+    # per rank 1 if its loss was non-finite; then the gradients; last: preemption
+    flags: HostCopy
 
 
 def fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -113,14 +113,7 @@ class NonFiniteGuard:
             # only (a contiguous view of the same tensor).
             tdist.all_reduce(flags if self.distributed else flags[world + 1 :], op=ReduceOp.MAX)
         bad = flags[: world + 1].any()
-        if self.cuda:
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host.copy_(flags, non_blocking=True)  # read LAG steps later, once it has landed
-            copied = torch.cuda.Event()
-            copied.record()
-            self.pending.append(_Verdict(step, host, copied))
-        else:
-            self.pending.append(_Verdict(step, flags, None))
+        self.pending.append(_Verdict(step, HostCopy(flags)))  # read LAG steps later
         return bad
 
     def step(
@@ -169,9 +162,7 @@ class NonFiniteGuard:
             self._read(self.pending.popleft())
 
     def _read(self, verdict: _Verdict) -> None:
-        if verdict.copied is not None:
-            verdict.copied.synchronize()  # sync point, on a copy LAG steps old: long landed
-        *flags, stop = verdict.flags.tolist()
+        *flags, stop = verdict.flags.read().tolist()  # a copy LAG steps old: long landed
         self.preempted = self.preempted or bool(stop)
         if not any(flags):
             self.consecutive = 0

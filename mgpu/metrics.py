@@ -13,22 +13,39 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as tdist
 
+from mgpu.config import Config
 from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
-
-if TYPE_CHECKING:
-    from mgpu.board import TensorBoard
+from mgpu.lagged import HostCopy
+from mgpu.models.flops import peak_tflops
+from mgpu.timing import (  # noqa: F401 - PARTS, StepTimer, DataWait re-exported
+    PARTS,
+    Clock,
+    DataWait,
+    Interval,
+    Mark,
+    StepTimer,
+    WaitSample,
+    breakdown,
+    exposed_ms,
+)
 
 log = logging.getLogger(__name__)
 
-Mark = torch.cuda.Event | float
+
+class Board(Protocol):
+    """Where the Recorder writes (mgpu.board.TensorBoard, which imports this module's PARTS)."""
+
+    def scalars(self, step: int, values: dict[str, float]) -> None: ...
+    def flush(self) -> None: ...
+
+
 # Seconds between rewrites of the goodput file at log steps (each is an fsync); checkpoints and
 # the end of training write it too.
 GOODPUT_SAVE_S = 30.0
@@ -37,30 +54,6 @@ GOODPUT_SAVE_S = 30.0
 # One tensor gathered from every rank into one: all_gather_single in newer torch, which
 # deprecates all_gather_into_tensor; only the latter exists in torch 2.10 and 2.11.
 _all_gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
-
-
-class Clock:
-    """Marks points in the stream of work: CUDA events on a GPU, host time on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Mark:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()  # on the current stream, after all work queued so far
-            return event
-        return time.perf_counter()  # CPU ops run synchronously: host time is their time
-
-    def elapsed_ms(self, start: Mark, end: Mark) -> float:
-        if self.cuda:
-            end.synchronize()  # sync point, but only on an event at least one interval old
-            return start.elapsed_time(end)
-        return (end - start) * 1e3
-
-
-# The parts of a step (breakdown()), each in time/<part>_ms and time/<part>_pct.
-PARTS = ("data_wait", "compute", "exposed_comm", "optimizer", "other")
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
@@ -74,117 +67,6 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
         "memory/max_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / gib,
         "memory/alloc_retries": float(stats.get("num_alloc_retries", 0)),
     }
-
-
-@dataclass
-class WaitSample:
-    """Data wait over some batches: host time now, GPU stalls as event pairs still to be read."""
-
-    host_s: float = 0.0  # host time the loop spent blocked in next()
-    gpu: bool = False  # whether the batches went to a GPU (and the pairs below are the measure)
-    gpu_ms: float = 0.0  # stalls already read from completed event pairs
-    pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
-
-    def total_ms(self) -> float:
-        """The time data cost: on a GPU the compute stream's stall, on CPU the host's wait.
-        Read it a log interval after the batches were handed over: each `synchronize` is then
-        on an event the GPU has long passed."""
-        if not self.gpu:
-            return self.host_s * 1e3
-        ms = self.gpu_ms
-        for requested, ready in self.pending:
-            ready.synchronize()  # sync point, but on an event at least one interval old
-            ms += requested.elapsed_time(ready)
-        return ms
-
-
-class DataWait:
-    """What the consumer of a loader waited for its batches, gathered without a host sync.
-
-    Host: the time next() blocked the training loop (perf_counter, summed). GPU: per batch, a
-    pair of timing events on the consumer's stream, one recorded when next() is called (so it
-    completes when the work queued before is done) and one after the stream's wait for the
-    batch's copy. Between them the compute stream had nothing to do but wait for data: for the
-    host to deliver the batch, then for its copy. That stall is the data wait on a GPU; host
-    time blocked while the GPU still had queued work cost nothing, so it is not added (it is
-    kept, as `host_s`). The pairs are read later (`WaitSample.total_ms`), never at the step
-    that records them.
-    """
-
-    FOLD_AT = 256  # pending pairs before completed ones are folded into a number
-
-    def __init__(self) -> None:
-        self._sample = WaitSample()
-
-    def add(self, host_s: float, pair: tuple[torch.cuda.Event, torch.cuda.Event] | None) -> None:
-        sample = self._sample
-        sample.host_s += host_s
-        if pair is None:
-            return
-        sample.gpu = True
-        sample.pending.append(pair)
-        if len(sample.pending) >= self.FOLD_AT:
-            # A loader nobody reads (an eval loader, a benchmark) must not hoard events: fold
-            # the pairs the GPU has finished. query() asks without waiting.
-            done = 0
-            for requested, ready in sample.pending:
-                if not ready.query():
-                    break
-                sample.gpu_ms += requested.elapsed_time(ready)
-                done += 1
-            del sample.pending[:done]
-
-    def take(self) -> WaitSample:
-        """Everything since the last take; the meter starts again from zero."""
-        sample, self._sample = self._sample, WaitSample()
-        return sample
-
-
-@dataclass
-class Interval:
-    """The steps since the previous record, waiting for the GPU to finish them."""
-
-    step: int
-    steps: int
-    lr: float
-    # host [mean loss, good steps(, fp16 loss scale)], filled by a copy that may be in flight
-    loss: torch.Tensor
-    copied: torch.cuda.Event | None
-    start: Mark
-    end: Mark
-    data_wait: WaitSample | None = None
-    comm: list[tuple[Mark, Mark]] | None = None  # per synchronised step: backward end, comm end
-    # per step: (data requested, data ready, backward done) per micro-step, then optimizer done
-    marks: list[list[Mark]] = field(default_factory=list)
-    counters: dict[str, float] = field(default_factory=dict)  # Recorder.counters at the end
-
-
-def breakdown(iv: Interval, clock: Clock) -> dict[str, float]:
-    """Milliseconds per step in each part of the interval's steps; they tile the interval.
-
-    On the compute stream's timeline (host time on CPU) each step is: [other] until the batch
-    is asked for, [data_wait] until the stream may use it, [compute] forward and backward, per
-    micro-step; then [optimizer] from the end of backward to the end of the step. Backward's
-    end includes the stream's wait for the last gradient buckets: that share is
-    [exposed_comm] (the reducer's marks), taken out of compute. What follows the last step's
-    end up to the interval's end mark (the loss reduction) is other too.
-    """
-    ms = dict.fromkeys(PARTS, 0.0)
-    prev = iv.start
-    for step in iv.marks:
-        *micro, done = step
-        for asked, ready, backward in zip(micro[0::3], micro[1::3], micro[2::3], strict=True):
-            ms["other"] += clock.elapsed_ms(prev, asked)
-            ms["data_wait"] += clock.elapsed_ms(asked, ready)
-            ms["compute"] += clock.elapsed_ms(ready, backward)
-            prev = backward
-        ms["optimizer"] += clock.elapsed_ms(prev, done)
-        prev = done
-    ms["other"] += clock.elapsed_ms(prev, iv.end)
-    if iv.comm:
-        ms["exposed_comm"] = exposed_ms(iv.comm, clock)
-        ms["compute"] -= ms["exposed_comm"]
-    return {k: v / iv.steps for k, v in ms.items()}
 
 
 class RankSpread:
@@ -201,33 +83,27 @@ class RankSpread:
 
     def exchange(self, step: int, values: list[float]) -> None:
         if not self.distributed:
-            self.pending.append((step, torch.tensor([values]), None, None))
+            self.pending.append((step, HostCopy(torch.tensor([values]))))
             return
         n, world = len(values), self.rt.world_size
         if not self.cuda:
             out = torch.empty(world * n, dtype=torch.float64)
             _all_gather(out, torch.tensor(values, dtype=torch.float64))
-            self.pending.append((step, out.view(world, n), None, None))
+            self.pending.append((step, HostCopy(out.view(world, n))))
             return
         # Pinned staging both ways: a copy from pageable memory would wait for the stream.
         src = torch.tensor(values, dtype=torch.float64).pin_memory()
         mine = src.to(self.rt.device, non_blocking=True)
         out = torch.empty(world * n, dtype=torch.float64, device=self.rt.device)
         _all_gather(out, mine)  # queued behind this step's work, not awaited
-        host = torch.empty(world * n, dtype=torch.float64, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        self.pending.append((step, host.view(world, n), copied, src))  # src lives until read
+        self.pending.append((step, HostCopy(out.view(world, n), keep=(src,))))  # src until read
 
     def take(self, everything: bool = False) -> list[tuple[int, list[list[float]]]]:
         """Exchanges issued before the latest one (all of them with `everything`)."""
         out = []
         while len(self.pending) > (0 if everything else 1):
-            step, table, copied, _src = self.pending.popleft()
-            if copied is not None:
-                copied.synchronize()  # sync point, on an exchange a log interval old
-            out.append((step, table.tolist()))
+            step, table = self.pending.popleft()
+            out.append((step, table.read().tolist()))  # an exchange a log interval old
         return out
 
 
@@ -249,23 +125,18 @@ def spread_scalars(table: list[list[float]], names: tuple[str, ...]) -> dict[str
     return values
 
 
-def exposed_ms(marks: list[tuple[Mark, Mark]], clock: Clock) -> float:
-    """Total time the compute stream waited for gradient communication after backward."""
-    return sum(clock.elapsed_ms(start, end) for start, end in marks)
-
-
 class Recorder:
     """Turns intervals of training into loss, learning rate, throughput and step time."""
 
     def __init__(
         self,
         rt: Runtime,
-        board: TensorBoard,
+        board: Board,
         *,
         samples_per_step: int,
         tokens_per_sample: int | None,
         max_steps: int,
-        comm_marks: deque | None = None,
+        comm_marks: Callable[[], list[tuple[Mark, Mark]]] | None = None,
         flops_per_sample: float | None = None,
         peak_tflops: float | None = None,
         goodput: Goodput | None = None,
@@ -275,7 +146,8 @@ class Recorder:
         # Host counters published with every record, as they stand (the training set's own,
         # e.g. image_folder's data/bad_files_replaced): this rank's, like data wait.
         self.counters = counters
-        # The reducer's (backward end, communication end) marks: rank 0's own, like data wait.
+        # Takes the reducer's (backward end, communication end) marks since the last call
+        # (GradReducer.take_exposed): rank 0's own, like data wait.
         self.comm_marks = comm_marks
         self.samples_per_step = samples_per_step  # global: batch x accumulation x world
         self.tokens_per_sample = tokens_per_sample
@@ -283,9 +155,51 @@ class Recorder:
         self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops
         self.goodput = goodput
         self.spread = RankSpread(rt)
-        self.step_marks: list[list[Mark]] = []  # the trainer appends one list per step
-        self.scaler: torch.amp.GradScaler | None = None  # set by the trainer under fp16
+        self.timer = StepTimer(self.clock)  # the training loop marks each step's parts here
         self._saved_goodput = time.monotonic()
+        self.begin()
+
+    # ---- the open interval, on the device until it is closed ----
+
+    def begin(self) -> None:
+        """Start counting: at the start of fit."""
+        # The interval's summed loss over its good steps, and their count (skipped steps'
+        # losses are NaN/inf and would hide the rest).
+        self._loss_sum = torch.zeros(2, device=self.rt.device)
+        self._steps, self._start = 0, self.clock.mark()
+        self._pending: Interval | None = None  # closed, published at the next close
+
+    def step(self, loss: torch.Tensor, bad: torch.Tensor) -> None:
+        """A training step's mean loss and whether it was skipped (device tensors: no sync)."""
+        self._loss_sum += torch.stack((torch.where(bad, 0.0, loss), (~bad).float()))
+        self._steps += 1
+
+    def close_interval(
+        self,
+        step: int,
+        lr: float,
+        data_wait: WaitSample | None,
+        loss_scale: torch.Tensor | None = None,
+    ) -> None:
+        """Close the open interval at `step` and publish the one before it, whose GPU work is
+        done by now. A collective: every rank calls it at the same step."""
+        interval = self.snapshot(
+            step, self._steps, self._loss_sum, lr, self._start, data_wait, loss_scale
+        )
+        self.publish_pending()
+        self._pending, self._start, self._steps = interval, interval.end, 0
+        self._loss_sum = torch.zeros(2, device=self.rt.device)
+
+    def publish_pending(self) -> None:
+        """Publish the last closed interval now (before an evaluation or a save, and at the
+        end), not at the next close. A collective."""
+        if self._pending is not None:
+            self.publish(self._pending)
+            self._pending = None
+
+    def restart_clock(self) -> None:
+        """What ran since the last close (evaluation, a save) is not training step time."""
+        self._start = self.clock.mark()
 
     def snapshot(
         self,
@@ -295,44 +209,36 @@ class Recorder:
         lr: float,
         start: Mark,
         data_wait: WaitSample | None = None,
+        loss_scale: torch.Tensor | None = None,
     ) -> Interval:
         """Close an interval. A collective: every rank calls it at the same step.
 
         `loss_sum`: [summed loss, count] over the interval's steps that were not skipped as
         non-finite (the count is the same on every rank). `data_wait` is this rank's own (rank
         0's is what gets written): averaging it across ranks would need a collective at publish
-        time, queued behind the current step.
+        time, queued behind the current step. `loss_scale` (fp16): a device scalar, which
+        rides the loss's copy to the host and is read an interval later (GradScaler.get_scale()
+        would wait for every step queued so far).
         """
         sums = all_reduce_sum_(loss_sum.detach().clone(), self.rt)
         parts = [sums[0] / sums[1].clamp(min=1), sums[1] / self.rt.world_size]
-        # fp16 only: the scale tensor rides the loss's copy to the host and is read an
-        # interval later (GradScaler.get_scale() would wait for every step queued so far).
-        scale = getattr(self.scaler, "_scale", None)
-        if scale is not None:
-            parts.append(scale.to(sums.dtype).reshape(()))
+        if loss_scale is not None:
+            parts.append(loss_scale.to(sums.dtype).reshape(()))
         mean = torch.stack(parts)  # [loss, good steps(, loss scale)]
         end = self.clock.mark()
-        marks, self.step_marks = self.step_marks, []
-        comm = None
-        if self.comm_marks is not None:
-            # backward (which appends these) has returned on this thread; events read later
-            comm = list(self.comm_marks)
-            self.comm_marks.clear()
-        loss, copied = mean, None
-        if self.clock.cuda:
-            loss = torch.empty(mean.shape, dtype=mean.dtype, pin_memory=True)
-            loss.copy_(mean, non_blocking=True)  # lands when the GPU gets here; read later
-            copied = torch.cuda.Event()
-            copied.record()
+        # Backward (which makes the reducer's marks) has returned on this thread; read later.
+        comm = self.comm_marks() if self.comm_marks is not None else None
+        loss = HostCopy(mean)  # lands when the GPU gets here; read at publish
         counters = self.counters() if self.counters is not None else {}  # as at this step
-        return Interval(step, steps, lr, loss, copied, start, end, data_wait, comm, marks, counters)
+        marks = self.timer.take()
+        return Interval(step, steps, lr, loss, start, end, data_wait, comm, marks, counters)
 
     def publish(self, iv: Interval) -> None:
         """Write a closed interval. A collective (the rank spread): every rank calls it."""
-        if iv.copied is not None:
-            iv.copied.synchronize()  # sync point on an interval that ended a log interval ago
+        # A sync point, on an interval that ended a log interval ago. The loss is the mean over
+        # ranks: the same on every rank.
+        loss, good, *scale = iv.loss.read().tolist()
         step_ms = self.clock.elapsed_ms(iv.start, iv.end) / iv.steps
-        loss, good, *scale = iv.loss.tolist()  # the mean over ranks: the same on every rank
         values = {"train/lr": iv.lr, "time/step_ms": step_ms}
         if good > 0:  # an interval whose every step was skipped as non-finite has no loss
             values["train/loss"] = loss
@@ -430,3 +336,25 @@ class Recorder:
         self.board.scalars(step, {"eval/loss": loss})
         if self.rt.is_primary:
             log.info("step %d/%d | eval loss %.4f", step, self.max_steps, loss)
+
+
+def mfu_inputs(cfg: Config, model, train_set, rt: Runtime) -> tuple[float | None, float | None]:
+    """The model's training FLOPs per sample and the device's peak TFLOP/s, for MFU; None
+    where either is unknown (said once in the log)."""
+    flops = None
+    count = getattr(model, "flops_per_sample", None)
+    # The dataset's declared input shape: fetching a sample to look would be a side effect on
+    # a user's dataset (and a read of their data) before training starts.
+    shape = getattr(train_set, "sample_shape", None)
+    if count is not None and shape is not None:
+        flops = count(tuple(shape))
+    peak = cfg.trainer.peak_tflops or None
+    if peak is None and rt.device.type == "cuda":
+        low = cfg.trainer.precision.value != "fp32"  # auto on CUDA: bf16 or fp16 autocast
+        peak = peak_tflops(torch.cuda.get_device_name(rt.device), low)
+    if rt.is_primary and (flops is None or peak is None):
+        why = "the device's peak"
+        if flops is None:
+            why = "the model's flops_per_sample or the dataset's sample_shape"
+        log.info("MFU not reported: %s is unknown (trainer.peak_tflops sets a peak)", why)
+    return flops, peak

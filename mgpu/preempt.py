@@ -15,7 +15,7 @@ import signal
 import threading
 from types import FrameType
 
-from mgpu.dist import Runtime
+from mgpu.dist import RunStopped, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +25,22 @@ PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class Preempted(Exception):
+class Preempted(RunStopped):
     """Raised out of the training loop after every rank saved at the step they agreed on."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+    level = logging.WARNING
 
     def __init__(self, step: int, signum: int | None):
         name = signal.Signals(signum).name if signum else "another rank's signal"
         super().__init__(f"preempted ({name}) after step {step}")
         self.step = step
+
+    def report(self) -> str:
+        return (
+            f"{self}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}, run the same command "
+            "to resume"
+        )
 
 
 class Preemption:
@@ -71,3 +80,15 @@ class Preemption:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+
+
+def leave_preemption_to_the_trainer(worker_id: int) -> None:
+    """DataLoader workers ignore SIGTERM and SIGUSR1.
+
+    torchrun and SLURM signal every process of a worker, its DataLoader workers included; a
+    DataLoader worker killed by the signal makes the next batch raise in the trainer before the
+    preemption checkpoint is written. The trainer handles the signal (mgpu/preempt.py) and then
+    shuts its workers down itself; a worker whose trainer is gone exits on its own.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)

@@ -1,7 +1,8 @@
-"""A training run's checkpoints: when one is due, every rank saving one together, and resuming
-from one (model, optimizer, schedule, loss scaler, data position, RNG states), on the same or
-another number of ranks. The files and their checks are mgpu.checkpoint's; what they hold,
-mgpu.state's.
+"""Checkpointing policy: which checkpoint a launch resumes from (the same on every rank), when a
+save is due, every rank saving one together, and the RNG states a resumed run starts with. What
+is saved comes from Trainer.state_dict() (model, optimizer, schedule, loss scaler, step, data
+cursor) and goes back through Trainer.load_state_dict(); the files and their checks are
+mgpu.checkpoint's, how state is put into live objects mgpu.state's.
 
 Saving is the training loop's one planned sync point: it reads everything back to the host.
 """
@@ -9,36 +10,33 @@ Saving is the training loop's one planned sync point: it reads everything back t
 from __future__ import annotations
 
 import logging
+import os
 import random
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
-from torch.utils.data import DataLoader
 
 from mgpu.checkpoint import (
     CheckpointError,
     Loaded,
     abort,
     finalize,
+    find_latest_valid,
+    load,
     prune,
     step_dir,
+    step_dirs,
+    verify,
     write_rank_files,
 )
-from mgpu.comm import unwrap
-from mgpu.config import TrainerConfig
-from mgpu.dist import Runtime, all_ok
-from mgpu.loader import DeviceLoader
-from mgpu.sampler import DataCursor, ShardedSampler, advance
-from mgpu.state import (
-    CheckpointMismatch,
-    capture_rng,
-    restore_rng,
-    restore_training_state,
-    training_state,
-)
+from mgpu.config import CheckpointConfig
+from mgpu.dist import Runtime, all_ok, broadcast_object
+from mgpu.sampler import DataCursor, ShardedSampler
+from mgpu.state import CheckpointMismatch, capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
@@ -54,63 +52,135 @@ class CheckpointPlan:
     config: str  # the resolved config, as YAML
 
 
-def _dataloader(loader: DeviceLoader | DataLoader) -> DataLoader:
-    return loader.loader if isinstance(loader, DeviceLoader) else loader
+def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded | None, str]:
+    """Where this launch starts, the same on every rank, and its checkpoint token.
+
+    Rank 0 resolves ckpt.resume (after a torchrun restart, the newest valid checkpoint in the run
+    directory comes first) and makes the token, new for every launch and restart; every rank
+    then loads its part of that one checkpoint. A collective: an error stops every rank."""
+    decision = None
+    if rt.is_primary:
+        token = f"{os.getpid()}-{secrets.token_hex(4)}"  # secrets: leaves the seeded RNGs alone
+        try:
+            path = resolve_resume(cfg.resume, root, restarted=rt.restart_count > 0)
+            decision = (token, str(path) if path else None, None)
+        except CheckpointError as err:
+            decision = (token, None, (str(err.file), err.check))
+    token, path, error = broadcast_object(decision, rt)
+    if error is not None:
+        raise CheckpointError(*error)
+    if path is None:
+        return None, token
+    loaded, error = None, None
+    try:
+        loaded = load(Path(path), rank=rt.rank, map_location=rt.device)
+    except CheckpointError as err:
+        error = err
+    if not all_ok(error is None, rt):
+        raise error or CheckpointError(path, "unreadable on another rank (its log says why)")
+    return loaded, token
 
 
-def _generators(loader: DeviceLoader | DataLoader) -> dict[str, torch.Generator]:
-    """The RNGs a checkpoint carries besides the global ones: the DataLoader's (worker seeds)."""
-    generator = _dataloader(loader).generator
-    return {"loader": generator} if generator is not None else {}
+def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path | None:
+    """`ckpt.resume`: "auto" -> the newest valid checkpoint under root, if any, warning about
+    each newer invalid one; "never" -> None; else a path that must verify (CheckpointError if
+    not). After a torchrun restart (`restarted`) the newest valid one under root comes first,
+    whatever the setting: the attempt before this one wrote it.
+
+    "never" and a path refuse a root that holds a valid checkpoint newer than where they start
+    (another run's): pruning would delete this run's checkpoints first, and a restart would
+    resume from the other run's.
+    """
+    if setting == "auto" or restarted:
+        path = _newest_valid(Path(root))
+        if path is not None or setting == "auto":
+            return path
+    start = None if setting == "never" else Path(setting)
+    step = 0 if start is None else verify(start)["step"]
+    for other_step, other in step_dirs(root):
+        if other_step <= step or (start is not None and other.resolve() == start.resolve()):
+            continue
+        try:
+            verify(other)
+        except CheckpointError:
+            continue  # not a checkpoint: resume skips it, and a save at its step replaces it
+        what = "a fresh start (ckpt.resume=never)" if start is None else f"resuming from {start}"
+        raise CheckpointError(
+            other,
+            f"a valid checkpoint newer than {what}; this run's checkpoints would mix with it. "
+            f"Use another run directory (hydra.run.dir=..., RUN_ID=...), move {root} away, or "
+            "continue that run with ckpt.resume=auto",
+        )
+    return start
 
 
-class RunCheckpoints:
-    """The trainer's checkpoints: what a save takes from its parts, and where a resumed run
-    starts (step, data cursor, RNG states)."""
+def _newest_valid(root: Path) -> Path | None:
+    path, problems = find_latest_valid(root)
+    for problem in problems:
+        log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", problem)
+    if path is None:
+        level = logging.WARNING if problems else logging.INFO
+        log.log(level, "ckpt.resume=auto: no valid checkpoint under %s", root)
+    elif problems:
+        log.warning("ckpt.resume=auto: resuming from an OLDER checkpoint, %s", path)
+    return path
 
-    def __init__(
-        self,
-        plan: CheckpointPlan | None,
-        cfg: TrainerConfig,
-        rt: Runtime,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        schedule: torch.optim.lr_scheduler.LRScheduler,
-        scaler: torch.amp.GradScaler,
-    ):
-        self.plan, self.cfg, self.rt = plan, cfg, rt
-        self.model, self.optimizer, self.schedule, self.scaler = model, optimizer, schedule, scaler
-        # Where fit starts: step 0 of epoch 0, unless resume() says otherwise.
-        self.start_step, self.start_cursor = 0, None
+
+def check_same_data(loaded: Loaded, sampler: ShardedSampler) -> None:
+    """A checkpoint's cursor only means something over the same samples in the same order."""
+    cursor = DataCursor.from_dict(loaded.shared["data"])
+    if (cursor.num_samples, cursor.seed) != (sampler.num_samples, sampler.seed):
+        raise CheckpointMismatch(
+            f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
+            f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
+            f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
+        )
+
+
+def check_resumable(sampler: object) -> None:
+    if not (isinstance(sampler, ShardedSampler) and sampler.even):
+        raise TypeError(
+            f"checkpoints record the data position of a training ShardedSampler; this "
+            f"loader's sampler is a {type(sampler).__name__}"
+        )
+
+
+Generators = dict[str, torch.Generator]
+
+
+class Checkpointer:
+    """fit's checkpoints, on every rank: `due(step, now)`; `save(step, state, generators)`, all
+    ranks together; and, first thing in fit, `restore_rng(generators)`: a resumed run's RNG
+    states (`loaded`: this rank's part of the checkpoint it resumes from, if any). `generators`
+    are the RNGs a checkpoint carries besides the global ones (the DataLoader's)."""
+
+    def __init__(self, plan: CheckpointPlan, rt: Runtime, *, seed: int, loaded: Loaded | None):
+        self.plan, self.rt = plan, rt
         self._rng_state: dict | None = None  # a checkpoint's RNG states, restored by fit
         self._reseed: int | None = None  # or, resuming on another world size, a fresh seed
+        if loaded is None:
+            return
+        if loaded.world_size == rt.world_size:
+            self._rng_state = loaded.rank_state["rng"]
+            return
+        log.warning(
+            "%s was saved by %d process(es), this run has %d: every training sample is still "
+            "seen exactly once, but the run does not match an uninterrupted one bit for bit "
+            "(other batches, fresh RNG streams seeded from trainer.seed, rank and step)",
+            loaded.path, loaded.world_size, rt.world_size,
+        )  # fmt: skip
+        fresh = np.random.SeedSequence([seed, rt.rank, loaded.step])
+        self._reseed = int(fresh.generate_state(1)[0])
 
     def due(self, step: int, now: bool) -> bool:
-        plan = self.plan
-        return plan is not None and (now or (plan.every > 0 and step % plan.every == 0))
+        return now or (self.plan.every > 0 and step % self.plan.every == 0)
 
-    def check_resumable(self, loader: DeviceLoader) -> None:
-        if self.plan is None:
-            return
-        sampler = loader.sampler
-        if not (isinstance(sampler, ShardedSampler) and sampler.even):
-            raise TypeError(
-                f"checkpoints record the data position of a training ShardedSampler; this "
-                f"loader's sampler is a {type(sampler).__name__}"
-            )
-
-    def cursor(self, step: int, loader: DeviceLoader | DataLoader) -> DataCursor:
-        """The data position after `step`: counted from the step number (pure), never from the
-        loader, whose prefetching runs ahead of training."""
-        data = _dataloader(loader)
-        sampler = data.sampler
-        start = self.start_cursor or DataCursor(sampler.seed, 0, 0, sampler.num_samples)
-        batches = (step - self.start_step) * self.cfg.grad_accum_steps
-        return advance(start, batches, batch_size=data.batch_size, world_size=self.rt.world_size)
-
-    def save(self, step: int, loader: DeviceLoader | DataLoader, *, required: bool) -> Path | None:
-        """Every rank together: each writes its RNG states; barrier; rank 0 writes the shared
-        state and seals the checkpoint; barrier; rank 0 prunes old ones. A collective.
+    def save(
+        self, step: int, state: Callable[[], dict], generators: Generators, *, required: bool
+    ) -> Path | None:
+        """Every rank together: each writes its RNG states; barrier; rank 0 takes `state()`
+        (the replicated training state), writes it with the run's config and seals the
+        checkpoint; barrier; rank 0 prunes old ones. A collective.
 
         A failure is logged on the rank where it happened (file and cause); a `required` save
         (final, preemption) then raises, any other lets training go on from the previous one."""
@@ -118,18 +188,14 @@ class RunCheckpoints:
         error: Exception | None = None
         path = None
         try:
-            state = {"rng": capture_rng(rt.device, _generators(loader))}
-            write_rank_files(plan.root, step, rt.rank, state, token=plan.token)
+            own = {"rng": capture_rng(rt.device, generators)}
+            write_rank_files(plan.root, step, rt.rank, own, token=plan.token)
         except Exception as err:  # noqa: BLE001 - every rank must reach the barrier below
             error = err
         if all_ok(error is None, rt):  # barrier: every rank's file is on disk
             if rt.is_primary:
                 try:
-                    shared = training_state(
-                        model=unwrap(self.model), optimizer=self.optimizer,
-                        schedule=self.schedule, scaler=self.scaler, step=step,
-                        cursor=self.cursor(step, loader), config=plan.config,
-                    )  # fmt: skip
+                    shared = {**state(), "config": plan.config}
                     path = finalize(plan.root, step, rt.world_size, shared, token=plan.token)
                 except Exception as err:  # noqa: BLE001
                     error = err
@@ -148,47 +214,14 @@ class RunCheckpoints:
         log.warning("training goes on; the previous checkpoint stays the newest")
         return None
 
-    def resume(self, loaded: Loaded, loader: DeviceLoader | DataLoader) -> None:
-        """Continue from a checkpoint (checkpoint.load's result for this rank): model,
-        optimizer, schedule and scaler now; RNG states at the start of fit; the data from the
-        checkpoint's cursor, on any number of ranks."""
-        sampler = _dataloader(loader).sampler
-        cursor = DataCursor.from_dict(loaded.shared["data"])
-        if (cursor.num_samples, cursor.seed) != (sampler.num_samples, sampler.seed):
-            raise CheckpointMismatch(
-                f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
-                f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
-                f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
-            )
-        self.start_step, self.start_cursor = restore_training_state(
-            loaded.shared, model=unwrap(self.model), optimizer=self.optimizer,
-            schedule=self.schedule, scaler=self.scaler, source=str(loaded.path),
-        )  # fmt: skip
-        # mgpu's reducer re-attaches its buckets at the first forward after gradients are None.
-        self.optimizer.zero_grad(set_to_none=True)
-        if loaded.world_size == self.rt.world_size:
-            self._rng_state = loaded.rank_state["rng"]
-        else:
-            log.warning(
-                "%s was saved by %d process(es), this run has %d: every training sample is still "
-                "seen exactly once, but the run does not match an uninterrupted one bit for bit "
-                "(other batches, fresh RNG streams seeded from trainer.seed, rank and step)",
-                loaded.path, loaded.world_size, self.rt.world_size,
-            )  # fmt: skip
-            seed = np.random.SeedSequence([self.cfg.seed, self.rt.rank, self.start_step])
-            self._reseed = int(seed.generate_state(1)[0])
-        log.info(
-            "resumed from %s: step %d, epoch %d with %d of its samples done",
-            loaded.path, self.start_step, self.start_cursor.epoch, self.start_cursor.consumed,
-        )  # fmt: skip
-
-    def restore_rng(self, loader: DeviceLoader | DataLoader) -> None:
+    def restore_rng(self, generators: Generators) -> None:
+        """A resumed run's RNG states (or fresh seeds on another world size); once."""
         if self._rng_state is not None:
-            restore_rng(self._rng_state, self.rt.device, _generators(loader))
+            restore_rng(self._rng_state, self.rt.device, generators)
         elif self._reseed is not None:
             random.seed(self._reseed)
             np.random.seed(self._reseed)
             torch.manual_seed(self._reseed)
-            for generator in _generators(loader).values():
+            for generator in generators.values():
                 generator.manual_seed(self._reseed)
         self._rng_state = self._reseed = None

@@ -6,31 +6,31 @@ and the benchmarks share, so that what is measured is what users run.
 from __future__ import annotations
 
 import logging
-import os
 import random
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import Dataset
 
-from mgpu.board import TensorBoard
-from mgpu.checkpoint import CheckpointError, Loaded, checkpoint_root, load, resolve_resume
+from mgpu.board import TensorBoard, describe
+from mgpu.checkpoint import checkpoint_root
 from mgpu.comm import MgpuDataParallel, wrap_model
-from mgpu.config import CheckpointConfig, Config, Engine
-from mgpu.dist import Runtime, all_ok, broadcast_object
+from mgpu.config import Config, Engine
+from mgpu.dist import Runtime
 from mgpu.goodput import Goodput
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
-from mgpu.metrics import Recorder
+from mgpu.metrics import Recorder, mfu_inputs
 from mgpu.models import build_model, compile_mode, compile_model
-from mgpu.models.flops import peak_tflops
+from mgpu.numerics import set_math_modes
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import Preemption
 from mgpu.profiling import StepProfiler
-from mgpu.resume import CheckpointPlan
-from mgpu.trainer import Trainer, set_math_modes
+from mgpu.resume import Checkpointer, CheckpointPlan, check_same_data, resume_point
+from mgpu.trainer import Trainer
 
 log = logging.getLogger("mgpu")
 
@@ -41,75 +41,54 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded | None, str]:
-    """Where this launch starts, the same on every rank, and its checkpoint token.
-
-    Rank 0 resolves ckpt.resume (after a torchrun restart, the newest valid checkpoint in the run
-    directory comes first) and makes the token, new for every launch and restart; every rank
-    then loads its part of that one checkpoint. A collective: an error stops every rank."""
-    decision = None
-    if rt.is_primary:
-        token = f"{os.getpid()}-{secrets.token_hex(4)}"  # secrets: leaves the seeded RNGs alone
-        try:
-            path = resolve_resume(cfg.resume, root, restarted=rt.restart_count > 0)
-            decision = (token, str(path) if path else None, None)
-        except CheckpointError as err:
-            decision = (token, None, (str(err.file), err.check))
-    token, path, error = broadcast_object(decision, rt)
-    if error is not None:
-        raise CheckpointError(*error)
-    if path is None:
-        return None, token
-    loaded, error = None, None
-    try:
-        loaded = load(Path(path), rank=rt.rank, map_location=rt.device)
-    except CheckpointError as err:
-        error = err
-    if not all_ok(error is None, rt):
-        raise error or CheckpointError(path, "unreadable on another rank (its log says why)")
-    return loaded, token
+def build_parallel_model(cfg: Config, model: nn.Module, rt: Runtime) -> nn.Module:
+    """The model compiled as trainer.compile says, then wrapped as dist.engine says."""
+    if cfg.trainer.compiles(rt.device.type):
+        tc = cfg.trainer
+        ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
+        # Gradients reduced while backward runs: the model is wrapped for data parallelism.
+        overlap = cfg.dist.engine is not Engine.none and rt.distributed
+        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap)
+        model = compile_model(model, tc.compile_backend, mode, overlap)
+    return wrap_model(model, cfg.dist, rt)
 
 
-def mfu_inputs(cfg: Config, model, train_set, rt: Runtime) -> tuple[float | None, float | None]:
-    """The model's training FLOPs per sample and the device's peak TFLOP/s, for MFU; None
-    where either is unknown (said once in the log)."""
-    flops = None
-    count = getattr(model, "flops_per_sample", None)
-    # The dataset's declared input shape: fetching a sample to look would be a side effect on
-    # a user's dataset (and a read of their data) before training starts.
-    shape = getattr(train_set, "sample_shape", None)
-    if count is not None and shape is not None:
-        flops = count(tuple(shape))
-    peak = cfg.trainer.peak_tflops or None
-    if peak is None and rt.device.type == "cuda":
-        low = cfg.trainer.precision.value != "fp32"  # auto on CUDA: bf16 or fp16 autocast
-        peak = peak_tflops(torch.cuda.get_device_name(rt.device), low)
-    if rt.is_primary and (flops is None or peak is None):
-        why = "the device's peak"
-        if flops is None:
-            why = "the model's flops_per_sample or the dataset's sample_shape"
-        log.info("MFU not reported: %s is unknown (trainer.peak_tflops sets a peak)", why)
-    return flops, peak
-
-
-def describe(cfg: Config, rt: Runtime, params: int, config_text: str) -> str:
-    """The run in a few lines of Markdown, for TensorBoard's text tab."""
-    device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
-    return "\n".join(
-        [
-            f"- model: `{cfg.model._target_}`, {params / 1e6:.2f}M parameters",
-            f"- {rt.world_size} process(es) on {device}, backend {rt.backend}, "
-            f"engine {cfg.dist.engine.value}, precision {cfg.trainer.precision.value}, "
-            f"compiled {cfg.trainer.compiles(rt.device.type)}",
-            f"- batch {cfg.data.batch_size} per device x {cfg.trainer.grad_accum_steps} "
-            f"accumulation x {rt.world_size} processes per optimizer step",
-            f"- torch {torch.__version__}",
-            "",
-            "```yaml",
-            config_text,
-            "```",
-        ]
+def build_recorder(
+    cfg: Config,
+    rt: Runtime,
+    board: TensorBoard,
+    model: nn.Module,
+    train_set: Dataset,
+    mfu: tuple[float | None, float | None],
+    goodput: Goodput,
+) -> Recorder:
+    """Telemetry: what a step holds (samples, tokens, FLOPs) and where it writes."""
+    flops, peak = mfu
+    return Recorder(
+        rt,
+        board,
+        samples_per_step=cfg.data.batch_size * cfg.trainer.grad_accum_steps * rt.world_size,
+        tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
+        max_steps=cfg.trainer.max_steps,
+        comm_marks=model.reducer.take_exposed if isinstance(model, MgpuDataParallel) else None,
+        flops_per_sample=flops,
+        peak_tflops=peak,
+        goodput=goodput,
+        counters=getattr(train_set, "counters", None),
     )
+
+
+def announce(
+    cfg: Config, rt: Runtime, run_dir: Path, model: nn.Module, board: TensorBoard, text: str
+) -> None:
+    """The run, once: its summary and config in TensorBoard, one line in the log."""
+    params = sum(p.numel() for p in model.parameters())
+    tree = OmegaConf.to_container(OmegaConf.create(text))
+    board.describe_run(tree, describe(cfg, rt, params, text))
+    log.info(
+        "run dir %s | %d process(es), backend %s, device %s | %s, %.2fM parameters",
+        run_dir, rt.world_size, rt.backend, rt.device, cfg.model._target_, params / 1e6,
+    )  # fmt: skip
 
 
 @dataclass
@@ -154,70 +133,44 @@ def build_run(
     set_math_modes(cfg.trainer, rt.device)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
+    # The model's layout, decided here once for the model and its inputs: convolutions run
+    # faster in NHWC on a GPU.
+    layout = None
     if rt.device.type == "cuda" and getattr(model, "channels_last", False):
-        model = model.to(memory_format=torch.channels_last)  # convolutions run faster in NHWC
+        layout = torch.channels_last
+        model = model.to(memory_format=layout)
     seed_everything(cfg.trainer.seed + rt.rank)  # then independent dropout per rank
     train_set = build_dataset(cfg.data, "train")
     eval_set = build_dataset(cfg.data, "eval")
-    train_loader = build_loader(cfg.data, train_set, rt, seed=cfg.trainer.seed, train=True)
-    eval_loader = build_loader(cfg.data, eval_set, rt, seed=cfg.trainer.seed, train=False)
-    flops, peak = mfu_inputs(cfg, model, train_set, rt)
+    seed = cfg.trainer.seed
+    train_loader = build_loader(cfg.data, train_set, rt, seed=seed, train=True, layout=layout)
+    eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
+    mfu = mfu_inputs(cfg, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
-    if cfg.trainer.compiles(rt.device.type):
-        tc = cfg.trainer
-        ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
-        # Gradients reduced while backward runs: the model is wrapped for data parallelism.
-        overlap = cfg.dist.engine is not Engine.none and rt.distributed
-        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap)
-        model = compile_model(model, tc.compile_backend, mode, overlap)
-    model = wrap_model(model, cfg.dist, rt)
+    model = build_parallel_model(cfg, model, rt)
     # A resumed run's TensorBoard drops what an earlier attempt logged after the checkpoint.
     purge_step = loaded.step + 1 if loaded is not None else None
     board = TensorBoard(run_dir, enabled=rt.is_primary, purge_step=purge_step)
-    samples_per_step = cfg.data.batch_size * cfg.trainer.grad_accum_steps * rt.world_size
-    recorder = Recorder(
-        rt,
-        board,
-        samples_per_step=samples_per_step,
-        tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
-        max_steps=cfg.trainer.max_steps,
-        comm_marks=model.reducer.exposed if isinstance(model, MgpuDataParallel) else None,
-        flops_per_sample=flops,
-        peak_tflops=peak,
-        goodput=goodput,
-        counters=getattr(train_set, "counters", None),
-    )
+    recorder = build_recorder(cfg, rt, board, model, train_set, mfu, goodput)
     tc = cfg.trainer
-    profiler = StepProfiler(tc.profile, tc.profile_start, tc.profile_steps, run_dir, rt)
+    plan = CheckpointPlan(root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text)
     trainer = Trainer(
-        cfg.trainer,
+        tc,
         model,
         optimizer,
         schedule,
         rt,
         recorder=recorder,
         input_transform=getattr(train_set, "device_transform", None),
-        checkpoints=CheckpointPlan(
-            root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text
-        ),
+        checkpointer=Checkpointer(plan, rt, seed=tc.seed, loaded=loaded),
         preemption=preemption,
-        profiler=profiler,
+        profiler=StepProfiler(tc.profile, tc.profile_start, tc.profile_steps, run_dir, rt),
         goodput=goodput,
     )
     if loaded is not None:
-        trainer.resume(loaded, train_loader)
+        check_same_data(loaded, train_loader.sampler)
+        trainer.load_state_dict(loaded.shared, source=str(loaded.path))
         del loaded  # its tensors are in the model and optimizer now
-    params = sum(p.numel() for p in model.parameters())
-    tree = OmegaConf.to_container(OmegaConf.create(config_text))
-    board.describe_run(tree, describe(cfg, rt, params, config_text))
-    log.info(
-        "run dir %s | %d process(es), backend %s, device %s | %s, %.2fM parameters",
-        run_dir,
-        rt.world_size,
-        rt.backend,
-        rt.device,
-        cfg.model._target_,
-        params / 1e6,
-    )
+    announce(cfg, rt, run_dir, model, board, config_text)
     return Run(trainer, train_loader, eval_loader, board, goodput)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import Sampler
@@ -152,4 +152,18 @@ def advance(cursor: DataCursor, batches: int, *, batch_size: int, world_size: in
         batches -= take
         if batches == 0:
             return DataCursor(cursor.seed, epoch, consumed, n)
+        epoch, consumed = epoch + 1, 0
+
+
+def epochs(loader: Any, start: DataCursor | None = None) -> Iterator[Any]:
+    """Batches forever, epoch after epoch, each with its own shuffle; from `start` (a resumed
+    run's cursor) the first epoch is `start.epoch` past its first `start.consumed` samples."""
+    set_epoch = getattr(loader, "set_epoch", None) or loader.sampler.set_epoch  # type: ignore
+    epoch, consumed = (start.epoch, start.consumed) if start is not None else (0, 0)
+    while True:
+        if consumed:
+            set_epoch(epoch, consumed)
+        else:
+            set_epoch(epoch)  # samplers without a prefix (any with set_epoch(epoch)) work too
+        yield from loader
         epoch, consumed = epoch + 1, 0

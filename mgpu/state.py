@@ -13,12 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from mgpu.dist import RunStopped
 from mgpu.sampler import DataCursor
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(ValueError, RunStopped):
     """Saved model or optimizer state that does not fit the one being restored; names the keys."""
 
 
@@ -70,19 +71,29 @@ def restore_rng(
 
 
 def training_state(
-    *, model: nn.Module, optimizer, schedule, scaler, step: int, cursor: DataCursor, config: str
+    *,
+    model: nn.Module,
+    optimizer,
+    schedule,
+    scaler,
+    step: int,
+    cursor: DataCursor,
+    config: str | None = None,
 ) -> dict:
     """The replicated state rank 0 saves. `model` is the unwrapped module (comm.unwrap), so the
-    keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML."""
-    return {
+    keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML (left out
+    when None: the checkpointer adds the run's)."""
+    state = {
         "step": step,
         "data": cursor.to_dict(),  # also holds the epoch
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "scaler": scaler.state_dict(),
-        "config": config,
     }
+    if config is not None:
+        state["config"] = config
+    return state
 
 
 def restore_training_state(

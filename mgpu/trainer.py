@@ -1,6 +1,7 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
 precision, gradient clipping, periodic and final evaluation, when to record metrics, and when
-all ranks save a checkpoint together (mgpu.resume says how) or stop on preemption.
+all ranks save a checkpoint together (mgpu.resume says how) or stop on preemption; the state a
+checkpoint holds (state_dict/load_state_dict).
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later, with the step's
@@ -18,68 +19,43 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_
 from torch.utils.data import DataLoader
 
 from mgpu import watchdog
-from mgpu.checkpoint import Loaded
 from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
-from mgpu.config import Precision, TrainerConfig
+from mgpu.config import TrainerConfig
 from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.metrics import Recorder
 from mgpu.models import compile_mode
+from mgpu.numerics import (  # noqa: F401 - set_math_modes re-exported: benchmarks import it here
+    autocast_dtype,
+    cross_entropy,
+    set_math_modes,
+    training_loss,
+)
 from mgpu.preempt import Preempted, Preemption
 from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
-from mgpu.resume import CheckpointPlan, RunCheckpoints
+from mgpu.resume import Checkpointer, check_resumable
+from mgpu.sampler import DataCursor, advance
+from mgpu.state import restore_training_state, training_state
+from mgpu.timing import StepTimer
 
 log = logging.getLogger(__name__)
 
 
-def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for `trainer.precision`, or None for plain fp32."""
-    if precision is Precision.auto:
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):
-    """Classification loss over the last dim: [B, C] (images) and [B, T, V] (tokens) alike."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
-
-
-def training_loss(cfg: TrainerConfig, device: torch.device, mode: str | None) -> Callable:
-    """The training loss, compiled where trainer.compile is on. Eager, the fp32 upcast, log-softmax
-    and their backward each make a pass over the logits; over GPT-2's 16x1024x50304 logits that
-    is ~30 GB of memory traffic, about 10 ms a step on an H100. Compiled, they fuse into a pass or
-    two. The loss region holds no parameters, so gradient buckets still launch as before."""
-    if not cfg.compiles(device.type):
-        return cross_entropy
-    return torch.compile(cross_entropy, backend=cfg.compile_backend, mode=mode)
-
-
-def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
-    """trainer.tf32 and trainer.cudnn_benchmark, for this process (torch keeps them globally)."""
-    if device.type != "cuda":
-        return
-    torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.allow_tf32 = cfg.tf32
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+def generators(data: DataLoader) -> dict[str, torch.Generator]:
+    """The RNGs a checkpoint carries besides the global ones: the DataLoader's (worker seeds)."""
+    return {"loader": data.generator} if data.generator is not None else {}
 
 
 # clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
 CLIP_EPS = 1e-6
-
-
-def _no_mark() -> None:
-    return None
 
 
 class Trainer:
@@ -93,7 +69,7 @@ class Trainer:
         *,
         recorder: Recorder | None = None,
         input_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        checkpoints: CheckpointPlan | None = None,
+        checkpointer: Checkpointer | None = None,
         preemption: Preemption | None = None,
         profiler: StepProfiler | None = None,
         goodput: Goodput | None = None,
@@ -119,7 +95,10 @@ class Trainer:
             init_scale=cfg.loss_scale_init,
             enabled=self.amp_dtype is torch.float16,
         )
-        self.ckpt = RunCheckpoints(checkpoints, cfg, rt, model, optimizer, schedule, self.scaler)
+        self.checkpointer = checkpointer  # None: fit saves nothing
+        # Where fit starts: after step 0, at epoch 0's start, unless load_state_dict says
+        # otherwise; `step` is the last step done.
+        self.start_step, self.start_cursor, self.step = 0, None, 0
         self.channels_last = rt.device.type == "cuda" and getattr(
             unwrap(model), "channels_last", False
         )
@@ -135,9 +114,8 @@ class Trainer:
             preemptible=preemption is not None,
             on_skip=recorder.skipped if recorder is not None else None,
         )
-        if recorder is not None:
-            if self.scaler.is_enabled():
-                recorder.scaler = self.scaler  # train/loss_scale
+        # Where train_step marks the parts of each step for the Recorder's breakdown.
+        self.timer = recorder.timer if recorder is not None else StepTimer(None)
 
     def _autocast(self) -> AbstractContextManager:
         return torch.autocast(
@@ -145,8 +123,9 @@ class Trainer:
         )
 
     def _prepare(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device batch in the layout the model wants. A host batch is moved here (on the
-        current stream; to_device leaves tensors already on the device as they are)."""
+        """A device batch in the layout the model wants (a no-op for a DeviceLoader's made with
+        that layout). A host batch is moved here (on the current stream; to_device leaves
+        tensors already on the device as they are)."""
         inputs, targets = to_device(batch, self.rt.device)
         if self.channels_last and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -155,7 +134,7 @@ class Trainer:
     def _device_batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         """A DeviceLoader's batches as they come; a plain loader's moved and transformed here."""
         if isinstance(loader, DeviceLoader):
-            yield from self._adopt(loader)
+            yield from loader
             return
         for batch in loader:
             inputs, targets = to_device(batch, self.rt.device)
@@ -166,16 +145,14 @@ class Trainer:
     def _prefetcher(self, loader: DeviceLoader | DataLoader) -> tuple[DeviceLoader, bool]:
         """The loader to train from, and whether fit made it (and so must close it)."""
         if isinstance(loader, DeviceLoader):
-            return self._adopt(loader), False
-        prefetcher = DeviceLoader(loader, self.rt.device, transform=self.input_transform)
-        return self._adopt(prefetcher), True
-
-    def _adopt(self, loader: DeviceLoader) -> DeviceLoader:
-        """Have the loader hand over inputs in the model's layout, converted on its side stream
-        (the conversion in _prepare is then a no-op)."""
-        if self.channels_last:
-            loader.memory_format = torch.channels_last
-        return loader
+            return loader, False
+        # Inputs in the model's layout, converted on the side stream (_prepare's is then a
+        # no-op); a DeviceLoader given to fit was built with its memory_format (build_run).
+        layout = torch.channels_last if self.channels_last else None
+        prefetcher = DeviceLoader(
+            loader, self.rt.device, transform=self.input_transform, memory_format=layout
+        )
+        return prefetcher, True
 
     def train_step(
         self, batches: Iterator[Any], step: int = 0
@@ -189,16 +166,15 @@ class Trainer:
         accum = self.cfg.grad_accum_steps
         # The step's marks for the Recorder's breakdown (metrics.breakdown): CUDA events on
         # the compute stream, read a log interval later; host time on CPU.
-        marks: list = []
-        mark = self.recorder.clock.mark if self.recorder is not None else _no_mark
+        timer = self.timer
         total = torch.zeros((), device=self.rt.device)
         watch = self.watch
         for micro in range(accum):
             watch.beat(step, watchdog.DATA)
-            marks.append(mark())
+            timer.data_asked()
             with phase(DATA):
                 inputs, targets = self._prepare(next(batches))
-            marks.append(mark())
+            timer.data_ready()
             watch.beat(step, watchdog.STEP)
             # Gradients are averaged across ranks on the last micro-step only; the earlier
             # ones accumulate locally (forward and backward both inside the no-sync region).
@@ -207,16 +183,21 @@ class Trainer:
                     loss = self.loss_fn(self.model(inputs), targets)
                 with phase(BACKWARD):
                     self.scaler.scale(loss / accum).backward()
-            marks.append(mark())
+            timer.backward_done()
             total += loss.detach()
         watch.beat(step, watchdog.UPDATE)
         with phase(OPTIMIZER):
             loss, bad = self._update(total / accum, step)
-        marks.append(mark())
-        if self.recorder is not None:
-            self.recorder.step_marks.append(marks)
+        timer.step_done()
         self.guard.poll()  # verdicts LAG steps old: raises under trainer.nonfinite=stop
         return loss, bad
+
+    def loss_scale(self) -> torch.Tensor | None:
+        """fp16's current loss scale as a device scalar (no host sync), else None: the scaler
+        multiplies a one by its scale, through its public API."""
+        if not self.scaler.is_enabled():
+            return None
+        return self.scaler.scale(torch.ones((), device=self.rt.device))
 
     def _stop_asked(self) -> bool:
         return self.preemption is not None and self.preemption.asked
@@ -278,80 +259,42 @@ class Trainer:
         return total / count
 
     def fit(self, train_loader: DeviceLoader | DataLoader, eval_loader: Iterable | None) -> None:
-        cfg, rec, stop = self.cfg, self.recorder, self.preemption
+        """Train from start_step to trainer.max_steps. Each step reads: data -> step (its
+        agreement inside, read LAG steps later) -> log -> maybe evaluate and save; all ranks
+        stop together after the step their agreement names on preemption."""
+        cfg, rec = self.cfg, self.recorder
         if self.start_step >= cfg.max_steps:
             log.info(
                 "resumed at step %d, trainer.max_steps=%d: done", self.start_step, cfg.max_steps
             )
             return
         train, owned = self._prefetcher(train_loader)
-        self.ckpt.check_resumable(train)
-        train.wait.take()  # data wait counts from here
-        batches = epochs(train, start=self.ckpt.start_cursor)
-        self.model.train()
-        self.ckpt.restore_rng(train)  # the last thing before the first step
-        # The interval's summed loss over its good steps, and their count (skipped steps' losses
-        # are NaN/inf and would hide the rest): on the device, read by the Recorder later.
-        loss_sum = torch.zeros(2, device=self.rt.device)
-        start, steps, pending = rec.clock.mark(), 0, None
-        profiler, goodput = self.profiler, self.goodput
+        batches = self._begin(train)
         try:
             self.watch.start()  # the stall clock and progress reports, until the end
             for step in range(self.start_step + 1, cfg.max_steps + 1):
-                if profiler is not None:
-                    profiler.begin_step(step)
-                lr = self.schedule.get_last_lr()[0]
-                loss, bad = self.train_step(batches, step)
-                if goodput is not None and step == self.start_step + 1:
-                    # From here on: the first step is where a compiled model compiles, so
-                    # start-up includes it.
-                    goodput.enter("training")
-                loss_sum += torch.stack((torch.where(bad, 0.0, loss), (~bad).float()))
-                steps += 1
+                lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
+                loss, bad = self._step(batches, step)  # data, forward/backward, agree, update
+                rec.step(loss, bad)  # on the device: read a log interval later
                 # Agreed in the step's exchange: True on every rank after the same step.
                 stopping = self.guard.preempted
                 last = step == cfg.max_steps
-                save = self.ckpt.due(step, last or stopping)
-                evaluate = eval_loader is not None and (
-                    last or (cfg.eval_every > 0 and step % cfg.eval_every == 0 and not stopping)
-                )
+                save, evaluate = self._due(step, last, stopping, eval_loader is not None)
                 # Saves close a log interval too, so a resumed run logs the same intervals as
                 # an uninterrupted one.
                 if step % cfg.log_every == 0 or last or evaluate or save:
                     self.watch.beat(step, watchdog.LOG)
-                    wait = train.wait.take()  # GPU events in it are read at publish, not now
-                    interval = rec.snapshot(step, steps, loss_sum, lr, start, wait)
-                    if pending is not None:
-                        rec.publish(pending)  # the previous interval: its GPU work is done by now
-                    pending, start, steps = interval, interval.end, 0
-                    loss_sum = torch.zeros(2, device=self.rt.device)
+                    # The loader's GPU events in the wait are read at publish, not now.
+                    rec.close_interval(step, lr, train.wait.take(), self.loss_scale())
                 if evaluate or save:
-                    # Now, not an interval later: the record is complete up to the step that is
-                    # evaluated or saved (and a restart's purge_step starts right after it).
-                    rec.publish(pending)
-                    pending = None
-                if evaluate:
-                    self._enter("eval")  # the interval published above: its GPU work is done
-                    rec.eval_loss(step, self.evaluate(eval_loader))
-                if save:
-                    # Every verdict up to this step, now: a non-finite step is never saved.
-                    self.guard.settle()
-                    self._enter("checkpoint")
-                    self.watch.beat(step, watchdog.SAVE)
-                    rec.flush()  # the record up to this step is on disk, as the checkpoint is
-                    saved = self.save(step, train, required=last or stopping)
-                    if saved is not None and goodput is not None:  # rank 0, the one that counts
-                        goodput.checkpointed(step)
-                    rec.save_goodput()
-                if evaluate or save:
-                    self._enter("training")
-                    start = rec.clock.mark()  # neither is training step time
+                    required = last or stopping  # a save that must not fail quietly
+                    self._evaluate_and_save(step, eval_loader if evaluate else None, save, required)
                 if stopping and not last:
                     self.guard.settle()  # no exchange left running when the group goes
+                    stop = self.preemption
                     raise Preempted(step, stop.signum if stop is not None else None)
             self.guard.settle()
-            if pending is not None:
-                rec.publish(pending)
+            rec.publish_pending()
             rec.finish(cfg.max_steps)
         except Exception as err:
             if watchdog.is_timeout(err):
@@ -359,26 +302,115 @@ class Trainer:
             raise
         finally:
             self.watch.stop()
-            if profiler is not None:
-                profiler.close()
+            if self.profiler is not None:
+                self.profiler.close()
             batches.close()  # ends the running epoch: in-flight batches retired, threads joined
             if owned:
                 train.close()
+
+    def _step(self, batches: Iterator[Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.profiler is not None:
+            self.profiler.begin_step(step)
+        loss, bad = self.train_step(batches, step)
+        self.step = step
+        if step == self.start_step + 1:
+            # From here on: the first step is where a compiled model compiles, so start-up
+            # includes it.
+            self._enter("training")
+        return loss, bad
+
+    def _due(self, step: int, last: bool, stopping: bool, evaluates: bool) -> tuple[bool, bool]:
+        """Whether this step saves a checkpoint, and whether it evaluates."""
+        cfg = self.cfg
+        save = self.checkpointer is not None and self.checkpointer.due(step, last or stopping)
+        periodic = cfg.eval_every > 0 and step % cfg.eval_every == 0 and not stopping
+        return save, evaluates and (last or periodic)
+
+    def _begin(self, train: DeviceLoader) -> Iterator[Any]:
+        """The batches from where the run stands, with its RNG states; telemetry's clock."""
+        data = train.loader  # the DataLoader: its sampler, batch size and generator
+        if self.checkpointer is not None:
+            check_resumable(data.sampler)
+        self._data = data
+        self._generators = generators(data)
+        train.wait.take()  # data wait counts from here
+        batches = epochs(train, start=self.start_cursor)
+        self.model.train()
+        if self.checkpointer is not None:
+            self.checkpointer.restore_rng(self._generators)  # the last thing before the first step
+        self.recorder.begin()
+        return batches
+
+    def _evaluate_and_save(
+        self, step: int, eval_loader: Iterable | None, save: bool, required: bool
+    ) -> None:
+        rec = self.recorder
+        # Now, not an interval later: the record is complete up to the step that is evaluated
+        # or saved (and a restart's purge_step starts right after it).
+        rec.publish_pending()
+        if eval_loader is not None:
+            self._enter("eval")  # the interval published above: its GPU work is done
+            rec.eval_loss(step, self.evaluate(eval_loader))
+        if save:
+            # Every verdict up to this step, now: a non-finite step is never saved.
+            self.guard.settle()
+            self._enter("checkpoint")
+            self.watch.beat(step, watchdog.SAVE)
+            rec.flush()  # the record up to this step is on disk, as the checkpoint is
+            saved = self.checkpointer.save(
+                step, self.state_dict, self._generators, required=required
+            )
+            if saved is not None and self.goodput is not None:  # rank 0, the one that counts
+                self.goodput.checkpointed(step)
+            rec.save_goodput()
+        self._enter("training")
+        rec.restart_clock()  # neither is training step time
 
     def _enter(self, category: str) -> None:
         if self.goodput is not None:
             self.goodput.enter(category)
 
-    # ---- checkpoints (mgpu.resume) ----
+    # ---- state: what a checkpoint holds (mgpu.resume saves it, mgpu.state puts it back) ----
 
-    @property
-    def start_step(self) -> int:
-        return self.ckpt.start_step
+    def cursor(self, step: int, data: DataLoader) -> DataCursor:
+        """The position in `data` (the training DataLoader) after `step`: counted from the step
+        number (pure), never from the loader, whose prefetching runs ahead of training."""
+        sampler = data.sampler
+        start = self.start_cursor or DataCursor(sampler.seed, 0, 0, sampler.num_samples)
+        batches = (step - self.start_step) * self.cfg.grad_accum_steps
+        return advance(start, batches, batch_size=data.batch_size, world_size=self.rt.world_size)
+
+    def state_dict(self) -> dict:
+        """The replicated training state after the last step fit did: model (unwrapped: its
+        keys carry no wrapper prefix), optimizer, schedule, loss scaler, step and data cursor."""
+        return self._state(self.step, self._data)
+
+    def _state(self, step: int, data: DataLoader) -> dict:
+        return training_state(
+            model=unwrap(self.model), optimizer=self.optimizer, schedule=self.schedule,
+            scaler=self.scaler, step=step, cursor=self.cursor(step, data),
+        )  # fmt: skip
 
     def save(self, step: int, loader: DeviceLoader | DataLoader, *, required: bool) -> Path | None:
-        """Every rank together saves step `step` (RunCheckpoints.save). A collective."""
-        return self.ckpt.save(step, loader, required=required)
+        """Every rank together saves the state after `step`, trained from `loader` (its cursor
+        and generator state go in the checkpoint, not the loader). A collective; fit saves
+        through the same checkpointer."""
+        data = loader.loader if isinstance(loader, DeviceLoader) else loader
+        return self.checkpointer.save(
+            step, lambda: self._state(step, data), generators(data), required=required
+        )
 
-    def resume(self, loaded: Loaded, loader: DeviceLoader | DataLoader) -> None:
-        """Continue from a checkpoint (checkpoint.load's result for this rank)."""
-        self.ckpt.resume(loaded, loader)
+    def load_state_dict(self, state: dict, *, source: str = "checkpoint") -> None:
+        """Continue from `state` (a checkpoint's shared state): model, optimizer, schedule and
+        scaler now; fit starts after its step, at its data cursor, on any number of ranks."""
+        self.start_step, self.start_cursor = restore_training_state(
+            state, model=unwrap(self.model), optimizer=self.optimizer,
+            schedule=self.schedule, scaler=self.scaler, source=source,
+        )  # fmt: skip
+        self.step = self.start_step
+        # mgpu's reducer re-attaches its buckets at the first forward after gradients are None.
+        self.optimizer.zero_grad(set_to_none=True)
+        log.info(
+            "resumed from %s: step %d, epoch %d with %d of its samples done",
+            source, self.start_step, self.start_cursor.epoch, self.start_cursor.consumed,
+        )  # fmt: skip

@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as tdist
 
-from mgpu.dist import Runtime, store_client
+from mgpu.dist import RunStopped, Runtime, store_client
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,11 @@ def progress(record: dict) -> tuple[int, int]:
     return record["step"], ORDER.index(phase) if phase in ORDER else -1
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective waited longer than dist.timeout_s; the message names it and the laggards."""
+class CollectiveTimeout(RuntimeError, RunStopped):
+    """A collective waited longer than dist.timeout_s; the message names it and the laggards.
+    Said by the rank that waited, whichever rank it is."""
+
+    every_rank = False
 
 
 class Watchdog:

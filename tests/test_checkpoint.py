@@ -26,7 +26,6 @@ from mgpu.checkpoint import (
     find_latest_valid,
     load,
     prune,
-    resolve_resume,
     step_dir,
     verify,
     write_rank_files,
@@ -35,6 +34,7 @@ from mgpu.config import CheckpointConfig, ConfigError, OptimConfig
 from mgpu.loader import epochs
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
+from mgpu.resume import resolve_resume
 from mgpu.sampler import DataCursor, ShardedSampler, advance, epoch_order, remaining_indices
 from mgpu.state import (
     CheckpointMismatch,

@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +20,16 @@ from faults import first_sample_of_step, recorded
 from test_checkpoint import bitflip, no_space
 from torch.utils.data import DataLoader, TensorDataset
 
+from mgpu.board import TensorBoard
 from mgpu.checkpoint import CheckpointError, find_latest_valid, load, step_dir
 from mgpu.config import NonFinite, OptimConfig, Precision, TrainerConfig
 from mgpu.dist import Runtime, parse_launch_env, restart_hazard
 from mgpu.guard import LAG, NonFiniteGuard
+from mgpu.metrics import Recorder
 from mgpu.models import MLP
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
-from mgpu.resume import CheckpointPlan
+from mgpu.resume import Checkpointer, CheckpointPlan
 from mgpu.sampler import ShardedSampler, epoch_order
 from mgpu.trainer import Trainer
 
@@ -389,7 +392,8 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     root = tmp_path / "checkpoints"
     plan = CheckpointPlan(root, every=1, keep_last=3, token="t", config="trainer: {}\n")
     tcfg = TrainerConfig(precision=Precision.fp32, grad_accum_steps=2)
-    trainer = Trainer(tcfg, model, optimizer, schedule, rt, checkpoints=plan)
+    checkpointer = Checkpointer(plan, rt, seed=0, loaded=None)
+    trainer = Trainer(tcfg, model, optimizer, schedule, rt, checkpointer=checkpointer)
     data = TensorDataset(torch.randn(40, 8), torch.randint(0, 5, (40,)))
     sampler = ShardedSampler(40, 0, 1, shuffle=True, seed=0, even=True)
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
@@ -406,3 +410,41 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
         trainer.save(5, loader, required=True)  # final or preemption: stops the run
     assert find_latest_valid(root) == (step_dir(root, 3), [])
     assert sorted(p.name for p in root.iterdir()) == ["step-00000003"]
+
+
+def small_trainer(rt, steps: int, seed: int) -> tuple[Trainer, DataLoader]:
+    torch.manual_seed(seed)
+    model = MLP(in_features=8, num_classes=5, hidden=[16])
+    optimizer = build_optimizer(OptimConfig(warmup_steps=2), model, rt.device)
+    schedule = build_schedule(OptimConfig(warmup_steps=2), optimizer, max_steps=steps)
+    tcfg = TrainerConfig(
+        precision=Precision.fp32, grad_accum_steps=2, max_steps=steps, log_every=2, eval_every=0
+    )
+    recorder = Recorder(rt, TensorBoard(Path("."), enabled=False), samples_per_step=8,
+                        tokens_per_sample=None, max_steps=steps)  # fmt: skip
+    trainer = Trainer(tcfg, model, optimizer, schedule, rt, recorder=recorder)
+    torch.manual_seed(0)  # the same data for every trainer
+    data = TensorDataset(torch.randn(40, 8), torch.randint(0, 5, (40,)))
+    sampler = ShardedSampler(40, 0, 1, shuffle=True, seed=0, even=True)
+    return trainer, DataLoader(data, batch_size=4, sampler=sampler)
+
+
+def test_a_trainers_state_dict_continues_another_trainer_bit_for_bit():
+    """Trainer.state_dict() after 3 of 7 steps, loaded into a trainer with other weights,
+    continues to the same parameters as 7 uninterrupted steps (the data from its cursor)."""
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    whole, loader = small_trainer(rt, 7, seed=0)
+    whole.fit(loader, None)
+    first, loader = small_trainer(rt, 7, seed=0)
+    first.cfg.max_steps = 3
+    first.fit(loader, None)
+    state = first.state_dict()
+    # 3 steps x 2 micro-batches x 4 samples: 24 of epoch 0's 40
+    assert state["step"] == 3 and state["data"]["consumed"] == 24 and "config" not in state
+    second, loader = small_trainer(rt, 7, seed=1)
+    second.load_state_dict(state)
+    assert (second.start_step, second.start_cursor.consumed) == (3, 24)
+    second.fit(loader, None)
+    for a, b in zip(whole.model.parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert whole.state_dict()["data"] == second.state_dict()["data"]

@@ -1,0 +1,201 @@
+"""The data group's schemas (`data=...`): one per built-in dataset, plus a user's own; the loader
+keys (batch size, workers, prefetching) are shared by all of them in DataConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from omegaconf import MISSING
+
+from mgpu.config_checks import ConfigError, _non_negative, _positive, _require
+from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
+from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
+
+
+class Decode(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class BadFiles(Enum):
+    error = "error"
+    skip = "skip"
+
+
+@dataclass
+class DataConfig:
+    _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)
+    batch_size: int = 32  # per device, per micro-step
+    # DataLoader worker processes per rank: a number, or auto (this node's CPUs shared out per
+    # local process, less two for the training process's own threads; mgpu.loader.worker_count).
+    num_workers: Any = "auto"
+    pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
+    prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)
+    prefetch_depth: int = 2  # batches copied to the GPU ahead of use, on the loader's side stream
+    device_transform: str = "auto"  # auto: the dataset's `device_transform`; none: leave inputs
+
+    def __post_init__(self) -> None:
+        _positive("data.batch_size", self.batch_size, "32")
+        if self.num_workers != "auto":
+            ok = isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
+            why = "must be auto or a number of worker processes >= 0, e.g. data.num_workers=8"
+            _require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
+        _positive("data.prefetch_factor", self.prefetch_factor, "2")
+        _positive("data.prefetch_depth", self.prefetch_depth, "2")
+        _require(
+            self.device_transform in ("auto", "none"),
+            "data.device_transform",
+            self.device_transform,
+            "must be auto (the dataset's own, if it has one) or none",
+        )
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        """The fields a Dataset's constructor receives: everything but the loader keys."""
+        loader_keys = {f.name for f in fields(DataConfig)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in loader_keys}
+
+
+@dataclass
+class NgramDataConfig(DataConfig):
+    _target_: str = "mgpu.data.NgramTokens"
+    vocab_size: int = 256
+    seq_len: int = 64
+    order: int = 1  # tokens of context that decide the next token's successor set
+    branching: int = 4  # successors per context; the source's entropy is ln(branching) nats/token
+    num_samples: int = 100_000
+    eval_samples: int = 1024
+    seed: int = 1234  # fixes the source and the samples (independent of trainer.seed)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _require(
+            self.branching <= self.vocab_size,
+            "data.branching",
+            self.branching,
+            f"must be <= data.vocab_size ({self.vocab_size})",
+        )
+
+
+@dataclass
+class ImageDataConfig(DataConfig):
+    _target_: str = "mgpu.data.SyntheticImages"
+    num_classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    num_samples: int = 50_000
+    eval_samples: int = 1_000
+    noise: float = 48.0  # pixel noise std around each class template (uint8 scale)
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _non_negative("data.noise", self.noise, "48")
+
+
+@dataclass
+class TokenFileDataConfig(DataConfig):
+    _target_: str = "mgpu.data.TokenFile"
+    path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
+    seq_len: int = 1024
+    eval_samples: int = 256  # the file's last windows, held out for evaluation
+    vocab_size: int = 50304  # every token in the file must be below this
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("seq_len", "eval_samples", "vocab_size"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+
+
+@dataclass
+class ImageFolderDataConfig(DataConfig):
+    """Your own images: `data=image_folder data.path=DIR`, one subfolder of images per class."""
+
+    _target_: str = "mgpu.data.ImageFolder"
+    path: str = MISSING  # DIR/<class>/<image>.jpg|.jpeg|.png: the training images
+    # The same layout for evaluation; empty: eval_samples images of data.path are held out
+    # (spread evenly over its sorted file list) and not trained on.
+    eval_path: str = ""
+    eval_samples: int = 1000
+    # The class folders, in label order. Empty: every subfolder of data.path, sorted by name;
+    # the run's config.yaml records the list, so a later evaluation keeps the same labels.
+    classes: list[str] = field(default_factory=list)
+    image_size: int = 224  # training crops and evaluation crops are image_size x image_size
+    # Where JPEGs are decoded: cpu (Pillow, in the DataLoader workers), gpu (torchvision's
+    # nvJPEG, in the prefetcher; PNGs stay on the CPU), auto (mgpu.data.gpu_decode says which).
+    decode: Decode = Decode.auto
+    # An unreadable image: error stops the run naming the file; skip replaces it by the next
+    # readable one, names it in the rank's log and counts it (data/bad_files_replaced).
+    bad_files: BadFiles = BadFiles.error
+    # Training crops: a random box of scale x the image's area and an aspect ratio log-uniform
+    # in ratio, resized to image_size, flipped half the time (drawn from trainer.seed, the
+    # epoch and the sample). Evaluation: the center square of eval_crop x the shorter side.
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    eval_crop: float = 0.875
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Built in code (tests, benchmarks) these may come as the names users type.
+        self.decode = Decode(getattr(self.decode, "value", self.decode))
+        self.bad_files = BadFiles(getattr(self.bad_files, "value", self.bad_files))
+        _positive("data.image_size", self.image_size, "224")
+        _positive("data.eval_samples", self.eval_samples, "1000")
+        ok = len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] <= 1
+        _require(ok, "data.scale", self.scale, "must be [min,max] in (0, 1], e.g. [0.08,1.0]")
+        ok = len(self.ratio) == 2 and 0 < self.ratio[0] <= self.ratio[1]
+        _require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
+        ok = 0 < self.eval_crop <= 1
+        _require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
+        if self.decode is Decode.gpu:
+            why = gpu_decode_unavailable()
+            _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
+        self._check_folders()
+
+    def _check_folders(self) -> None:
+        """The image tree: missing paths, no class folders, empty ones. A folder listing per
+        class, before any process group exists."""
+        try:
+            check_root("data.path", self.path)
+            discovered = class_folders(self.path)
+            if not self.classes:
+                self.classes = discovered
+            check_layout("data.path", self.path, self.classes)
+            if self.eval_path:
+                check_layout("data.eval_path", self.eval_path, self.classes)
+                extra = sorted(set(class_folders(self.eval_path)) - set(self.classes))
+                _require(
+                    not extra,
+                    "data.eval_path",
+                    self.eval_path,
+                    f"has class folders {extra} that are not among the classes; remove them "
+                    "or add them to data.path",
+                )
+        except FolderError as err:
+            raise ConfigError(err.key, err.value, err.why) from None
+
+    def resolved(self) -> dict[str, Any]:
+        """Values found on disk, for the run's saved config: the class list."""
+        return {"classes": list(self.classes)}
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        kwargs = super().dataset_kwargs()
+        kwargs["decode"] = resolve_decode(self.decode.value)
+        kwargs["bad_files"] = self.bad_files.value
+        return kwargs
+
+
+@dataclass
+class CustomDataConfig(DataConfig):
+    """A user's Dataset: `data=custom data._target_=pkg.MyDataset +data.kwargs.root=/data`."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)

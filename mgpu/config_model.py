@@ -1,0 +1,111 @@
+"""The model group's schemas (`model=...`): one per built-in model, plus a user's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from omegaconf import MISSING
+
+from mgpu.config_checks import _positive, _require
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING  # import path of an nn.Module class built as Cls(**kwargs)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_target_"}
+
+
+@dataclass
+class GPTModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.GPT"
+    vocab_size: int = 256
+    block_size: int = 64  # longest sequence the position embedding covers
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    # Attention kernel: auto (cuDNN first, then torch's order), torch (torch's own choice), or
+    # only one of cudnn, flash, efficient, math.
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        from mgpu.models.gpt import ATTENTION  # the kernels live with the model
+
+        _require(
+            self.attention in ATTENTION,
+            "model.attention",
+            self.attention,
+            f"must be one of {', '.join(ATTENTION)}",
+        )
+        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            _positive(f"model.{key}", getattr(self, key), "a positive integer")
+        _require(
+            self.n_embd % self.n_head == 0,
+            "model.n_embd",
+            self.n_embd,
+            f"must be divisible by model.n_head ({self.n_head})",
+        )
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+
+
+@dataclass
+class ResNetModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.ResNet"
+    num_classes: int = 10
+    block: str = "basic"  # basic | bottleneck
+    layers: list[int] = field(default_factory=lambda: [1, 1, 1, 1])  # blocks per stage
+    width: int = 16  # channels of the first stage
+    in_channels: int = 3
+    stem: str = "cifar"  # cifar (3x3, no pool, for small images) | imagenet (7x7 + pool)
+
+    def __post_init__(self) -> None:
+        _positive("model.num_classes", self.num_classes, "10")
+        _positive("model.width", self.width, "64")
+        _require(
+            self.block in ("basic", "bottleneck"),
+            "model.block",
+            self.block,
+            "must be basic or bottleneck",
+        )
+        _require(
+            self.stem in ("cifar", "imagenet"), "model.stem", self.stem, "must be cifar or imagenet"
+        )
+        _require(
+            len(self.layers) > 0 and all(n > 0 for n in self.layers),
+            "model.layers",
+            self.layers,
+            "must be a non-empty list of positive block counts",
+        )
+
+
+@dataclass
+class MLPModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.MLP"
+    in_features: int = 3 * 32 * 32
+    num_classes: int = 10
+    hidden: list[int] = field(default_factory=lambda: [256, 256])
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("model.in_features", self.in_features, "3072")
+        _positive("model.num_classes", self.num_classes, "10")
+        _require(
+            all(h > 0 for h in self.hidden),
+            "model.hidden",
+            self.hidden,
+            "must be positive layer widths, e.g. [256,256]",
+        )
+
+
+@dataclass
+class CustomModelConfig(ModelConfig):
+    """A user's module: `model=custom model._target_=pkg.MyNet +model.kwargs.width=64`."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)
