@@ -31,20 +31,17 @@ def gpu_decode_unavailable() -> str | None:
 
 
 def resolve_decode(mode: str) -> str:
-    """data.decode: cpu and gpu as they are; auto is gpu where a GPU and torchvision are there.
+    """data.decode: cpu and gpu as they are; auto is cpu.
 
-    Why gpu (expected; bench/input_pipeline.py --models resnet50_folder measures both beside
-    the batch already on the GPU, and this rule follows what it shows): on A100/H100-class
-    GPUs torchvision's nvJPEG decodes baseline JPEGs on the GPU's hardware JPEG engines, off
-    its SMs and off the CPU. Pillow's decode, crop and resize of a 500x375 JPEG took 3.0-3.5 ms
-    of a core on the development machine, so data.num_workers=auto (14 workers on a 16-core,
-    one-GPU host) gives at most ~4,500 images/s: no margin over what one H100 trains ResNet-50
-    at (3,759 images/s eager, 4,731 compiled; B=128, bf16, torch 2.11), less on hosts with fewer
-    cores per GPU. On decode=gpu a worker only reads the file and its header (0.2 ms).
+    Measured on one H100 with 16 cores (bench/results/input_pipeline-nvidia-h100-80gb-hbm3-x1-
+    20261125-071918.json: ResNet-50, B=256, eager bf16, 3,000 ImageNet-sized JPEGs, 14 workers):
+    Pillow in the workers fed 0.993 of the batch already on the GPU with 0.09 % data wait, while
+    nvJPEG on the prefetcher's copy thread fed 0.906 (5 % data wait) and decoding inline in the
+    training loop 0.686: torchvision's GPU decode waits on the host for its own work, and the
+    decode kernels take the GPU from training. decode=gpu is for hosts with too few cores per
+    GPU for Pillow to keep up (Pillow took 3.0-3.5 ms of a core a 500x375 sample).
     """
-    if mode != "auto":
-        return mode
-    return "gpu" if gpu_decode_unavailable() is None else "cpu"
+    return "cpu" if mode == "auto" else mode
 
 
 def _probe_jpeg() -> Tensor:
