@@ -12,10 +12,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # model.attention -> the SDPA kernels allowed, in the order they are tried. `auto` puts cuDNN's
-# fused attention first: on Hopper it runs GPT-2's causal 64-wide heads faster than the
-# FlashAttention-2 kernel torch picks by itself (bench/README.md, "Attention kernels"); where
-# cuDNN can't run the inputs (no GPU, an older cuDNN or GPU) torch's own order follows, as
-# torch would have chosen. A named kernel is the only one allowed: torch raises if it can't run.
+# fused attention first, then torch's own order. On one H100 (torch 2.11, cuDNN 9.19) GPT-2-
+# small's eager forward and backward took 50.2 ms a step with cuDNN's kernels against 51.8 ms
+# with FlashAttention-2 (B=16, T=1024, 64-wide heads; torch 2.11 picks cuDNN there by itself);
+# auto keeps that choice whatever order a torch release prefers, and where cuDNN can't run the
+# inputs (no GPU, an older GPU or cuDNN) the next kernel runs, as torch would have chosen it.
+# `torch` leaves the choice to torch; a named kernel is the only one allowed (torch raises if
+# it can't run).
 ATTENTION = {
     "auto": [
         SDPBackend.CUDNN_ATTENTION,
