@@ -45,6 +45,7 @@ from mgpu.buckets import Bucket, FlatBuffers, assign_buckets  # noqa: F401 - Buc
 from mgpu.config import DistConfig, Engine, ReduceDtype
 from mgpu.dist import Runtime
 from mgpu.profiling import REDUCE, phase
+from mgpu.shard import sharding
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ class GradReducer:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Buckets of one parameter reduced in its own .grad (Bucket.own); False packs every
         # bucket, for measuring what that saves (bench/engines.py mgpu_packed).
-        self.in_place = True
+        self.in_place = not cfg.shard_optimizer
+        # dist.shard_optimizer: buckets packed, padded and reduce-scattered (mgpu.shard)
+        self.shards = sharding(cfg, module, rt, self.group, self.stream, self.reduce_dtype)
         # Reverse registration order approximates backward order; the first step checks it.
         self._build(list(reversed(range(len(self.params)))))
         # Kept so that remove() can take the reducer off the parameters again.
@@ -126,9 +129,10 @@ class GradReducer:
     def _build(self, order: list[int]) -> None:
         ordered = [self.params[i] for i in order]
         groups = assign_buckets(ordered, self.cap_bytes, self.first_cap_bytes)
-        self.buckets = [
-            Bucket(i, g, self.reduce_dtype, self.in_place) for i, g in enumerate(groups)
-        ]
+        wire, pad = (self.reduce_dtype, 1) if self.shards is None else (None, self.world)
+        self.buckets = [Bucket(i, g, wire, self.in_place, pad) for i, g in enumerate(groups)]
+        if self.shards is not None:
+            self.shards.build(self.buckets)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.slot = {id(p): i for b in self.buckets for i, p in enumerate(b.params)}
         self.next_launch = 0
@@ -274,6 +278,9 @@ class GradReducer:
             self._all_reduce(bucket)
 
     def _all_reduce(self, bucket: Bucket) -> None:
+        if self.shards is not None:
+            bucket.work = self.shards.reduce_scatter(bucket)
+            return
         tensor = bucket.tensor()
         if bucket.wire is not None:
             bucket.wire.copy_(tensor)

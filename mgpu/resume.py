@@ -119,6 +119,8 @@ class RunCheckpoints:
         path = None
         try:
             state = {"rng": capture_rng(rt.device, _generators(loader))}
+            # On every rank: a sharded optimizer gathers its state (a collective).
+            optimizer_state = self.optimizer.state_dict()
             write_rank_files(plan.root, step, rt.rank, state, token=plan.token)
         except Exception as err:  # noqa: BLE001 - every rank must reach the barrier below
             error = err
@@ -126,7 +128,7 @@ class RunCheckpoints:
             if rt.is_primary:
                 try:
                     shared = training_state(
-                        model=unwrap(self.model), optimizer=self.optimizer,
+                        model=unwrap(self.model), optimizer=optimizer_state,
                         schedule=self.schedule, scaler=self.scaler, step=step,
                         cursor=self.cursor(step, loader), config=plan.config,
                     )  # fmt: skip

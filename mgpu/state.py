@@ -73,12 +73,14 @@ def training_state(
     *, model: nn.Module, optimizer, schedule, scaler, step: int, cursor: DataCursor, config: str
 ) -> dict:
     """The replicated state rank 0 saves. `model` is the unwrapped module (comm.unwrap), so the
-    keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML."""
+    keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML.
+    `optimizer`: the optimizer, or its state_dict taken already (a sharded optimizer's is a
+    collective, taken on every rank)."""
     return {
         "step": step,
         "data": cursor.to_dict(),  # also holds the epoch
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer if isinstance(optimizer, dict) else optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "scaler": scaler.state_dict(),
         "config": config,
@@ -131,10 +133,13 @@ def restore_optimizer(
 ) -> None:
     """optimizer.load_state_dict after comparing parameter groups and state shapes; with `model`
     a mismatch is named by parameter name, else by index."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # A sharded optimizer's state is in the unsharded format, over the user's parameters.
+    groups = getattr(optimizer, "full_groups", None)
+    own_groups = [{"params": g} for g in groups] if groups else optimizer.param_groups
+    params = [p for group in own_groups for p in group["params"]]
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     label = [names.get(id(p), f"parameter #{i}") for i, p in enumerate(params)]
-    saved_groups, own_groups = state_dict["param_groups"], optimizer.param_groups
+    saved_groups = state_dict["param_groups"]
     problems = []
     if len(saved_groups) != len(own_groups):
         n, m = len(saved_groups), len(own_groups)

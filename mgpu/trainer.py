@@ -37,6 +37,7 @@ from mgpu.models import compile_mode
 from mgpu.preempt import Preempted, Preemption
 from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
 from mgpu.resume import CheckpointPlan, RunCheckpoints
+from mgpu.shard import ShardedOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,13 @@ class Trainer:
             init_scale=cfg.loss_scale_init,
             enabled=self.amp_dtype is torch.float16,
         )
+        self.sharded = isinstance(optimizer, ShardedOptimizer)
+        if self.sharded and self.scaler.is_enabled():
+            raise ValueError(
+                "dist.shard_optimizer=true does not support fp16 (trainer.precision=fp16, or auto "
+                "on a GPU without bf16): its loss scaler would skip steps per shard. Use "
+                "trainer.precision=bf16 or fp32, or dist.shard_optimizer=false"
+            )
         self.ckpt = RunCheckpoints(checkpoints, cfg, rt, model, optimizer, schedule, self.scaler)
         self.channels_last = rt.device.type == "cuda" and getattr(
             unwrap(model), "channels_last", False
@@ -219,7 +227,10 @@ class Trainer:
 
     def _update(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.sharded:  # this rank's averaged shards; the norm sums every rank's (mgpu.shard)
+            grads, norm = self.optimizer.shard_grads(), self.optimizer.grad_norm()
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.scaler.is_enabled():
             # fp16: overflowing gradients are the scaler's to skip. A non-finite loss (agreed
             # across ranks) poisons the gradients so that the scaler skips that step too, on
@@ -235,7 +246,8 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+            if not self.sharded:
+                norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
             scale = None
             if self.cfg.grad_clip > 0 and norm is not None:
                 if fused(self.optimizer):
