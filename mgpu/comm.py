@@ -79,7 +79,9 @@ class GradReducer:
         self.steps_started = 0
         # ids of parameters whose .grad is their bucket slice in this step
         self.attached: set[int] = set()
-        self.observed: list[int] | None = []  # first step's gradient order; None once learned
+        # The first step's gradient order; None once learned, or never learned under
+        # dist.shard_optimizer (a relayout would split the shards apart from a resumed run's).
+        self.observed: list[int] | None = None if cfg.shard_optimizer else []
         # (backward end, reduce end) marks per synchronised step (take_exposed); bounded
         # so that a run that never reads them does not grow without limit.
         self.exposed: deque = deque(maxlen=10_000)
@@ -154,7 +156,7 @@ class GradReducer:
             return
         self.step_done = False
         self.steps_started += 1
-        if self.steps_started == 2:
+        if self.steps_started == 2 and self.observed is not None:
             self._learn_order()  # every rank at the same step: it broadcasts
         cleared = [p.grad is None for p in self.params]
         if any(cleared):

@@ -19,9 +19,12 @@ Stream rules (CUDA), added to mgpu.comm's:
    reads a parameter again: at the start of the next forward of the module (a forward pre-hook,
    so evaluation too), before its state_dict (a pre-hook) and before the next optimizer step,
    which writes the parameter shards the all-gathers read. The host does not wait on CUDA.
-4. A new layout (the reducer's buckets rebuilt in observed gradient order, once) first waits
-   for the all-gathers, then copies the parameters into new flat tensors; the old ones are kept
-   by the optimizer until it has moved its state to the new layout at its next step.
+4. The layout is made once, at wrap time, in the reducer's assumed gradient order (reverse
+   registration): under sharding the reducer does not rebuild its buckets in the observed order,
+   so that a resumed run steps the same shards as an uninterrupted one (the CPU's fused kernels
+   round a piece's vectorised body and its tail apart, and the clipping norm is summed shard by
+   shard: another split is another rounding). A bucket that waits for a late gradient launches
+   later; the results are the same.
 On CPU (gloo) the same waits block the host instead.
 """
 
@@ -99,9 +102,10 @@ class Shards:
         ]
 
     def build(self, buckets: list[Bucket]) -> None:
-        """A new layout for these buckets (at wrap time, and once more if the reducer rebuilds
-        them); the parameters move into its flat tensors with their current values."""
-        self.wait_params()
+        """The layout for these buckets, once (rule 4); the parameters move into its flat tensors
+        with their current values."""
+        if self.layout:
+            raise RuntimeError("mgpu.shard: the buckets of a sharded optimizer are laid out once")
         self.layout = [BucketShard(b, self.rank, self.world, self.wire) for b in buckets]
 
     def reduce_scatter(self, bucket: Bucket) -> _Landing:
@@ -196,8 +200,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.load_state_dict(optimizer.state_dict())
 
     def _build(self, layout: list[BucketShard]) -> None:
-        """Segments of this layout and an inner optimizer of the user's kind over them; the
-        groups keep their current hyperparameters (lr included)."""
+        """Segments of this layout and an inner optimizer of the user's kind over them, in the
+        user's groups with their hyperparameters."""
         group_of = {id(p): g for g, params in enumerate(self.full_groups) for p in params}
         self.layout, self.segments = layout, []
         for i, s in enumerate(layout):
@@ -226,8 +230,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("dist.shard_optimizer=true: optimizer.step takes no closure")
         self.shards.wait_params()  # rule 3: the all-gathers still read the parameter shards
-        if self.layout is not self.shards.layout:
-            self._relayout()
         # The fused kernels' skip flag and clipping divisor (mgpu.guard sets them on this object)
         self.inner.grad_scale = getattr(self, "grad_scale", None)
         self.inner.found_inf = getattr(self, "found_inf", None)
@@ -236,15 +238,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             del self.inner.grad_scale, self.inner.found_inf
         self.shards.gather()
-
-    def _relayout(self) -> None:
-        """Move the state to the reducer's new layout (a collective: every rank at one step)."""
-        full = self.state_dict()
-        groups = self.inner.param_groups
-        self.hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        self._build(self.shards.layout)
-        self.param_groups, self.state = self.inner.param_groups, self.inner.state
-        self.load_state_dict(full)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The parameters' gradients (the buckets' slices); the shards keep theirs, which the
@@ -320,10 +313,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Take the user optimizer's unsharded state_dict (from a checkpoint saved with any
         number of processes, sharded or not): each rank keeps its shards' part."""
-        if self.layout is not self.shards.layout:
-            self.layout = None  # the old state is replaced: build on the current layout
-            self._build(self.shards.layout)
-            self.param_groups, self.state = self.inner.param_groups, self.inner.state
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g) for g in self.full_groups]:
             raise ValueError(

@@ -46,7 +46,10 @@ def build(rt, case: str, engine: str, sharded: bool):
     # An unused parameter gets zeros under find_unused but no gradient in the one-process
     # reference, which then skips its weight decay: no decay where the reference is that.
     decay = 0.0 if model_name == "branchy_unused" else 0.1
-    ocfg = OptimConfig(name=OptimizerName(optim), lr=0.05, warmup_steps=2, weight_decay=decay)
+    # AdamW at 0.05 on the GPT is chaotic: runs whose sums differ in order (even the unsharded
+    # reducer against one process) end up 0.1 apart on 4 ranks. GPT-like 1e-3 there.
+    lr = 1e-3 if model_name == "gpt" else 0.05
+    ocfg = OptimConfig(name=OptimizerName(optim), lr=lr, warmup_steps=2, weight_decay=decay)
     optimizer = build_optimizer(ocfg, model, rt.device)
     dcfg = DistConfig(engine=Engine(engine), shard_optimizer=sharded, **overrides)
     model = wrap_model(model, dcfg, rt)
@@ -90,7 +93,6 @@ def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int):
                     "buckets": len(model.reducer.buckets),
                 }
                 if sharded:
-                    result["relearned"] = optimizer.layout is model.reducer.shards.layout
                     try:  # fp16's loss scaler cannot skip steps shard by shard
                         Trainer(TrainerConfig(precision=Precision.fp16), model, optimizer, None, rt)
                     except ValueError as err:
@@ -134,9 +136,7 @@ def assert_equal_training(results: dict, case: str, world: int) -> None:
     """fp32 tolerance: the same sums in another order (the clipping norm is summed shard by
     shard; the CPU's fused kernels round a tensor's vectorised body and its tail apart), which
     steps of lr 0.05 carry into the 6th digit over 20 steps."""
-    # AdamW with clipping on the GPT amplifies them most: the unsharded reducer is 3e-5 away
-    # from the one-process reference there too.
-    tol = 1e-4 if CASES[case][0] == "gpt" else 1e-5
+    tol = 1e-5
     expected = reference(case, world) if "bf16" not in case else None
     for rank in range(world):
         plain = results[case, "plain", rank]["params"]
@@ -156,13 +156,6 @@ def test_sharded_training_equals_unsharded_and_one_process_on_two_ranks(two, cas
 @pytest.mark.parametrize("case", FOUR)
 def test_sharded_training_equals_unsharded_and_one_process_on_four_ranks(four, case):
     assert_equal_training(four, case, 4)
-
-
-def test_the_layout_relearned_after_the_first_step_carries_the_state_over(two):
-    # The tied GPT's gradients do not come in reverse registration order: the reducer rebuilt
-    # its buckets at step 2 and the optimizer moved its state to the new layout (and trained on
-    # equal to the unsharded run, above).
-    assert two["gpt_tied_adamw", "sharded", 0]["relearned"]
 
 
 @pytest.mark.parametrize(("results", "world"), [("two", 2), ("four", 4)])
