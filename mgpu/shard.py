@@ -49,8 +49,8 @@ SCALARS = ("step",)
 
 class BucketShard:
     """One bucket's parameters in a flat tensor (padded like the bucket) and this rank's part:
-    [lo, lo + size) of the flat, as the parameter shard the optimizer steps and the gradient
-    shard the reduce-scatter writes."""
+    [lo, lo + size) of the flat, the parameter shard the optimizer steps, and the gradient shard
+    the reduce-scatter writes."""
 
     def __init__(self, bucket: Bucket, rank: int, world: int, wire: torch.dtype | None):
         self.bucket, self.params, self.offsets = bucket, bucket.params, bucket.offsets
@@ -62,7 +62,10 @@ class BucketShard:
             p.data = view  # the all-gather writes the parameters in place
         self.size = self.full.numel() // world
         self.lo = rank * self.size
-        self.param = self.full[self.lo : self.lo + self.size].clone()
+        # A view: what the optimizer steps is the parameters' own memory, so a write to the
+        # parameters (a checkpoint's load_state_dict) is what it steps next; the all-gather
+        # is in place (this rank's input is its own part of the output).
+        self.param = self.full[self.lo : self.lo + self.size]
         self.grad = torch.zeros_like(self.param, dtype=bucket.flat.dtype)
         # bf16 on the wire: the bucket is copied into wire_in, the shard lands in wire_out
         self.wire_in = self.wire_out = None
