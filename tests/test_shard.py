@@ -14,6 +14,7 @@ from mgpu.config import (
     ConfigError,
     DistConfig,
     Engine,
+    NonFinite,
     OptimConfig,
     OptimizerName,
     Precision,
@@ -35,7 +36,19 @@ CASES = {
     "gpt_tied_adamw": ("gpt", 2, "adamw", 0.5, {"bucket_cap_mb": 0.002}),
     "frozen_unused_sgd": ("branchy_unused", 1, "sgd", 0.0, {"find_unused": True, **PER_PARAM}),
     "bf16_wire": ("mlp", 1, "adamw", 0.0, {"reduce_dtype": ReduceDtype.bf16}),
+    # step NAN_STEP's inputs are NaN: trainer.nonfinite=skip skips its update on every rank
+    "adamw_nan_skipped": ("mlp", 1, "adamw", 0.05, {}),
 }
+NAN_STEP = 5
+
+
+def inputs(case: str, step: int, n: int):
+    x, y = batch(CASES[case][0], step, n)
+    if "nan" in case and step == NAN_STEP:
+        x = torch.full_like(x, float("nan"))
+    return x, y
+
+
 FOUR = ["gpt_tied_adamw", "frozen_unused_sgd"]
 
 
@@ -60,6 +73,7 @@ def build(rt, case: str, engine: str, sharded: bool):
         grad_accum_steps=1 if engine == "none" else accum,
         grad_clip=clip,
         precision=Precision.fp32,
+        nonfinite=NonFinite.skip if "nan" in case else NonFinite.stop,
     )
     return model, optimizer, Trainer(tcfg, model, optimizer, schedule, rt)
 
@@ -78,11 +92,11 @@ def state_bytes(optimizer) -> int:
 def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int):
     with gloo_runtime(rank, port, world) as rt:
         for case in cases:
-            model_name, accum, *_ = CASES[case]
+            accum = CASES[case][1]
             for sharded in (False, True):
                 model, optimizer, trainer = build(rt, case, "mgpu", sharded)
                 for step in range(STEPS):
-                    x, y = batch(model_name, step, world * accum * MICRO)
+                    x, y = inputs(case, step, world * accum * MICRO)
                     starts = [(m * world + rank) * MICRO for m in range(accum)]
                     micro = [(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]
                     trainer.train_step(iter(micro))
@@ -124,11 +138,11 @@ def four(tmp_path_factory):
 
 def reference(case: str, world: int) -> dict:
     """One process on the concatenated batch."""
-    model_name, accum, *_ = CASES[case]
+    accum = CASES[case][1]
     rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
     model, _, trainer = build(rt, case, "none", sharded=False)
     for step in range(STEPS):
-        trainer.train_step(iter([batch(model_name, step, world * accum * MICRO)]))
+        trainer.train_step(iter([inputs(case, step, world * accum * MICRO)]))
     return model.state_dict()
 
 
@@ -208,3 +222,9 @@ def test_an_optimizer_that_cannot_step_flat_shards_is_refused():
     with pytest.raises(ValueError, match="dist.shard_optimizer=true .* Adagrad"):
         check_shardable(torch.optim.Adagrad(model.parameters()))
     check_shardable(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_non_finite_step_is_skipped_on_every_rank(two):
+    for rank in range(2):
+        state = two["adamw_nan_skipped", "sharded", rank]["optimizer"]["state"]
+        assert {s["step"].item() for s in state.values()} == {STEPS - 1}
