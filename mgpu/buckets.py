@@ -19,6 +19,7 @@ class Bucket:
         params: list[nn.Parameter],
         reduce_dtype: torch.dtype | None,
         in_place: bool = True,
+        pad_to: int = 1,
     ):
         self.index, self.params = index, params
         p0 = params[0]
@@ -28,7 +29,10 @@ class Bucket:
         # and write what is often the model's largest gradient (GPT-2's tied embedding, 154 MB)
         # at the very end of backward, where nothing hides it.
         self.own = in_place and len(params) == 1 and p0.is_contiguous()
-        self.flat = None if self.own else torch.zeros(numel, dtype=p0.dtype, device=p0.device)
+        # Padded with zeros to a multiple of `pad_to` (the world size, for mgpu.shard's equal
+        # reduce-scatter shards); the padding is never any parameter's and stays zero.
+        padded = -(-numel // pad_to) * pad_to
+        self.flat = None if self.own else torch.zeros(padded, dtype=p0.dtype, device=p0.device)
         # bf16 communication needs its own buffer: half the bytes on the wire, fp32 kept here.
         self.wire = None
         if reduce_dtype is not None and reduce_dtype != p0.dtype:
@@ -46,21 +50,12 @@ class Bucket:
         self.views = (
             []
             if self.own
-            else [self._slice(p, off) for p, off in zip(params, self.offsets, strict=True)]
+            else [slice_of(self.flat, p, off) for p, off in zip(params, self.offsets, strict=True)]
         )
 
     def tensor(self) -> torch.Tensor:
         """What the all-reduce averages: the flat bucket, or the one parameter's gradient."""
         return self.params[0].grad.view(-1) if self.own else self.flat
-
-    def _slice(self, p: nn.Parameter, offset: int) -> torch.Tensor:
-        """The slice takes the parameter's own strides (channels_last convolution weights
-        included), as autograd's layout contract asks; any dense layout occupies exactly numel
-        consecutive elements. Other layouts (a parameter that is a strided view of a bigger
-        tensor) get contiguous gradients, never ones that spill over."""
-        dense = p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last)
-        stride = p.stride() if dense else torch.empty(p.size(), device="meta").stride()
-        return self.flat.as_strided(p.size(), stride, offset)
 
     def is_attached(self) -> bool:
         """Whether every .grad is where the all-reduce will read it: its slice of the bucket,
@@ -73,6 +68,16 @@ class Bucket:
             p.grad is not None and p.grad.data_ptr() == base + off * size
             for p, off in zip(self.params, self.offsets, strict=True)
         )
+
+
+def slice_of(flat: torch.Tensor, p: nn.Parameter, offset: int) -> torch.Tensor:
+    """p's place in `flat` from `offset`, with the parameter's own strides (channels_last
+    convolution weights included), as autograd's layout contract asks of gradients; any dense
+    layout occupies exactly numel consecutive elements. Other layouts (a parameter that is a
+    strided view of a bigger tensor) get contiguous slices, never ones that spill over."""
+    dense = p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last)
+    stride = p.stride() if dense else torch.empty(p.size(), device="meta").stride()
+    return flat.as_strided(p.size(), stride, flat.storage_offset() + offset)
 
 
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int):

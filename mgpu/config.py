@@ -198,12 +198,18 @@ class DistConfig:
     nccl_max_ctas: int = 0
     ddp_bucket_view: bool = False  # torch_ddp: gradient_as_bucket_view
     ddp_static_graph: bool = False  # torch_ddp: static_graph
+    # mgpu: ZeRO-1. Gradients reduce-scattered, each rank steps and keeps optimizer state for
+    # 1/N of the parameters, which are all-gathered back (mgpu.shard). Not with fp16.
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         _positive("dist.timeout_s", self.timeout_s, "600")
         _positive("dist.bucket_cap_mb", self.bucket_cap_mb, "25")
         _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
         _non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
+        ok = not self.shard_optimizer or self.engine is Engine.mgpu
+        why = f"needs dist.engine=mgpu (not {self.engine.value}); or set dist.shard_optimizer=false"
+        _require(ok, "dist.shard_optimizer", self.shard_optimizer, why)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from mgpu.buckets import Bucket, FlatBuffers, assign_buckets
 from mgpu.config import DistConfig, ReduceDtype
 from mgpu.dist import Runtime
 from mgpu.profiling import REDUCE, phase
+from mgpu.shard import sharding
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,18 @@ class GradReducer:
         self.steps_started = 0
         # ids of parameters whose .grad is their bucket slice in this step
         self.attached: set[int] = set()
-        self.observed: list[int] | None = []  # first step's gradient order; None once learned
+        # The first step's gradient order; None once learned, or never learned under
+        # dist.shard_optimizer (a relayout would split the shards apart from a resumed run's).
+        self.observed: list[int] | None = None if cfg.shard_optimizer else []
         # (backward end, reduce end) marks per synchronised step (take_exposed); bounded
         # so that a run that never reads them does not grow without limit.
         self.exposed: deque = deque(maxlen=10_000)
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self.in_place = in_place  # buckets of one parameter reduced in its own .grad
+        # Buckets of one parameter reduced in its own .grad; never under sharding, whose
+        # buckets are packed and padded to equal shards.
+        self.in_place = in_place and not cfg.shard_optimizer
+        # dist.shard_optimizer: buckets packed, padded and reduce-scattered (mgpu.shard)
+        self.shards = sharding(cfg, module, rt, self.group, self.stream, self.reduce_dtype)
         # Reverse registration order approximates backward order; the first step checks it.
         self._build(list(reversed(range(len(self.params)))))
         # Kept so that remove() can take the reducer off the parameters again.
@@ -129,9 +136,10 @@ class GradReducer:
     def _build(self, order: list[int]) -> None:
         ordered = [self.params[i] for i in order]
         groups = assign_buckets(ordered, self.cap_bytes, self.first_cap_bytes)
-        self.buckets = [
-            Bucket(i, g, self.reduce_dtype, self.in_place) for i, g in enumerate(groups)
-        ]
+        wire, pad = (self.reduce_dtype, 1) if self.shards is None else (None, self.world)
+        self.buckets = [Bucket(i, g, wire, self.in_place, pad) for i, g in enumerate(groups)]
+        if self.shards is not None:
+            self.shards.build(self.buckets)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.slot = {id(p): i for b in self.buckets for i, p in enumerate(b.params)}
         self.next_launch = 0
@@ -153,7 +161,7 @@ class GradReducer:
             return
         self.step_done = False
         self.steps_started += 1
-        if self.steps_started == 2:
+        if self.steps_started == 2 and self.observed is not None:
             self._learn_order()  # every rank at the same step: it broadcasts
         cleared = [p.grad is None for p in self.params]
         if any(cleared):
@@ -279,6 +287,9 @@ class GradReducer:
     def _all_reduce(self, bucket: Bucket) -> None:
         if not self.communicate:
             bucket.work = _NO_WORK
+            return
+        if self.shards is not None:
+            bucket.work = self.shards.reduce_scatter(bucket)
             return
         tensor = bucket.tensor()
         if bucket.wire is not None:

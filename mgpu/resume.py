@@ -178,8 +178,9 @@ class Checkpointer:
     def save(
         self, step: int, state: Callable[[], dict], generators: Generators, *, required: bool
     ) -> Path | None:
-        """Every rank together: each writes its RNG states; barrier; rank 0 takes `state()`
-        (the replicated training state), writes it with the run's config and seals the
+        """Every rank together: each takes `state()` (the replicated training state: a
+        collective where dist.shard_optimizer gathers the optimizer's shards) and writes its RNG
+        states; barrier; rank 0 writes the state with the run's config and seals the
         checkpoint; barrier; rank 0 prunes old ones. A collective.
 
         A failure is logged on the rank where it happened (file and cause); a `required` save
@@ -189,13 +190,14 @@ class Checkpointer:
         path = None
         try:
             own = {"rng": capture_rng(rt.device, generators)}
+            replicated = state()  # on every rank: a sharded optimizer's state is gathered
             write_rank_files(plan.root, step, rt.rank, own, token=plan.token)
         except Exception as err:  # noqa: BLE001 - every rank must reach the barrier below
             error = err
         if all_ok(error is None, rt):  # barrier: every rank's file is on disk
             if rt.is_primary:
                 try:
-                    shared = {**state(), "config": plan.config}
+                    shared = {**replicated, "config": plan.config}
                     path = finalize(plan.root, step, rt.world_size, shared, token=plan.token)
                 except Exception as err:  # noqa: BLE001
                     error = err

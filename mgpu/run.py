@@ -30,6 +30,7 @@ from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import Preemption
 from mgpu.profiling import StepProfiler
 from mgpu.resume import Checkpointer, CheckpointPlan, check_same_data, resume_point
+from mgpu.shard import ShardedOptimizer
 from mgpu.trainer import Trainer
 
 log = logging.getLogger("mgpu")
@@ -147,8 +148,11 @@ def build_run(
     eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
     mfu = mfu_inputs(cfg, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
-    schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     model = build_parallel_model(cfg, model, rt)
+    if isinstance(model, MgpuDataParallel) and model.reducer.shards is not None:
+        # dist.shard_optimizer: the optimizer steps this rank's shards of the reducer's buckets
+        optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
+    schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     # A resumed run's TensorBoard drops what an earlier attempt logged after the checkpoint.
     purge_step = loaded.step + 1 if loaded is not None else None
     board = TensorBoard(run_dir, enabled=rt.is_primary, purge_step=purge_step)

@@ -142,10 +142,13 @@ def restore_optimizer(
 ) -> None:
     """optimizer.load_state_dict after comparing parameter groups and state shapes; with `model`
     a mismatch is named by parameter name, else by index."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    # A sharded optimizer's state is in the unsharded format, over the user's parameters.
+    groups = getattr(optimizer, "full_groups", None)
+    own_groups = [{"params": g} for g in groups] if groups else optimizer.param_groups
+    params = [p for group in own_groups for p in group["params"]]
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     label = [names.get(id(p), f"parameter #{i}") for i, p in enumerate(params)]
-    saved_groups, own_groups = state_dict["param_groups"], optimizer.param_groups
+    saved_groups = state_dict["param_groups"]
     problems = []
     if len(saved_groups) != len(own_groups):
         n, m = len(saved_groups), len(own_groups)

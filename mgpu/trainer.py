@@ -43,6 +43,7 @@ from mgpu.preempt import Preempted, Preemption
 from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
 from mgpu.resume import Checkpointer, check_resumable
 from mgpu.sampler import DataCursor, advance
+from mgpu.shard import ShardedOptimizer
 from mgpu.state import restore_training_state, training_state
 from mgpu.timing import StepTimer
 
@@ -95,6 +96,13 @@ class Trainer:
             init_scale=cfg.loss_scale_init,
             enabled=self.amp_dtype is torch.float16,
         )
+        self.sharded = isinstance(optimizer, ShardedOptimizer)
+        if self.sharded and self.scaler.is_enabled():
+            raise ValueError(
+                "dist.shard_optimizer=true does not support fp16 (trainer.precision=fp16, or auto "
+                "on a GPU without bf16): its loss scaler would skip steps per shard. Use "
+                "trainer.precision=bf16 or fp32, or dist.shard_optimizer=false"
+            )
         self.checkpointer = checkpointer  # None: fit saves nothing
         # Where fit starts: after step 0, at epoch 0's start, unless load_state_dict says
         # otherwise; `step` is the last step done.
@@ -204,7 +212,10 @@ class Trainer:
 
     def _update(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.sharded:  # this rank's averaged shards; the norm sums every rank's (mgpu.shard)
+            grads, norm = self.optimizer.shard_grads(), self.optimizer.grad_norm()
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if self.scaler.is_enabled():
             # fp16: overflowing gradients are the scaler's to skip. A non-finite loss (agreed
             # across ranks) poisons the gradients so that the scaler skips that step too, on
@@ -220,7 +231,8 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+            if not self.sharded:
+                norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
             scale = None
             if self.cfg.grad_clip > 0 and norm is not None:
                 if fused(self.optimizer):
@@ -382,7 +394,9 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The replicated training state after the last step fit did: model (unwrapped: its
-        keys carry no wrapper prefix), optimizer, schedule, loss scaler, step and data cursor."""
+        keys carry no wrapper prefix), optimizer, schedule, loss scaler, step and data cursor.
+        Under dist.shard_optimizer a collective (the optimizer's shards are gathered): every
+        rank calls it."""
         return self._state(self.step, self._data)
 
     def _state(self, step: int, data: DataLoader) -> dict:

@@ -1,6 +1,7 @@
 """Run under torchrun on GPUs: a tiny GPT and a tiny ResNet (BatchNorm buffers, broadcast from
-rank 0) trained with dist.engine=mgpu and with torch DDP from the same start on the same
-batches; rank 0 prints the largest difference of parameters and buffers.
+rank 0) trained with dist.engine=mgpu (with dist.shard_optimizer=true given "shard") and with
+torch DDP from the same start on the same batches; rank 0 prints the largest difference of
+parameters and buffers.
 Used by test_reducer_gpu.py, also under TORCH_CUDA_SANITIZER=1."""
 
 import sys
@@ -15,6 +16,7 @@ from mgpu.config import DistConfig, Engine, OptimConfig, Precision, TrainerConfi
 from mgpu.dist import distributed  # noqa: E402
 from mgpu.models import GPT, ResNet  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
+from mgpu.shard import ShardedOptimizer  # noqa: E402
 from mgpu.trainer import Trainer  # noqa: E402
 
 STEPS, ACCUM = int(sys.argv[1]), 2
@@ -23,7 +25,9 @@ torch.backends.cudnn.allow_tf32 = False
 torch.backends.cudnn.deterministic = True
 # "race": the negative control of the sanitizer test. The compute stream no longer waits for the
 # communication stream before reading the reduced gradients, a race the sanitizer must report.
-RACE = sys.argv[2:] == ["race"]
+RACE = "race" in sys.argv[2:]
+# "shard": the mgpu runs with dist.shard_optimizer=true (reduce-scatter, all-gather; mgpu.shard)
+SHARD = "shard" in sys.argv[2:]
 
 
 def _finish_without_waiting(self) -> None:
@@ -57,9 +61,13 @@ def train(name: str, engine: Engine, rt) -> dict:
     model = model.to(rt.device)
     ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
-    schedule = build_schedule(ocfg, optimizer, STEPS)
     # tiny buckets: many buckets in flight at once, the hardest case for stream ordering
-    model = wrap_model(model, DistConfig(engine=engine, bucket_cap_mb=0.01), rt)
+    shard = SHARD and engine is Engine.mgpu
+    dcfg = DistConfig(engine=engine, bucket_cap_mb=0.01, shard_optimizer=shard)
+    model = wrap_model(model, dcfg, rt)
+    if shard:
+        optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
+    schedule = build_schedule(ocfg, optimizer, STEPS)
     trainer = Trainer(
         TrainerConfig(grad_accum_steps=ACCUM, precision=Precision.fp32),
         model,

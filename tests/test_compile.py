@@ -15,6 +15,7 @@ from mgpu.comm import wrap_model
 from mgpu.config import DistConfig, Engine, OptimConfig, OptimizerName, Precision, TrainerConfig
 from mgpu.models import GPT, MLP, ResNet, compile_mode, compile_model, repeated_blocks
 from mgpu.optim import build_optimizer, build_schedule
+from mgpu.shard import ShardedOptimizer
 from mgpu.trainer import Trainer
 
 WORLD, STEPS, N_BLOCKS = 2, 20, 3
@@ -90,8 +91,10 @@ def train(rt, compiled: bool, overrides: dict):
         compile_model(model, tcfg.compile_backend, mode)
     ocfg = OptimConfig(name=OptimizerName.sgd, lr=0.05, warmup_steps=0, weight_decay=0.0)
     optimizer = build_optimizer(ocfg, model, rt.device)
-    schedule = build_schedule(ocfg, optimizer, max_steps=STEPS)
     model = wrap_model(model, DistConfig(engine=Engine.mgpu, **overrides), rt)
+    if model.reducer.shards is not None:  # dist.shard_optimizer
+        optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
+    schedule = build_schedule(ocfg, optimizer, max_steps=STEPS)
     seen: list[list[int]] = []
     watch_compiled_backward(model, model.reducer, seen)
     trainer = Trainer(tcfg, model, optimizer, schedule, rt)
@@ -105,6 +108,7 @@ def train(rt, compiled: bool, overrides: dict):
 CASES = {  # name: (compiled, dist overrides)
     "eager": (False, {"bucket_cap_mb": 1e-6}),
     "compiled": (True, {"bucket_cap_mb": 1e-6}),  # a bucket per parameter
+    "compiled_sharded": (True, {"bucket_cap_mb": 1e-6, "shard_optimizer": True}),
     "compiled_one_bucket": (True, {"bucket_cap_mb": 1e3, "first_bucket_mb": 1e3}),
 }
 
@@ -131,6 +135,16 @@ def test_compiled_blocks_train_like_the_eager_model(results):
         eager, compiled = results["eager", rank]["params"], results["compiled", rank]["params"]
         for key, value in eager.items():
             torch.testing.assert_close(compiled[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_compiled_blocks_train_sharded_like_the_eager_model(results):
+    # fp32 tolerance: with dist.shard_optimizer the clipping norm is summed shard by shard
+    for rank in range(WORLD):
+        eager, sharded = results["eager", rank]["params"], results["compiled_sharded", rank]
+        for key, value in eager.items():
+            torch.testing.assert_close(sharded["params"][key], value, rtol=1e-5, atol=1e-5)
+        per_step = [2 + 4 * k for k in range(N_BLOCKS)]  # reduce-scatters launch as all-reduces
+        assert sharded["launched_at_compiled_backward"] == [per_step] * STEPS
 
 
 def test_buckets_of_compiled_blocks_launch_while_backward_runs(results):

@@ -1,5 +1,6 @@
-"""dist.engine=mgpu over NCCL on 2 GPUs (skipped elsewhere): the same parameters as torch DDP,
-and no stream race under the CUDA sanitizer."""
+"""dist.engine=mgpu over NCCL on 2 GPUs (skipped elsewhere), with and without
+dist.shard_optimizer: the same parameters as torch DDP, and no stream race under the CUDA
+sanitizer."""
 
 import re
 import subprocess
@@ -35,8 +36,9 @@ def run_worker(steps: int, env: dict, *extra: str) -> subprocess.CompletedProces
     )
 
 
-def test_mgpu_matches_torch_ddp_over_nccl():
-    proc = run_worker(20, {})
+@pytest.mark.parametrize("extra", [(), ("shard",)], ids=["mgpu", "mgpu_sharded"])
+def test_mgpu_matches_torch_ddp_over_nccl(extra):
+    proc = run_worker(20, {}, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     diff, scale = map(
         float, re.search(r"max_abs_diff=(\S+) max_abs_param=(\S+)", proc.stdout).groups()
@@ -44,8 +46,9 @@ def test_mgpu_matches_torch_ddp_over_nccl():
     assert diff <= 1e-5 * scale, proc.stdout
 
 
-def test_no_stream_race_under_the_cuda_sanitizer():
-    proc = run_worker(3, {"TORCH_CUDA_SANITIZER": "1"})
+@pytest.mark.parametrize("extra", [(), ("shard",)], ids=["mgpu", "mgpu_sharded"])
+def test_no_stream_race_under_the_cuda_sanitizer(extra):
+    proc = run_worker(3, {"TORCH_CUDA_SANITIZER": "1"}, *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "data race" not in proc.stderr.lower(), proc.stderr[-3000:]
     assert "max_abs_diff" in proc.stdout
