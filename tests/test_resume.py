@@ -84,15 +84,20 @@ def assert_same_run(run_dir, reference) -> None:
     assert loss_record(run_dir) == loss_record(reference)
 
 
+def uninterrupted_run(tmp: Path, args: list[str]) -> Path:
+    """A run of `args` on 2 processes with the fault hook armed but never firing (the same code
+    path as the faulty runs), to compare them with."""
+    run_dir = tmp / "run"
+    never = faulty("kill", rank=-1, step=1, marker=tmp / "unused")
+    proc = run_train([*args, *never, f"hydra.run.dir={run_dir}"], cwd=tmp, nproc=2)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    return run_dir
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run: 2 processes, 20 steps, checkpoints at 5, 10, 15, 20."""
-    tmp = tmp_path_factory.mktemp("reference")
-    run_dir = tmp / "run"
-    never = faulty("kill", rank=-1, step=1, marker=tmp / "unused")
-    proc = run_train([*RUN, *never, f"hydra.run.dir={run_dir}"], cwd=tmp, nproc=2)
-    assert proc.returncode == 0, output(proc)[-3000:]
-    return run_dir
+    return uninterrupted_run(tmp_path_factory.mktemp("reference"), RUN)
 
 
 def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, reference):

@@ -5,7 +5,7 @@ sharded processes resumes on 1 unsharded and on 4 sharded processes (one checkpo
 import pytest
 import torch
 from conftest import run_train
-from test_resume import RUN, assert_same_run, faulty, final_state, output
+from test_resume import RUN, assert_same_run, faulty, final_state, output, uninterrupted_run
 
 from mgpu.checkpoint import step_dir
 
@@ -15,12 +15,7 @@ SHARDED = [*RUN, "dist.shard_optimizer=true"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted sharded run: 2 processes, 20 steps, checkpoints at 5, 10, 15, 20."""
-    tmp = tmp_path_factory.mktemp("sharded_reference")
-    run_dir = tmp / "run"
-    never = faulty("kill", rank=-1, step=1, marker=tmp / "unused")
-    proc = run_train([*SHARDED, *never, f"hydra.run.dir={run_dir}"], cwd=tmp, nproc=2)
-    assert proc.returncode == 0, output(proc)[-3000:]
-    return run_dir
+    return uninterrupted_run(tmp_path_factory.mktemp("sharded_reference"), SHARDED)
 
 
 def test_a_killed_sharded_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, reference):
