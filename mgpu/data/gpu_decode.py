@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
+from mgpu.config_checks import ConfigError  # what train.py reports in one line
 from mgpu.data.image_folder import BadImageFile, EncodedBatch, ImageFolder
 
 
@@ -57,10 +58,6 @@ JpegDecode = Callable[[list[Tensor]], list[Tensor]]  # JPEG bytes -> [3, H, W] u
 def gpu_decoder(dataset: ImageFolder, device: torch.device | str) -> BatchDecoder:
     """data.decode=gpu's step for `device`, with torchvision's nvJPEG, tried once on a tiny
     JPEG: a GPU decode that cannot work stops the run before training, naming the key."""
-    # Here, not at the top: mgpu.config imports this module. A ConfigError is what train.py
-    # reports in one line on every rank.
-    from mgpu.config import ConfigError
-
     why = gpu_decode_unavailable()
     if why is not None:
         raise ConfigError("data.decode", "gpu", f"{why}; use data.decode=cpu")

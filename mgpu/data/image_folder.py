@@ -22,6 +22,7 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset, get_worker_info
 
+from mgpu.config_checks import ConfigError
 from mgpu.data.images import normalize_uint8
 from mgpu.sampler import SampleKey
 
@@ -292,8 +293,6 @@ class ImageFolder(Dataset):
         if eval_path:
             return files, labels
         if eval_samples >= len(files):
-            from mgpu.config import ConfigError  # here: mgpu.config imports this module
-
             raise ConfigError(
                 "data.eval_samples",
                 eval_samples,
