@@ -84,6 +84,17 @@ def assert_same_run(run_dir, reference) -> None:
     assert loss_record(run_dir) == loss_record(reference)
 
 
+def run_restartable(args: list[str], cwd: Path):
+    """train.py on 2 processes under torchrun allowed one restart (the kill tests' launch)."""
+    return run_train(
+        args,
+        cwd=cwd,
+        nproc=2,
+        torchrun_args=("--max-restarts=1",),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # mgpu.dist.restart_hazard
+    )
+
+
 def uninterrupted_run(tmp: Path, args: list[str]) -> Path:
     """A run of `args` on 2 processes with the fault hook armed but never firing (the same code
     path as the faulty runs), to compare them with."""
@@ -102,13 +113,7 @@ def reference(tmp_path_factory):
 
 def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, reference):
     marker = tmp_path / "killed"
-    proc = run_train(
-        [*RUN, *faulty("kill", rank=1, step=13, marker=marker)],
-        cwd=tmp_path,
-        nproc=2,
-        torchrun_args=("--max-restarts=1",),
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # mgpu.dist.restart_hazard
-    )
+    proc = run_restartable([*RUN, *faulty("kill", rank=1, step=13, marker=marker)], tmp_path)
     assert proc.returncode == 0, output(proc)[-3000:]
     assert marker.exists()  # rank 1 did die, at step 13
     # The default run directory (the agent's start time) is the same after the restart.
@@ -143,13 +148,7 @@ def test_a_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tm
     model += ["+model.kwargs.at_save=3", f"+model.kwargs.marker={marker}"]  # the step-15 save
     never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
     run_dir = tmp_path / "run"
-    proc = run_train(
-        [*RUN, *never, *model, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        nproc=2,
-        torchrun_args=("--max-restarts=1",),
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-    )
+    proc = run_restartable([*RUN, *never, *model, f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, output(proc)[-3000:]
     assert marker.exists()  # rank 0 did die inside the save of step 15
     # The half-written step 15 never counted: the restart went back to step 10.

@@ -5,7 +5,15 @@ sharded processes resumes on 1 unsharded and on 4 sharded processes (one checkpo
 import pytest
 import torch
 from conftest import run_train
-from test_resume import RUN, assert_same_run, faulty, final_state, output, uninterrupted_run
+from test_resume import (
+    RUN,
+    assert_same_run,
+    faulty,
+    final_state,
+    output,
+    run_restartable,
+    uninterrupted_run,
+)
 
 from mgpu.checkpoint import step_dir
 
@@ -21,13 +29,8 @@ def reference(tmp_path_factory):
 def test_a_killed_sharded_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, reference):
     marker = tmp_path / "killed"
     run_dir = tmp_path / "run"
-    proc = run_train(
-        [*SHARDED, *faulty("kill", rank=1, step=13, marker=marker), f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        nproc=2,
-        torchrun_args=("--max-restarts=1",),
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # mgpu.dist.restart_hazard
-    )
+    kill = faulty("kill", rank=1, step=13, marker=marker)
+    proc = run_restartable([*SHARDED, *kill, f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, output(proc)[-3000:]
     assert marker.exists()  # rank 1 did die, at step 13
     assert "resumed from " + str(step_dir(run_dir / "checkpoints", 10)) in output(proc)
