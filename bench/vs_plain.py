@@ -99,27 +99,39 @@ class PlainLoop:
     (each repeated block compiled alone, the loss eager: mgpu's old compile on one process),
     blocks_loss (each block and the loss compiled as regions of their own: mgpu's compile on
     several processes), attention (the reference with the attention kernels mgpu's GPT asks
-    for, `model.attention`).
+    for, `model.attention`), fused_loss (cudagraphs with GPT's head and loss fused into one
+    step, `model.head_loss=fused`), coordinate (cudagraphs with inductor's coordinate-descent
+    tuning of its kernels' launch configurations), autotune (torch.compile's max-autotune
+    mode: Triton matrix multiplies autotuned against cuBLAS, with CUDA graphs).
 
     The reference's GPT calls scaled_dot_product_attention as nanoGPT does, leaving the kernel
-    to torch (`model.attention=torch`): a user's own model code does not choose one."""
+    to torch (`model.attention=torch`), and returns logits that the loop's loss reads
+    (`model.head_loss=logits`): a user's own model code does neither."""
 
     def __init__(self, cfg: Config, device: torch.device, compiled: bool, variant: str):
         torch.manual_seed(cfg.trainer.seed)
         model_cfg = cfg.model
         if hasattr(model_cfg, "attention") and variant != "attention":
             model_cfg = dataclasses.replace(model_cfg, attention="torch")
+        if hasattr(model_cfg, "head_loss"):
+            head_loss = "fused" if variant == "fused_loss" else "logits"
+            model_cfg = dataclasses.replace(model_cfg, head_loss=head_loss)
         model = build_model(model_cfg).to(device)
         self.channels_last = getattr(model, "channels_last", False) and device.type == "cuda"
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.raw = model
         backend = cfg.trainer.compile_backend
-        step = WithLoss(model, cross_entropy)
+        step = model if variant == "fused_loss" else WithLoss(model, cross_entropy)
         if compiled and variant in ("whole", "noclip", "attention"):
             step = torch.compile(step, backend=backend)
-        elif compiled and variant == "cudagraphs":
+        elif compiled and variant in ("cudagraphs", "fused_loss"):
             step = torch.compile(step, backend=backend, mode="reduce-overhead")
+        elif compiled and variant == "coordinate":
+            options = {"coordinate_descent_tuning": True, "triton.cudagraphs": True}
+            step = torch.compile(step, backend=backend, options=options)
+        elif compiled and variant == "autotune":
+            step = torch.compile(step, backend=backend, mode="max-autotune")
         elif compiled:
             for block in repeated_blocks(model) or [model]:
                 block.compile(backend=backend)
@@ -305,13 +317,14 @@ def bench(name: str, mode: str, args, rt) -> dict:
     timer = Timer(rt.device)
     # The block-wise levers only differ from "whole" for models with repeated blocks (GPT).
     blocks = bool(repeated_blocks(build_model(cfg.model)))
-    levers = [
-        v
-        for v in args.plain_variants
-        if v == "noclip"
-        or (v == "attention" and hasattr(cfg.model, "attention"))
-        or (compiled and (blocks or v == "cudagraphs"))
-    ]
+    applies = {
+        "noclip": True,
+        "attention": hasattr(cfg.model, "attention"),
+        "fused_loss": compiled and hasattr(cfg.model, "head_loss"),
+        "blocks": compiled and blocks,
+        "blocks_loss": compiled and blocks,
+    }
+    levers = [v for v in args.plain_variants if applies.get(v, compiled)]
     variants = ["whole", *levers]
     plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
     x, y, data = resident_batch(cfg, plains["whole"], rt.device)
@@ -384,7 +397,16 @@ def main() -> None:
         "--plain-variants",
         nargs="*",
         default=[],
-        choices=["noclip", "cudagraphs", "blocks", "blocks_loss", "attention"],
+        choices=[
+            "noclip",
+            "cudagraphs",
+            "blocks",
+            "blocks_loss",
+            "attention",
+            "fused_loss",
+            "coordinate",
+            "autotune",
+        ],
     )
     parser.add_argument("--steps", type=int, default=20, help="steps per round (and log interval)")
     parser.add_argument("--rounds", type=int, default=5)

@@ -31,10 +31,20 @@ class GPTModelConfig(ModelConfig):
     # Attention kernel: auto (cuDNN first, then torch's order), torch (torch's own choice), or
     # only one of cudnn, flash, efficient, math.
     attention: str = "auto"
+    # The head's loss: fused (its matrix multiply and the cross-entropy in one step that never
+    # keeps the logits, a value per token and vocabulary entry), logits (through them, as
+    # F.cross_entropy takes them), auto (fused on a GPU).
+    head_loss: str = "auto"
 
     def __post_init__(self) -> None:
-        from mgpu.models.gpt import ATTENTION  # the kernels live with the model
+        from mgpu.models.gpt import ATTENTION, HEAD_LOSS  # the choices live with the model
 
+        _require(
+            self.head_loss in HEAD_LOSS,
+            "model.head_loss",
+            self.head_loss,
+            f"must be one of {', '.join(HEAD_LOSS)}",
+        )
         _require(
             self.attention in ATTENTION,
             "model.attention",

@@ -90,6 +90,9 @@ class Trainer:
             cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
         )
         self.loss_fn = training_loss(cfg, rt.device, mode)
+        # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
+        # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
+        self.model_loss = getattr(unwrap(model), "computes_loss", False)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it.
         self.scaler = torch.amp.GradScaler(
             rt.device.type,
@@ -188,7 +191,10 @@ class Trainer:
             # ones accumulate locally (forward and backward both inside the no-sync region).
             with sync_gradients(self.model, enabled=micro == accum - 1):
                 with phase(FORWARD), self._autocast():
-                    loss = self.loss_fn(self.model(inputs), targets)
+                    if self.model_loss:
+                        loss = self.model(inputs, targets)
+                    else:
+                        loss = self.loss_fn(self.model(inputs), targets)
                 with phase(BACKWARD):
                     self.scaler.scale(loss / accum).backward()
             timer.backward_done()

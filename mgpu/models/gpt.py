@@ -1,7 +1,7 @@
 """Decoder-only GPT transformer (pre-LayerNorm, causal SDPA attention, tied lm_head).
 
-Also owns which attention kernel it asks for (model.attention) and its analytic training-FLOP
-count, the PaLM / nanoGPT MFU formula.
+Also owns which attention kernel it asks for (model.attention), how its head's loss is taken
+(model.head_loss), and its analytic training-FLOP count, the PaLM / nanoGPT MFU formula.
 """
 
 import math
@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mgpu.models.fused_loss import linear_cross_entropy
+from mgpu.numerics import cross_entropy
 
 # model.attention -> the SDPA kernels allowed, in the order they are tried. `auto` puts cuDNN's
 # fused attention first, then torch's own order. On one H100 (torch 2.11, cuDNN 9.19) GPT-2-
@@ -32,6 +35,12 @@ ATTENTION = {
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "math": [SDPBackend.MATH],
 }
+
+# model.head_loss: how forward(idx, targets) takes the loss. fused: the head's matrix multiply
+# and the cross-entropy as one step that never keeps the logits (mgpu.models.fused_loss);
+# logits: through the logits, as F.cross_entropy takes them; auto: fused on a GPU, logits
+# elsewhere (on a CPU the fused step has no kernel of its own to gain from).
+HEAD_LOSS = ("auto", "fused", "logits")
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,6 +104,7 @@ class GPT(nn.Module):
         dropout: float = 0.0,
         bias: bool = False,
         attention: str = "auto",
+        head_loss: str = "auto",
     ):
         super().__init__()
         if n_embd % n_head != 0:
@@ -104,6 +114,9 @@ class GPT(nn.Module):
             )
         if attention not in ATTENTION:
             raise ValueError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
+        if head_loss not in HEAD_LOSS:
+            raise ValueError(f"head_loss={head_loss!r}: must be one of {', '.join(HEAD_LOSS)}")
+        self.head_loss = head_loss
         self.block_size = block_size
         self.n_layer = n_layer
         self.n_embd = n_embd
@@ -132,7 +145,11 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=resid_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=resid_std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    # The Trainer calls forward(inputs, targets) and takes the loss it returns.
+    computes_loss = True
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [B, T, V]; with `targets` [B, T], the mean cross-entropy instead."""
         T = idx.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
@@ -140,7 +157,13 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(x)
+        fused = self.head_loss == "fused" or (self.head_loss == "auto" and x.is_cuda)
+        if fused:
+            return linear_cross_entropy(x, self.lm_head.weight, targets)
+        return cross_entropy(self.lm_head(x), targets)
 
     def num_params(self) -> int:
         # parameters() de-duplicates, so the tied wte/lm_head weight counts once

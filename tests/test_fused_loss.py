@@ -1,0 +1,114 @@
+"""model.head_loss: GPT's head and cross-entropy as one step (mgpu.models.fused_loss) against the
+reference, F.cross_entropy over F.linear's logits, in loss and gradients: the op's torch path on
+the CPU, its Triton kernel on a GPU; eager and compiled; and through the Trainer."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mgpu.config import ConfigError
+from mgpu.config_model import GPTModelConfig
+from mgpu.models import GPT
+from mgpu.models.fused_loss import IGNORE_INDEX, cross_entropy_loss_grad, linear_cross_entropy
+
+
+def head_inputs(device, rows=48, width=32, vocab=300, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, width, generator=g).to(device, dtype)
+    w = (torch.randn(vocab, width, generator=g) * 0.3).to(device)
+    y = torch.randint(0, vocab, (rows,), generator=g)
+    y[3] = IGNORE_INDEX  # a masked position: no loss, no gradient
+    y[5] = vocab - 1  # the last column, where a block of the kernel ends
+    return h.requires_grad_(), w.requires_grad_(), y.to(device)
+
+
+def loss_and_grads(fn, h, w, y):
+    h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = fn(h, w, y)
+    (loss * 3.0).backward()  # an incoming gradient other than 1 scales both products
+    return loss.detach(), h.grad, w.grad
+
+
+def reference(h, w, y):
+    return F.cross_entropy(F.linear(h, w.to(h.dtype)).float(), y)
+
+
+def test_fused_head_loss_matches_cross_entropy_of_the_logits():
+    h, w, y = head_inputs("cpu")
+    for ours, theirs in zip(
+        loss_and_grads(linear_cross_entropy, h, w, y),
+        loss_and_grads(reference, h, w, y),
+        strict=True,
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_the_op_gives_each_rows_loss_and_the_gradient_of_their_sum():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 50, generator=g) * 4
+    y = torch.randint(0, 50, (7,), generator=g)
+    y[0] = IGNORE_INDEX
+    loss, grad = cross_entropy_loss_grad(logits, y)
+    leaf = logits.clone().requires_grad_()
+    ref = F.cross_entropy(leaf, y, reduction="none")
+    ref.sum().backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, leaf.grad)
+    assert loss[0] == 0 and not grad[0].any()
+
+
+@pytest.mark.parametrize("head_loss", ["fused", "logits"])
+def test_gpt_with_targets_returns_the_loss_of_its_logits_compiled_or_not(head_loss):
+    """forward(idx, targets) is the cross-entropy of forward(idx), in value and in gradients,
+    also under torch.compile (aot_eager: the graph capture inductor uses, no C++ toolchain)."""
+    x = torch.randint(0, 64, (3, 16))
+    y = torch.randint(0, 64, (3, 16))
+    runs = {}
+    for name in ("reference", "eager", "compiled"):
+        torch.manual_seed(0)
+        model = GPT(64, 16, n_layer=2, n_head=2, n_embd=32, head_loss=head_loss)
+        if name == "reference":
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        else:
+            step = torch.compile(model, backend="aot_eager") if name == "compiled" else model
+            loss = step(x, y)
+        loss.backward()
+        runs[name] = [loss.detach(), *(p.grad for p in model.parameters())]
+    for name in ("eager", "compiled"):
+        for ours, theirs in zip(runs[name], runs["reference"], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_bad_head_loss_names_the_key():
+    with pytest.raises(ConfigError, match="model.head_loss='fast': must be one of auto, fused"):
+        GPTModelConfig(head_loss="fast")
+
+
+@pytest.mark.gpu
+def test_fused_head_loss_kernel_matches_the_reference_on_a_gpu():
+    """The Triton kernel against the torch path of the same op and against F.cross_entropy of
+    bf16 logits under autocast, at GPT-2's vocabulary (a row of 50304 spans 13 blocks) and
+    under torch.compile with CUDA graphs, as mgpu compiles a GPT on one GPU."""
+    cuda = torch.device("cuda")
+    h, w, y = head_inputs(cuda, rows=512, width=256, vocab=50304)
+    logits = (h.detach() @ w.detach().t()).bfloat16()
+    loss, grad = cross_entropy_loss_grad(logits, y)
+    ref_loss, ref_grad = cross_entropy_loss_grad(logits.cpu(), y.cpu())  # the torch path
+    torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.float().cpu(), ref_grad.float(), rtol=1e-2, atol=1e-5)
+
+    def autocast(fn):
+        def run(h, w, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fn(h, w, y)
+
+        return run
+
+    theirs = loss_and_grads(autocast(reference), h, w, y)
+    compiled = torch.compile(linear_cross_entropy, mode="reduce-overhead")
+    for fn in (linear_cross_entropy, compiled):
+        for _ in range(3):  # CUDA graphs record on a later call than the first
+            ours = loss_and_grads(autocast(fn), h, w, y)
+        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-3, atol=1e-3)
+        for a, b in zip(ours[1:], theirs[1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4)
