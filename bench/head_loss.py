@@ -1,0 +1,91 @@
+"""GPT's head and loss alone, forward and backward, on one GPU: the logits' cross-entropy as a
+whole-model compile makes it, against model.head_loss=fused (mgpu.models.fused_loss).
+
+    python bench/head_loss.py [--rows 16384 --width 768 --vocab 50304]   # GPT-2-small B16 T1024
+
+Interleaved rounds of CUDA-event-timed steps, bf16 autocast, fp32 weight as in training.
+Writes bench/results/head_loss-<device>-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.engines import versions  # noqa: E402
+from mgpu.models.fused_loss import linear_cross_entropy  # noqa: E402
+
+
+def logits_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, w).float(), y)
+
+
+def time_ms(fn, h, w, y, steps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(h, w, y)
+        loss.backward()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16 * 1024)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    cuda = torch.device("cuda")
+    h = torch.randn(args.rows, args.width, device=cuda, requires_grad=True)
+    w = (torch.randn(args.vocab, args.width, device=cuda) * 0.02).requires_grad_()
+    y = torch.randint(0, args.vocab, (args.rows,), device=cuda)
+    sides = {
+        "logits_compiled": torch.compile(logits_loss),
+        "logits_cudagraphs": torch.compile(logits_loss, mode="reduce-overhead"),
+        "fused_eager": linear_cross_entropy,
+        "fused_cudagraphs": torch.compile(linear_cross_entropy, mode="reduce-overhead"),
+    }
+    ms: dict[str, list[float]] = {name: [] for name in sides}
+    for fn in sides.values():
+        time_ms(fn, h, w, y, 3)  # compile, record graphs
+    for _ in range(args.rounds):
+        for name, fn in sides.items():
+            ms[name].append(time_ms(fn, h, w, y, args.steps))
+    flop = 3 * 2 * args.rows * args.width * args.vocab  # forward and two backward products
+    rows = {
+        name: {"ms": statistics.median(t), "rounds": t, "tflops": flop / statistics.median(t) / 1e9}
+        for name, t in ms.items()
+    }
+    for name, row in rows.items():
+        print(f"{name:20s} {row['ms']:7.3f} ms  {row['tflops']:6.1f} TFLOP/s of head products")
+    meta = versions()
+    path = (
+        Path(args.out)
+        / f"head_loss-{meta['device'].replace(' ', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python", *sys.argv])
+    path.write_text(
+        json.dumps({**meta, "command": command, "args": vars(args), "rows": rows}, indent=1)
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
