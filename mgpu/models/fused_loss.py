@@ -84,8 +84,15 @@ def cross_entropy_loss_grad(logits: Tensor, targets: Tensor) -> tuple[Tensor, Te
     return _loss_grad_reference(logits, targets)
 
 
-@cross_entropy_loss_grad.register_kernel("cuda")
-def _loss_grad_cuda(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+# The CUDA kernel's launch shape: columns a block, warps a row. Few enough rows must be in
+# flight per SM that a row is still in L2 when pass 2 reads it (bench/head_loss.py --sweep).
+BLOCK, NUM_WARPS = 4096, 16
+
+
+def loss_grad_cuda(
+    logits: Tensor, targets: Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS
+) -> tuple[Tensor, Tensor]:
+    """The op's CUDA kernel: one program a row of `logits` [N, V] (any float dtype)."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _triton_kernel()
@@ -93,13 +100,14 @@ def _loss_grad_cuda(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     rows, cols = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits)
-    # 4096 columns a block and 16 warps: 8 values a thread per load, and few enough rows in
-    # flight per SM that a row is still in L2 when pass 2 reads it.
     _KERNEL[(rows,)](
-        logits, grad, loss, targets.contiguous(), cols, cols, IGNORE_INDEX, BLOCK=4096,
-        num_warps=16,
+        logits, grad, loss, targets.contiguous(), cols, cols, IGNORE_INDEX, BLOCK=block,
+        num_warps=num_warps,
     )  # fmt: skip
     return loss, grad
+
+
+cross_entropy_loss_grad.register_kernel("cuda")(loss_grad_cuda)
 
 
 @cross_entropy_loss_grad.register_fake
