@@ -14,8 +14,9 @@ __all__ = [
     "MLP",
     "ResNet",
     "build_model",
-    "compile_mode",
+    "AUTO_GRAPHS",
     "compile_model",
+    "compile_settings",
     "compiled_whole",
     "count_training_flops",
     "repeated_blocks",
@@ -46,17 +47,27 @@ def compiled_whole(model: nn.Module, overlap: bool) -> bool:
     return not overlap or not repeated_blocks(model)
 
 
-def compile_mode(
+# compile_mode=auto for a model compiled whole on a GPU: inductor's reduce-overhead mode (CUDA
+# graphs) plus coordinate-descent tuning of each generated kernel's launch shape.
+# Tuning took the whole-model-compiled plain loop of GPT-2-small from 34.70 to 34.37 ms a step
+# on one H100 (bench/results/vs_plain-NVIDIA_H100_80GB_HBM3-20261125-085307.json);
+# max-autotune, which also times Triton matrix multiplies against cuBLAS, had not finished
+# compiling GPT-2-small after 470 s, and cuBLAS won 14 of its 15 products.
+AUTO_GRAPHS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+
+
+def compile_settings(
     setting: str,
     backend: str,
     model: nn.Module,
     device: torch.device,
     ddp: bool = False,
     overlap: bool = True,
-) -> str | None:
-    """torch.compile's mode for `trainer.compile_mode` (None: torch's default).
+) -> dict:
+    """torch.compile's keyword arguments (mode or options) for `trainer.compile_mode`; empty
+    for torch's default.
 
-    auto: reduce-overhead (CUDA graphs) for a model compiled whole on a GPU with inductor. Such
+    auto: CUDA graphs (AUTO_GRAPHS) for a model compiled whole on a GPU with inductor. Such
     a model has no gradient to hand over before its backward ends, and replaying the step as a
     graph takes the host's launches out of it: compiled ResNet-50 on one H100 went from 30.7 to
     24.1 ms a step, which had been bound by the host launching ~1,500 kernels
@@ -68,7 +79,7 @@ def compile_mode(
     replay as CUDA graphs unasked. `overlap`: as for compile_model."""
     whole = compiled_whole(model, overlap)
     if setting == "default":
-        return None
+        return {}
     if setting != "auto":
         if setting in CUDA_GRAPH_MODES and not whole:
             raise ConfigError(
@@ -78,13 +89,13 @@ def compile_mode(
                 "block by block (an output of one replay is read after the next overwrote it); "
                 "use auto, default or max-autotune-no-cudagraphs",
             )
-        return setting
+        return {"mode": setting}
     graphs = whole and not ddp and device.type == "cuda" and backend == "inductor"
-    return "reduce-overhead" if graphs else None
+    return {"options": dict(AUTO_GRAPHS)} if graphs else {}
 
 
 def compile_model(
-    model: nn.Module, backend: str = "inductor", mode: str | None = None, overlap: bool = True
+    model: nn.Module, backend: str = "inductor", settings: dict | None = None, overlap: bool = True
 ) -> nn.Module:
     """torch.compile that keeps gradient communication overlapped with backward.
 
@@ -111,5 +122,5 @@ def compile_model(
             "trainer.compile_backend", backend, f"is not a torch.compile backend; e.g. {examples}"
         )
     for block in [model] if compiled_whole(model, overlap) else repeated_blocks(model):
-        block.compile(backend=backend, mode=mode)
+        block.compile(backend=backend, **(settings or {}))
     return model

@@ -45,18 +45,17 @@ def _triton_kernel():
         src = logits_ptr + row * stride
         dst = grad_ptr + row * stride
         target = tl.load(targets_ptr + row)
-        # Pass 1: an online log-sum-exp, a running max and sum per lane. The running max starts
-        # finite so a masked lane (-inf) never computes -inf - -inf.
-        run_max = tl.full([BLOCK], -1.0e30, tl.float32)
-        run_sum = tl.zeros([BLOCK], tl.float32)
+        # Pass 1: an online log-sum-exp, block by block: the running max moves once a block,
+        # so each value costs one exp (the exp unit, not memory, bounds a kernel with more).
+        run_max = float("-inf")
+        run_sum = 0.0
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(src + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(run_max, x)
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.exp(x - new_max)
+            new_max = tl.maximum(run_max, tl.max(x, axis=0))
+            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
             run_max = new_max
-        row_max = tl.max(run_max, axis=0)
-        lse = row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
+        lse = run_max + tl.log(run_sum)
         keep = target != ignore
         safe = tl.where(keep, target, 0)
         picked = tl.load(src + safe).to(tl.float32)
