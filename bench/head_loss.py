@@ -24,9 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
-from mgpu.models.fused_loss import linear_cross_entropy, loss_grad_cuda  # noqa: E402
-
-SHAPES = [(2048, 8), (4096, 8), (4096, 16), (8192, 16), (4096, 32), (8192, 32), (16384, 32)]
+from mgpu.models.fused_loss import LAUNCH_SHAPES, linear_cross_entropy, loss_grad_cuda  # noqa: E402
 
 
 def logits_loss(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -62,9 +60,9 @@ def sweep(args) -> dict:
     logits = torch.randn(args.rows, args.vocab, device=cuda).bfloat16()
     y = torch.randint(0, args.vocab, (args.rows,), device=cuda)
     sides = {"copy": lambda: logits.clone()}
-    for block, warps in SHAPES:
-        name = f"block{block}_warps{warps}"
-        sides[name] = lambda b=block, w=warps: loss_grad_cuda(logits, y, b, w)
+    for block, warps, per_sm in LAUNCH_SHAPES:
+        name = f"block{block}_warps{warps}_per_sm{per_sm}"
+        sides[name] = lambda b=block, w=warps, p=per_sm: loss_grad_cuda(logits, y, b, w, p)
     ms: dict[str, list[float]] = {name: [] for name in sides}
     for fn in sides.values():
         events_ms(fn, 3)

@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from mgpu.config import ConfigError
 from mgpu.config_model import GPTModelConfig
 from mgpu.models import GPT
-from mgpu.models.fused_loss import IGNORE_INDEX, cross_entropy_loss_grad, linear_cross_entropy
+from mgpu.models.fused_loss import (
+    IGNORE_INDEX,
+    LAUNCH_SHAPES,
+    cross_entropy_loss_grad,
+    linear_cross_entropy,
+    loss_grad_cuda,
+)
 
 
 def head_inputs(device, rows=48, width=32, vocab=300, dtype=torch.float32):
@@ -96,6 +102,10 @@ def test_fused_head_loss_kernel_matches_the_reference_on_a_gpu():
     ref_loss, ref_grad = cross_entropy_loss_grad(logits.cpu(), y.cpu())  # the torch path
     torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.float().cpu(), ref_grad.float(), rtol=1e-2, atol=1e-5)
+    for shape in LAUNCH_SHAPES:  # any of them may become the default (bench/head_loss.py)
+        shape_loss, shape_grad = loss_grad_cuda(logits, y, *shape)
+        torch.testing.assert_close(shape_loss, loss, rtol=1e-5, atol=1e-5, msg=str(shape))
+        torch.testing.assert_close(shape_grad, grad, rtol=1e-2, atol=1e-5, msg=str(shape))
 
     def autocast(fn):
         def run(h, w, y):

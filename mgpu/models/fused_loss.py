@@ -39,36 +39,49 @@ def _triton_kernel():
 
     @triton.jit
     def loss_grad_rows(
-        logits_ptr, grad_ptr, loss_ptr, targets_ptr, stride, n_cols, ignore, BLOCK: tl.constexpr
+        logits_ptr,
+        grad_ptr,
+        loss_ptr,
+        targets_ptr,
+        n_rows,
+        stride,
+        n_cols,
+        ignore,
+        BLOCK: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64)
-        src = logits_ptr + row * stride
-        dst = grad_ptr + row * stride
-        target = tl.load(targets_ptr + row)
-        # Pass 1: an online log-sum-exp, block by block: the running max moves once a block,
-        # so each value costs one exp (the exp unit, not memory, bounds a kernel with more).
-        run_max = float("-inf")
-        run_sum = 0.0
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            x = tl.load(src + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(run_max, tl.max(x, axis=0))
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            run_max = new_max
-        lse = run_max + tl.log(run_sum)
-        keep = target != ignore
-        safe = tl.where(keep, target, 0)
-        picked = tl.load(src + safe).to(tl.float32)
-        tl.store(loss_ptr + row, tl.where(keep, lse - picked, 0.0))
-        # Pass 2: the row's gradient. The row (100 KB for GPT-2) was read a moment ago, so this
-        # read comes from L2, not HBM.
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse) - tl.where(cols == safe, 1.0, 0.0)
-            g = tl.where(keep, g, 0.0)
-            tl.store(dst + cols, g.to(dst.dtype.element_ty), mask=mask)
+        # Each program takes rows program_id, program_id + programs, ...: how many programs
+        # run decides how many rows are in flight at once, and so whether a row is still in
+        # L2 when pass 2 reads it again.
+        for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            at = row + tl.zeros([], tl.int64)  # 64-bit offsets: rows x cols can pass 2**31
+            src = logits_ptr + at * stride
+            dst = grad_ptr + at * stride
+            target = tl.load(targets_ptr + at)
+            # Pass 1: an online log-sum-exp, block by block: the running max moves once a
+            # block, so each value costs one exp.
+            run_max = float("-inf")
+            run_sum = 0.0
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(src + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+                new_max = tl.maximum(run_max, tl.max(x, axis=0))
+                block_sum = tl.sum(tl.exp(x - new_max), axis=0)
+                run_sum = run_sum * tl.exp(run_max - new_max) + block_sum
+                run_max = new_max
+            lse = run_max + tl.log(run_sum)
+            keep = target != ignore
+            safe = tl.where(keep, target, 0)
+            picked = tl.load(src + safe).to(tl.float32)
+            tl.store(loss_ptr + at, tl.where(keep, lse - picked, 0.0))
+            # Pass 2: the row's gradient, over a read that L2 serves while the row is still
+            # there (100 KB a row for GPT-2).
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) - tl.where(cols == safe, 1.0, 0.0)
+                g = tl.where(keep, g, 0.0)
+                tl.store(dst + cols, g.to(dst.dtype.element_ty), mask=mask)
 
     return loss_grad_rows
 
@@ -83,15 +96,32 @@ def cross_entropy_loss_grad(logits: Tensor, targets: Tensor) -> tuple[Tensor, Te
     return _loss_grad_reference(logits, targets)
 
 
-# The CUDA kernel's launch shape: columns a block, warps a row. Few enough rows must be in
-# flight per SM that a row is still in L2 when pass 2 reads it (bench/head_loss.py --sweep).
-BLOCK, NUM_WARPS = 4096, 16
+# The CUDA kernel's launch shape: columns a block, warps a program, programs an SM (0: one
+# program a row). Few enough rows must be in flight that a row is still in L2 when pass 2
+# reads it (bench/head_loss.py --sweep).
+BLOCK, NUM_WARPS, PER_SM = 4096, 16, 0
+# The shapes the sweep times and the GPU test checks, the default among them.
+LAUNCH_SHAPES = [
+    (4096, 16, 0),
+    (8192, 16, 0),
+    (4096, 8, 0),
+    (4096, 16, 1),
+    (4096, 16, 2),
+    (8192, 16, 2),
+    (4096, 8, 2),
+    (4096, 8, 4),
+    (8192, 8, 4),
+]
 
 
 def loss_grad_cuda(
-    logits: Tensor, targets: Tensor, block: int = BLOCK, num_warps: int = NUM_WARPS
+    logits: Tensor,
+    targets: Tensor,
+    block: int = BLOCK,
+    num_warps: int = NUM_WARPS,
+    per_sm: int = PER_SM,
 ) -> tuple[Tensor, Tensor]:
-    """The op's CUDA kernel: one program a row of `logits` [N, V] (any float dtype)."""
+    """The op's CUDA kernel over `logits` [N, V] (any float dtype)."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _triton_kernel()
@@ -99,8 +129,12 @@ def loss_grad_cuda(
     rows, cols = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits)
-    _KERNEL[(rows,)](
-        logits, grad, loss, targets.contiguous(), cols, cols, IGNORE_INDEX, BLOCK=block,
+    programs = rows
+    if per_sm and logits.is_cuda:
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+        programs = min(rows, per_sm * sms)
+    _KERNEL[(programs,)](
+        logits, grad, loss, targets.contiguous(), rows, cols, cols, IGNORE_INDEX, BLOCK=block,
         num_warps=num_warps,
     )  # fmt: skip
     return loss, grad
