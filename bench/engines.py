@@ -44,7 +44,7 @@ from mgpu.config import (  # noqa: E402
     TrainerConfig,
 )
 from mgpu.dist import distributed  # noqa: E402
-from mgpu.models import GPT, ResNet, compile_model, compile_settings  # noqa: E402
+from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
 from mgpu.preempt import Preemption  # noqa: E402
 from mgpu.trainer import Trainer, set_math_modes  # noqa: E402
@@ -159,9 +159,9 @@ def make_batch(name: str, device: torch.device):
 
 
 def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Module:
-    settings = compile_settings(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
+    mode = compile_mode(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
     if spec.dist.engine is Engine.mgpu and not spec.whole_compile:
-        return compile_model(model, tcfg.compile_backend, settings)  # what train.py does
+        return compile_model(model, tcfg.compile_backend, mode)  # what train.py does
     if spec.dist.engine is Engine.none:
         # The scaling baseline is the fastest single-GPU path measured (bench/vs_plain.py):
         # the whole model as one graph, replayed as CUDA graphs.

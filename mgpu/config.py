@@ -108,8 +108,7 @@ class TrainerConfig:
     # torch.compile's mode for the model and the loss (inductor only): default, reduce-overhead
     # (each compiled region replayed as a CUDA graph: one launch instead of one per kernel, for
     # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune; auto:
-    # mgpu.models.compile_settings decides (CUDA graphs and tuned kernels for a model compiled
-    # whole on a GPU).
+    # mgpu.models.compile_mode decides (CUDA graphs for a model compiled whole on a GPU).
     compile_mode: str = "auto"
     # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
     # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.

@@ -26,14 +26,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = 
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction=reduction)
 
 
-def training_loss(cfg: TrainerConfig, device: torch.device, settings: dict) -> Callable:
+def training_loss(cfg: TrainerConfig, device: torch.device, mode: str | None) -> Callable:
     """The training loss, compiled where trainer.compile is on. Eager, the fp32 upcast, log-softmax
     and their backward each make a pass over the logits; over GPT-2's 16x1024x50304 logits that
     is ~30 GB of memory traffic, about 10 ms a step on an H100. Compiled, they fuse into a pass or
     two. The loss region holds no parameters, so gradient buckets still launch as before."""
     if not cfg.compiles(device.type):
         return cross_entropy
-    return torch.compile(cross_entropy, backend=cfg.compile_backend, **settings)
+    return torch.compile(cross_entropy, backend=cfg.compile_backend, mode=mode)
 
 
 def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:

@@ -24,7 +24,7 @@ from mgpu.dist import Runtime
 from mgpu.goodput import Goodput
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
 from mgpu.metrics import Recorder, mfu_inputs
-from mgpu.models import build_model, compile_model, compile_settings
+from mgpu.models import build_model, compile_mode, compile_model
 from mgpu.numerics import set_math_modes
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import Preemption
@@ -49,10 +49,8 @@ def build_parallel_model(cfg: Config, model: nn.Module, rt: Runtime) -> nn.Modul
         ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
         # Gradients reduced while backward runs: the model is wrapped for data parallelism.
         overlap = cfg.dist.engine is not Engine.none and rt.distributed
-        settings = compile_settings(
-            tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap
-        )
-        model = compile_model(model, tc.compile_backend, settings, overlap)
+        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap)
+        model = compile_model(model, tc.compile_backend, mode, overlap)
     return wrap_model(model, cfg.dist, rt)
 
 

@@ -32,7 +32,7 @@ from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.metrics import Recorder
-from mgpu.models import compile_settings
+from mgpu.models import compile_mode
 from mgpu.numerics import (  # noqa: F401 - set_math_modes re-exported: benchmarks import it here
     autocast_dtype,
     cross_entropy,
@@ -86,10 +86,10 @@ class Trainer:
         # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
         ddp = isinstance(model, DistributedDataParallel)
         overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel)
-        settings = compile_settings(
+        mode = compile_mode(
             cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
         )
-        self.loss_fn = training_loss(cfg, rt.device, settings)
+        self.loss_fn = training_loss(cfg, rt.device, mode)
         # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
         # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
         self.model_loss = getattr(unwrap(model), "computes_loss", False)

@@ -13,7 +13,7 @@ from torch import nn
 
 from mgpu.comm import wrap_model
 from mgpu.config import DistConfig, Engine, OptimConfig, OptimizerName, Precision, TrainerConfig
-from mgpu.models import GPT, MLP, ResNet, compile_model, compile_settings, repeated_blocks
+from mgpu.models import GPT, MLP, ResNet, compile_mode, compile_model, repeated_blocks
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.shard import ShardedOptimizer
 from mgpu.trainer import Trainer
@@ -87,8 +87,8 @@ def train(rt, compiled: bool, overrides: dict):
         grad_clip=0.5, precision=Precision.fp32, compile=compiled, compile_backend="aot_eager"
     )
     if compiled:
-        settings = compile_settings(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
-        compile_model(model, tcfg.compile_backend, settings)
+        mode = compile_mode(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
+        compile_model(model, tcfg.compile_backend, mode)
     ocfg = OptimConfig(name=OptimizerName.sgd, lr=0.05, warmup_steps=0, weight_decay=0.0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     model = wrap_model(model, DistConfig(engine=Engine.mgpu, **overrides), rt)
@@ -178,5 +178,5 @@ def test_one_process_compiles_the_whole_model_as_one_graph(overlap, graphs):
     # block by block, and one graph lets the compiler fuse across the blocks (and the eager
     # stem and head join it).
     torch.manual_seed(0)
-    model = compile_model(Stack(), "aot_eager", {}, overlap=overlap)
+    model = compile_model(Stack(), "aot_eager", None, overlap=overlap)
     assert len(compiled_backward_nodes(model(torch.randn(4, 8)))) == graphs

@@ -12,7 +12,7 @@ from torch import nn
 from mgpu.config import ConfigError, OptimConfig, OptimizerName, Precision, TrainerConfig, to_config
 from mgpu.dist import Runtime
 from mgpu.loader import TRAINER_CORES, worker_count
-from mgpu.models import AUTO_GRAPHS, GPT, ResNet, compile_model, compile_settings
+from mgpu.models import GPT, ResNet, compile_mode, compile_model
 from mgpu.optim import build_optimizer, build_schedule, param_groups
 from mgpu.trainer import Trainer
 
@@ -104,7 +104,7 @@ def test_an_unknown_compile_backend_names_the_key():
 def test_cuda_graphs_of_a_block_by_block_compile_are_refused():
     gpt = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     with pytest.raises(ConfigError, match="trainer.compile_mode='reduce-overhead': replays"):
-        compile_settings("reduce-overhead", "inductor", gpt, torch.device("cuda"))
+        compile_mode("reduce-overhead", "inductor", gpt, torch.device("cuda"))
 
 
 def test_cuda_graphs_need_inductor():
@@ -123,23 +123,19 @@ def test_compile_mode_auto_graphs_whole_models_on_gpus_only():
     gpt = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
     resnet = ResNet(num_classes=10, block="basic", layers=[1, 1])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    graphs = {"options": AUTO_GRAPHS}  # CUDA graphs, kernels tuned
-    assert AUTO_GRAPHS["triton.cudagraphs"]
-    assert compile_settings("auto", "inductor", resnet, cuda) == graphs
-    assert compile_settings("auto", "inductor", resnet, cpu) == {}
-    assert compile_settings("auto", "inductor", resnet, cuda, ddp=True) == {}
-    assert compile_settings("auto", "aot_eager", resnet, cuda) == {}
-    assert compile_settings("auto", "inductor", gpt, cuda) == {}  # compiled block by block
+    assert compile_mode("auto", "inductor", resnet, cuda) == "reduce-overhead"
+    assert compile_mode("auto", "inductor", resnet, cpu) is None
+    assert compile_mode("auto", "inductor", resnet, cuda, ddp=True) is None
+    assert compile_mode("auto", "aot_eager", resnet, cuda) is None
+    assert compile_mode("auto", "inductor", gpt, cuda) is None  # compiled block by block
     # One process (nothing reduced while backward runs): GPT is compiled whole, as graphs too.
-    assert compile_settings("auto", "inductor", gpt, cuda, overlap=False) == graphs
-    assert compile_settings("auto", "inductor", gpt, cpu, overlap=False) == {}
-    assert compile_settings("default", "inductor", resnet, cuda) == {}
-    assert compile_settings("max-autotune-no-cudagraphs", "inductor", gpt, cuda) == {
-        "mode": "max-autotune-no-cudagraphs"
-    }
-    assert compile_settings("reduce-overhead", "inductor", resnet, cuda) == {
-        "mode": "reduce-overhead"
-    }
+    assert compile_mode("auto", "inductor", gpt, cuda, overlap=False) == "reduce-overhead"
+    assert compile_mode("auto", "inductor", gpt, cpu, overlap=False) is None
+    assert compile_mode("default", "inductor", resnet, cuda) is None
+    assert compile_mode("max-autotune-no-cudagraphs", "inductor", gpt, cuda) == (
+        "max-autotune-no-cudagraphs"
+    )
+    assert compile_mode("reduce-overhead", "inductor", resnet, cuda) == "reduce-overhead"
 
 
 def test_auto_workers_share_the_cpus_out_and_leave_the_trainer_its_own():

@@ -14,9 +14,8 @@ __all__ = [
     "MLP",
     "ResNet",
     "build_model",
-    "AUTO_GRAPHS",
+    "compile_mode",
     "compile_model",
-    "compile_settings",
     "compiled_whole",
     "count_training_flops",
     "repeated_blocks",
@@ -47,27 +46,17 @@ def compiled_whole(model: nn.Module, overlap: bool) -> bool:
     return not overlap or not repeated_blocks(model)
 
 
-# compile_mode=auto for a model compiled whole on a GPU: inductor's reduce-overhead mode (CUDA
-# graphs) plus coordinate-descent tuning of each generated kernel's launch shape.
-# Tuning took the whole-model-compiled plain loop of GPT-2-small from 34.70 to 34.37 ms a step
-# on one H100 (bench/results/vs_plain-NVIDIA_H100_80GB_HBM3-20261125-085307.json);
-# max-autotune, which also times Triton matrix multiplies against cuBLAS, had not finished
-# compiling GPT-2-small after 470 s, and cuBLAS won 14 of its 15 products.
-AUTO_GRAPHS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
-
-
-def compile_settings(
+def compile_mode(
     setting: str,
     backend: str,
     model: nn.Module,
     device: torch.device,
     ddp: bool = False,
     overlap: bool = True,
-) -> dict:
-    """torch.compile's keyword arguments (mode or options) for `trainer.compile_mode`; empty
-    for torch's default.
+) -> str | None:
+    """torch.compile's mode for `trainer.compile_mode` (None: torch's default).
 
-    auto: CUDA graphs (AUTO_GRAPHS) for a model compiled whole on a GPU with inductor. Such
+    auto: reduce-overhead (CUDA graphs) for a model compiled whole on a GPU with inductor. Such
     a model has no gradient to hand over before its backward ends, and replaying the step as a
     graph takes the host's launches out of it: compiled ResNet-50 on one H100 went from 30.7 to
     24.1 ms a step, which had been bound by the host launching ~1,500 kernels
@@ -76,10 +65,15 @@ def compile_settings(
     replaying them as CUDA graphs failed (an output read after the next replay overwrote it);
     GPT-2-small is GPU-bound anyway (CUDA graphs: 35.2 to 34.7 ms in a plain loop). Nor under
     torch DDP (`ddp`): its compiled graph is split at DDP's buckets by torch, which mgpu does not
-    replay as CUDA graphs unasked. `overlap`: as for compile_model."""
+    replay as CUDA graphs unasked. `overlap`: as for compile_model.
+
+    Measured and left out of auto (GPT-2-small, one H100, bench/README.md): inductor's
+    coordinate-descent tuning of its kernels took 0.4 ms off a 35 ms step but ~95 s onto the
+    compile (it pays back after ~200k steps); max-autotune had not compiled the model after
+    470 s, and cuBLAS beat its Triton products in 14 of 15 shapes."""
     whole = compiled_whole(model, overlap)
     if setting == "default":
-        return {}
+        return None
     if setting != "auto":
         if setting in CUDA_GRAPH_MODES and not whole:
             raise ConfigError(
@@ -89,13 +83,13 @@ def compile_settings(
                 "block by block (an output of one replay is read after the next overwrote it); "
                 "use auto, default or max-autotune-no-cudagraphs",
             )
-        return {"mode": setting}
+        return setting
     graphs = whole and not ddp and device.type == "cuda" and backend == "inductor"
-    return {"options": dict(AUTO_GRAPHS)} if graphs else {}
+    return "reduce-overhead" if graphs else None
 
 
 def compile_model(
-    model: nn.Module, backend: str = "inductor", settings: dict | None = None, overlap: bool = True
+    model: nn.Module, backend: str = "inductor", mode: str | None = None, overlap: bool = True
 ) -> nn.Module:
     """torch.compile that keeps gradient communication overlapped with backward.
 
@@ -122,5 +116,5 @@ def compile_model(
             "trainer.compile_backend", backend, f"is not a torch.compile backend; e.g. {examples}"
         )
     for block in [model] if compiled_whole(model, overlap) else repeated_blocks(model):
-        block.compile(backend=backend, **(settings or {}))
+        block.compile(backend=backend, mode=mode)
     return model
