@@ -98,22 +98,23 @@ def recorded(record: Path) -> list[list[int]]:
 
 
 class NanGPT(GPT):
-    """A GPT whose logits turn NaN on its `nan_from`-th to `nan_until`-th training forwards
-    (no end by default), on rank `rank` only, or on every rank when it is None."""
+    """A GPT whose output (the loss the Trainer asks for with targets, or the logits) turns NaN
+    on its `nan_from`-th to `nan_until`-th training forwards (no end by default), on rank
+    `rank` only, or on every rank when it is None."""
 
     def __init__(self, *, nan_from: int, nan_until: int = 0, rank: int | None = None, **kw):
         super().__init__(**kw)
         self.nan_from, self.nan_until, self.forwards = nan_from, nan_until, 0
         self.on_this_rank = rank is None or int(os.environ.get("RANK", "0")) == rank
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(idx)
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().forward(idx, targets)
         if self.training and self.on_this_rank:
             self.forwards += 1
             until = self.nan_until or float("inf")
             if self.nan_from <= self.forwards <= until:
-                logits = logits * float("nan")
-        return logits
+                out = out * float("nan")
+        return out
 
 
 class SlowTokens(NgramTokens):
@@ -138,10 +139,10 @@ class SlowGPT(GPT):
         super().__init__(**kw)
         self.delay_s = delay_s if int(os.environ.get("RANK", "0")) == rank else 0.0
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self.delay_s:
             time.sleep(self.delay_s)
-        return super().forward(idx)
+        return super().forward(idx, targets)
 
 
 class KillInSaveGPT(GPT):
