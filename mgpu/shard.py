@@ -153,13 +153,24 @@ class Shards:
             torch.cuda.current_stream().wait_stream(self.stream)
         self.gathers = []
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(
+        self, overflow: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The global L2 norm of the averaged gradients: each rank's shards' squared norm, summed
-        across ranks in one scalar all-reduce (the same value on every rank)."""
+        across ranks in one small all-reduce (the same value on every rank). `overflow` (fp16: a
+        device flag, nonzero where this rank's shards held inf/NaN) rides the same all-reduce;
+        returned as a bool that is True on every rank if it was set on any, else None. Queued on
+        the current stream; the host does not wait."""
         grads = [s.grad for s in self.layout]
         squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
-        tdist.all_reduce(squares, group=self.group)
-        return squares.sqrt()
+        if overflow is None:
+            if self.world > 1:
+                tdist.all_reduce(squares, group=self.group)
+            return squares.sqrt(), None
+        both = torch.stack((squares, overflow.float().reshape(())))
+        if self.world > 1:
+            tdist.all_reduce(both, group=self.group)
+        return both[0].sqrt(), both[1] > 0
 
 
 def sharding(cfg, module: nn.Module, rt, group, stream, reduce_dtype) -> Shards | None:
@@ -256,8 +267,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This rank's averaged gradient shards, for the non-finite check and clipping."""
         return [s.grad for s in self.shards.layout]
 
-    def grad_norm(self) -> torch.Tensor:
-        return self.shards.grad_norm()
+    def grad_norm(
+        self, overflow: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global gradient norm, and `overflow` agreed across ranks (Shards.grad_norm)."""
+        return self.shards.grad_norm(overflow)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state tensors (scalars such as Adam's step included)."""
