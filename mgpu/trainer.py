@@ -86,7 +86,9 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
         # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
         ddp = isinstance(model, DistributedDataParallel)
-        overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel)
+        # As build_parallel_model compiled the model: a world of one (wrapped only under
+        # dist.shard_optimizer) reduces nothing during backward.
+        overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel) and rt.distributed
         mode = compile_mode(
             cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
         )
