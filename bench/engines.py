@@ -1,13 +1,15 @@
 """Gradient engines side by side in one torchrun job: each GPU training alone (`none`, the scaling
-baseline), torch DDP (default and tuned), and mgpu's reducer, on GPT-2-small and ResNet-50.
+baseline), torch DDP (default and tuned), and mgpu's reducer, plain and with its optimizer
+sharded (`mgpu_sharded`, dist.shard_optimizer), on GPT-2-small and ResNet-50.
 
     torchrun --nproc_per_node=2 bench/engines.py [--models gpt2_small resnet50] [--compile]
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 bench/engines.py --tag slowlink
+    torchrun --nproc_per_node=2 bench/engines.py --quick   # tiny shapes on the CPU: checks it
 
 All engines of a model are built up front and timed in interleaved rounds, so drift in the
 machine's state hits them alike. Batches are random tensors already on the GPU: this measures
 compute and gradient communication, not input. Rank 0 prints the table and writes
-bench/results/engines-<tag>-<time>.json.
+bench/results/engines-<tag>-<time>.json (or into --out).
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
         DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True)
     ),
     "mgpu": Lever(DistConfig(engine=Engine.mgpu)),
+    # ZeRO-1 in the reducer: reduce-scatter, each rank steps 1/N, all-gather (mgpu.shard)
+    "mgpu_sharded": Lever(DistConfig(engine=Engine.mgpu, shard_optimizer=True)),
     # levers, measured one at a time against "mgpu": the wire dtype and the bucket size
     "mgpu_bf16": Lever(DistConfig(engine=Engine.mgpu, reduce_dtype=ReduceDtype.bf16)),
     "mgpu_cap10": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=10)),
@@ -136,7 +140,7 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
         wrap=ddp_bf16_compressed,
     ),
 }
-CORE = ["none", "torch_ddp", "torch_ddp_tuned", "mgpu"]
+CORE = ["none", "torch_ddp", "torch_ddp_tuned", "mgpu", "mgpu_sharded"]
 
 MODELS = {  # (factory, per-GPU batch, sample shape or seq len, optimizer)
     "gpt2_small": (
@@ -147,10 +151,24 @@ MODELS = {  # (factory, per-GPU batch, sample shape or seq len, optimizer)
     ),
     "resnet50": (lambda: ResNet(num_classes=1000), 128, (3, 224, 224), "sgd"),
 }
+QUICK = {  # CPU-sized stand-ins under the same names, to check the script (--quick)
+    "gpt2_small": (
+        lambda: GPT(vocab_size=50304, block_size=32, n_layer=2, n_head=2, n_embd=32),
+        4,
+        32,
+        "adamw",
+    ),
+    "resnet50": (
+        lambda: ResNet(num_classes=1000, block="basic", layers=[1, 1, 1, 1], width=8),
+        4,
+        (3, 32, 32),
+        "sgd",
+    ),
+}
 
 
-def make_batch(name: str, device: torch.device):
-    _, batch, shape, _ = MODELS[name]
+def make_batch(name: str, device: torch.device, models: dict):
+    _, batch, shape, _ = models[name]
     if name.startswith("gpt"):
         tokens = torch.randint(0, 50304, (batch, shape + 1), device=device)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -169,8 +187,8 @@ def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Modul
     return torch.compile(model)  # torch DDP splits the graph at its buckets itself
 
 
-def build(name: str, engine: str, rt, use_compile: bool):
-    factory, _, _, optim = MODELS[name]
+def build(name: str, engine: str, rt, use_compile: bool, models: dict = MODELS):
+    factory, _, _, optim = models[name]
     torch.manual_seed(0)
     model = factory().to(rt.device)
     if isinstance(model, ResNet):
@@ -181,7 +199,8 @@ def build(name: str, engine: str, rt, use_compile: bool):
     spec = ENGINES[engine]
     # The Trainer compiles the loss when compile is on (as train.py's does) and leaves it eager
     # when off, so eager engines measure eager steps.
-    tcfg = TrainerConfig(precision=Precision.bf16, grad_clip=1.0, compile=use_compile)
+    precision = Precision.bf16 if rt.device.type == "cuda" else Precision.fp32
+    tcfg = TrainerConfig(precision=precision, grad_clip=1.0, compile=use_compile)
     if use_compile:
         model = compiled(model, spec, tcfg, rt)
     model = spec.wrap(model, spec.dist, rt)
@@ -194,8 +213,14 @@ def build(name: str, engine: str, rt, use_compile: bool):
 def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
     """ms per optimizer step on the GPU's own clock (the host waits only at the end), and how
     far ahead of the GPU the host was when it had launched the last step: the GPU work still
-    queued, in ms. Near zero, the host is what bounds the step (launch-bound), not the GPU."""
+    queued, in ms. Near zero, the host is what bounds the step (launch-bound), not the GPU.
+    On a CPU (--quick): the host's clock, and nothing queued."""
     batches = iter([batch] * steps)
+    if batch[0].device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_step(batches)
+        return (time.perf_counter() - start) * 1e3 / steps, 0.0
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
@@ -211,18 +236,22 @@ def exposed_ms(model) -> float | None:
     if not isinstance(model, MgpuDataParallel):
         return None
     marks = model.reducer.take_exposed()
+    if marks and isinstance(marks[0][0], float):  # host times on a CPU, in seconds
+        return sum(b - a for a, b in marks) * 1e3 / len(marks)
     total = sum(a.elapsed_time(b) for a, b in marks)  # all events are complete here
     return total / max(len(marks), 1)
 
 
-def peak_memory_gib(name, engine, rt, use_compile, batch) -> float:
+def peak_memory_gib(name, engine, rt, use_compile, batch, models) -> float | None:
     """Peak memory of one engine: its model, optimizer, gradients, buckets and activations,
-    measured above whatever was allocated before it was built."""
+    measured above whatever was allocated before it was built (None on a CPU)."""
+    if rt.device.type != "cuda":
+        return None
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model, trainer = build(name, engine, rt, use_compile)
+    model, trainer = build(name, engine, rt, use_compile, models)
     timed(trainer, batch, 3)
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30
     if isinstance(model, MgpuDataParallel):
@@ -234,9 +263,10 @@ def peak_memory_gib(name, engine, rt, use_compile, batch) -> float:
 
 
 def bench_model(name, engines, rt, args) -> list[dict]:
-    batch = make_batch(name, rt.device)
-    memory = {e: peak_memory_gib(name, e, rt, args.compile, batch) for e in engines}
-    built = {e: build(name, e, rt, args.compile) for e in engines}
+    models = QUICK if args.quick else MODELS
+    batch = make_batch(name, rt.device, models)
+    memory = {e: peak_memory_gib(name, e, rt, args.compile, batch, models) for e in engines}
+    built = {e: build(name, e, rt, args.compile, models) for e in engines}
     for _model, trainer in built.values():
         timed(trainer, batch, args.warmup)
     times: dict[str, list[float]] = {e: [] for e in engines}
@@ -260,7 +290,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
     by_rank = [torch.empty_like(local) for _ in range(rt.world_size)]
     torch.distributed.all_gather(by_rank, local)
     by_rank = torch.stack(by_rank).T.tolist()  # sync point: after timing
-    _, per_gpu_batch, shape, _ = MODELS[name]
+    _, per_gpu_batch, shape, _ = models[name]
     units = per_gpu_batch * (shape if isinstance(shape, int) else 1)
     base = statistics.median(times["none"]) if "none" in times else None
     rows = []
@@ -313,7 +343,7 @@ def versions() -> dict:
 def report(rows: list[dict], meta: dict, args) -> None:
     print(
         f"\n{meta['device']} x{meta['world_size']}, torch {meta['torch']}, "
-        f"NCCL {meta['nccl']}, {meta['env'] or 'default NCCL env'}"
+        f"NCCL {meta.get('nccl', '-')}, {meta.get('env') or 'default NCCL env'}"
     )
     print(
         f"{'model':<11} {'engine':<28} {'ms/step':>8} {'per GPU':>12} {'eff':>6} "
@@ -331,7 +361,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
         print(
             f"{row['model']:<11} {row['engine']:<28} {row['step_ms']:8.2f} "
             f"{row['per_gpu_throughput']:12,.0f} {eff or 0:6.3f} {ratio or 0:11.3f} "
-            f"{row['peak_memory_gib']:8.2f} {exp if exp is not None else float('nan'):10.2f} "
+            f"{row['peak_memory_gib'] or float('nan'):8.2f} "
+            f"{exp if exp is not None else float('nan'):10.2f} "
             f"{row['host_ahead_ms']:13.1f}"
         )
     for row in rows:
@@ -359,8 +390,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
                     f"  {t['ms']:7.3f} ms {t['count']:5.1f}x  after {t['after'][:45]!r} "
                     f"before {t['before'][:45]!r}"
                 )
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     path = out / f"engines-{args.tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     print(f"wrote {path}")
@@ -392,13 +423,21 @@ def main() -> None:
     parser.add_argument(
         "--cpu-affinity", action="store_true", help="dist.cpu_affinity: each rank its own CPUs"
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny shapes, few steps, gloo on the CPU"
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    backend = "nccl"
+    if args.quick:
+        args.steps, args.rounds, args.warmup, backend = 2, 1, 1, "auto"
     set_math_modes(TrainerConfig(), torch.device("cuda"))  # train.py's defaults: TF32, autotuning
-    with distributed("nccl", timeout_s=600, cpu_affinity=args.cpu_affinity) as rt:
+    with distributed(backend, timeout_s=600, cpu_affinity=args.cpu_affinity) as rt:
         rows = [row for name in args.models for row in bench_model(name, args.engines, rt, args)]
         if rt.is_primary:
+            cuda = rt.device.type == "cuda"
             meta = {
-                **versions(),
+                **(versions() if cuda else {"device": "cpu", "torch": torch.__version__}),
                 "world_size": rt.world_size,
                 "compile": args.compile,
                 "cpu_affinity": args.cpu_affinity,

@@ -30,7 +30,8 @@ class MgpuDataParallel(nn.Module):
         self.module = module
         self.rt = rt
         # Every rank starts from rank 0's weights and buffers.
-        FlatBuffers([*module.parameters(), *module.buffers()]).broadcast()
+        if rt.distributed:
+            FlatBuffers([*module.parameters(), *module.buffers()]).broadcast()
         self.reducer = GradReducer(module, rt, cfg, **reducer_options)
 
     def forward(self, *args, **kwargs):
@@ -52,11 +53,20 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
     """Wrap for gradient averaging across ranks as `dist.engine` asks.
 
     A world of one has nothing to average, and `engine=none` trains each rank on its own (useful
-    as the no-communication baseline of a scaling measurement).
+    as the no-communication baseline of a scaling measurement). dist.shard_optimizer on a world
+    of one still runs its sharded path, one shard per bucket (mgpu.shard), so that its cost on
+    one GPU can be measured and a one-process run trains the way its N-process run does.
     """
     if cfg.engine is Engine.none:
         return model
     if not rt.distributed:
+        if cfg.engine is Engine.mgpu and cfg.shard_optimizer:
+            log.info(
+                "world of one process: dist.shard_optimizer=true has no one to shard with; its "
+                "path runs with one shard per bucket and nothing communicated (only its overhead "
+                "shows; set dist.shard_optimizer=false to train without it)"
+            )
+            return MgpuDataParallel(model, rt, cfg)
         log.info("world of one process: gradients are not communicated")
         return model
     if cfg.engine is Engine.mgpu:

@@ -199,7 +199,8 @@ class DistConfig:
     ddp_bucket_view: bool = False  # torch_ddp: gradient_as_bucket_view
     ddp_static_graph: bool = False  # torch_ddp: static_graph
     # mgpu: ZeRO-1. Gradients reduce-scattered, each rank steps and keeps optimizer state for
-    # 1/N of the parameters, which are all-gathered back (mgpu.shard). Not with fp16.
+    # 1/N of the parameters, which are all-gathered back (mgpu.shard). fp16 scales its loss with
+    # mgpu.loss_scale (overflow agreed across ranks); one process runs it with one shard.
     shard_optimizer: bool = False
 
     def __post_init__(self) -> None:

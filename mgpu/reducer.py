@@ -129,6 +129,8 @@ class GradReducer:
                 f"dist.nccl_max_ctas={max_ctas} needs the nccl backend, not "
                 f"{self.rt.backend}; set dist.nccl_max_ctas=0"
             )
+        if not self.rt.distributed:  # a world of one (dist.shard_optimizer): no communicator
+            return None
         options = tdist.ProcessGroupNCCL.Options()
         options.config.max_ctas = max_ctas
         return tdist.new_group(backend="nccl", pg_options=options)

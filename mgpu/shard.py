@@ -26,6 +26,13 @@ Stream rules (CUDA), added to mgpu.comm's:
    shard: another split is another rounding). A bucket that waits for a late gradient launches
    later; the results are the same.
 On CPU (gloo) the same waits block the host instead.
+
+A world of one (`python train.py`, or torchrun with one process) runs the same path with nothing
+to communicate: its one shard of a bucket is the whole bucket, whose gradient is the bucket's
+own memory (no reduce-scatter), and the updated parameters are already in place (no
+all-gather). What is left is the path's own cost: every gradient packed into its bucket, the
+optimizer stepping flat pieces, the hooks; bench/vs_plain.py with dist.shard_optimizer=true
+measures it on one GPU.
 """
 
 from __future__ import annotations
@@ -66,23 +73,28 @@ class BucketShard:
         # parameters (a checkpoint's load_state_dict) is what it steps next; the all-gather
         # is in place (this rank's input is its own part of the output).
         self.param = self.full[self.lo : self.lo + self.size]
-        self.grad = torch.zeros_like(self.param, dtype=bucket.flat.dtype)
+        # A world of one averages nothing: its one gradient shard is the bucket itself.
+        self.grad = bucket.flat
+        if world > 1:
+            self.grad = torch.zeros_like(self.param, dtype=bucket.flat.dtype)
         # bf16 on the wire: the bucket is copied into wire_in, the shard lands in wire_out
         self.wire_in = self.wire_out = None
-        if wire is not None and wire != bucket.flat.dtype:
+        if world > 1 and wire is not None and wire != bucket.flat.dtype:
             self.wire_in = torch.empty_like(bucket.flat, dtype=wire)
             self.wire_out = torch.empty_like(self.grad, dtype=wire)
 
 
 class _Landing:
-    """A reduce-scatter in flight; wait() also copies a bf16 shard into the fp32 gradient shard
-    (on the current stream: the communication stream, in the reducer's wait)."""
+    """A reduce-scatter in flight (None: a world of one, nothing in flight); wait() also copies
+    a bf16 shard into the fp32 gradient shard (on the current stream: the communication stream,
+    in the reducer's wait)."""
 
     def __init__(self, work, shard: BucketShard):
         self.work, self.shard = work, shard
 
     def wait(self) -> None:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         if self.shard.wire_out is not None:
             self.shard.grad.copy_(self.shard.wire_out)
 
@@ -115,6 +127,8 @@ class Shards:
         """Launch the bucket's averaging into this rank's gradient shard (on the current
         stream); the reducer waits for the returned work at the end of backward."""
         shard = self.layout[bucket.index]
+        if self.world == 1:
+            return _Landing(None, shard)  # the gradient shard is the bucket: nothing to do
         src, dst = bucket.flat, shard.grad
         if shard.wire_in is not None:
             shard.wire_in.copy_(src)
@@ -126,6 +140,8 @@ class Shards:
 
     def gather(self) -> None:
         """Launch the all-gathers of the updated parameter shards (rule 2)."""
+        if self.world == 1:
+            return  # the one shard is the whole parameters, updated in place
         if self.stream is None:
             self.gathers = [self._all_gather(s) for s in reversed(self.layout)]
             return
@@ -138,6 +154,21 @@ class Shards:
     def _all_gather(self, shard: BucketShard):
         group = self.group
         return tdist.all_gather_single(shard.full, shard.param, group=group, async_op=True)
+
+    def gather_flat(self, full: torch.Tensor, local: torch.Tensor) -> None:
+        """Every rank's `local` (its part of a bucket-shaped tensor) into `full`, blocking: for
+        checkpoints, not the training loop."""
+        if self.world == 1:
+            full.copy_(local)
+        else:
+            tdist.all_gather_single(full, local, group=self.group)
+
+    def gather_object(self, obj) -> list:
+        """Every rank's picklable `obj`, in rank order (a host sync; checkpoints only)."""
+        everyone = [obj] * self.world
+        if self.world > 1:
+            tdist.all_gather_object(everyone, obj, group=self.group)
+        return everyone
 
     def wait_params(self) -> None:
         """The current stream (CUDA) or the host (CPU) waits for the all-gathers (rule 3)."""
@@ -153,13 +184,24 @@ class Shards:
             torch.cuda.current_stream().wait_stream(self.stream)
         self.gathers = []
 
-    def grad_norm(self) -> torch.Tensor:
+    def grad_norm(
+        self, overflow: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The global L2 norm of the averaged gradients: each rank's shards' squared norm, summed
-        across ranks in one scalar all-reduce (the same value on every rank)."""
+        across ranks in one small all-reduce (the same value on every rank). `overflow` (fp16: a
+        device flag, nonzero where this rank's shards held inf/NaN) rides the same all-reduce;
+        returned as a bool that is True on every rank if it was set on any, else None. Queued on
+        the current stream; the host does not wait."""
         grads = [s.grad for s in self.layout]
         squares = torch.stack(torch._foreach_norm(grads)).float().square().sum()
-        tdist.all_reduce(squares, group=self.group)
-        return squares.sqrt()
+        if overflow is None:
+            if self.world > 1:
+                tdist.all_reduce(squares, group=self.group)
+            return squares.sqrt(), None
+        both = torch.stack((squares, overflow.float().reshape(())))
+        if self.world > 1:
+            tdist.all_reduce(both, group=self.group)
+        return both[0].sqrt(), both[1] > 0
 
 
 def sharding(cfg, module: nn.Module, rt, group, stream, reduce_dtype) -> Shards | None:
@@ -256,8 +298,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This rank's averaged gradient shards, for the non-finite check and clipping."""
         return [s.grad for s in self.shards.layout]
 
-    def grad_norm(self) -> torch.Tensor:
-        return self.shards.grad_norm()
+    def grad_norm(
+        self, overflow: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The global gradient norm, and `overflow` agreed across ranks (Shards.grad_norm)."""
+        return self.shards.grad_norm(overflow)
 
     def state_bytes(self) -> int:
         """Bytes of this rank's optimizer state tensors (scalars such as Adam's step included)."""
@@ -281,8 +326,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 scalars = {k: _copy(v, "cpu") for k, v in state.items() if k not in keys}
                 mine = (keys, scalars)
                 break
-        everyone = [None] * self.shards.world
-        tdist.all_gather_object(everyone, mine, group=self.shards.group)
+        everyone = self.shards.gather_object(mine)
         return next((x for x in everyone if x is not None), ([], {}))
 
     def state_dict(self) -> dict:
@@ -302,7 +346,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if seg.shard == i:
                         local[seg.start : seg.end] = self.inner.state[piece][key]
                 full = torch.empty_like(s.full)
-                tdist.all_gather_single(full, local, group=self.shards.group)
+                self.shards.gather_flat(full, local)
                 for p, off in zip(s.params, s.offsets, strict=True):
                     if id(p) in index:
                         state[index[id(p)]][key] = slice_of(full, p, off).clone()

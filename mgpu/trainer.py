@@ -31,6 +31,7 @@ from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
+from mgpu.loss_scale import LossScaler
 from mgpu.metrics import Recorder
 from mgpu.models import compile_mode
 from mgpu.numerics import (  # noqa: F401 - set_math_modes re-exported: benchmarks import it here
@@ -85,7 +86,9 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
         # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
         ddp = isinstance(model, DistributedDataParallel)
-        overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel)
+        # As build_parallel_model compiled the model: a world of one (wrapped only under
+        # dist.shard_optimizer) reduces nothing during backward.
+        overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel) and rt.distributed
         mode = compile_mode(
             cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
         )
@@ -93,18 +96,16 @@ class Trainer:
         # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
         # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
         self.model_loss = getattr(unwrap(model), "computes_loss", False)
-        # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it.
-        self.scaler = torch.amp.GradScaler(
-            rt.device.type,
-            init_scale=cfg.loss_scale_init,
-            enabled=self.amp_dtype is torch.float16,
-        )
         self.sharded = isinstance(optimizer, ShardedOptimizer)
-        if self.sharded and self.scaler.is_enabled():
-            raise ValueError(
-                "dist.shard_optimizer=true does not support fp16 (trainer.precision=fp16, or auto "
-                "on a GPU without bf16): its loss scaler would skip steps per shard. Use "
-                "trainer.precision=bf16 or fp32, or dist.shard_optimizer=false"
+        # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it. Sharded,
+        # each rank sees only its shards' overflows: mgpu's LossScaler, whose verdict the ranks
+        # agree on (_update_clipped); else torch's GradScaler on the whole averaged gradients.
+        fp16 = self.amp_dtype is torch.float16
+        if self.sharded:
+            self.scaler = LossScaler(rt.device, init_scale=cfg.loss_scale_init, enabled=fp16)
+        else:
+            self.scaler = torch.amp.GradScaler(
+                rt.device.type, init_scale=cfg.loss_scale_init, enabled=fp16
             )
         self.checkpointer = checkpointer  # None: fit saves nothing
         # Where fit starts: after step 0, at epoch 0's start, unless load_state_dict says
@@ -218,42 +219,68 @@ class Trainer:
 
     def _update(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule."""
-        if self.sharded:  # this rank's averaged shards; the norm sums every rank's (mgpu.shard)
-            grads, norm = self.optimizer.shard_grads(), self.optimizer.grad_norm()
+        if self.scaler.is_enabled() and not self.sharded:
+            bad = self._update_grad_scaler(loss, step)
         else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.scaler.is_enabled():
-            # fp16: overflowing gradients are the scaler's to skip. A non-finite loss (agreed
-            # across ranks) poisons the gradients so that the scaler skips that step too, on
-            # every rank alike, without a host read.
-            bad = self.guard.check(step, loss, grads, None, self._stop_asked())
-            if grads:
-                grads[0].add_(torch.where(bad, float("nan"), 0.0))
-            if self.cfg.grad_clip > 0:
-                self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
-                clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=True)
-            # GradScaler.step reads found-inf on the host unless the optimizer is fused (mgpu's
-            # are): then no sync.
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            if not self.sharded:
-                norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
-            scale = None
-            if self.cfg.grad_clip > 0 and norm is not None:
-                if fused(self.optimizer):
-                    # Clipping rides in the fused update: its kernel divides each gradient by
-                    # grad_scale as it reads it, so no pass over the gradients (and none of the
-                    # host time that launches it) is spent on scaling them first.
-                    scale = (norm + CLIP_EPS).div(self.cfg.grad_clip).clamp(min=1.0)
-                else:
-                    clip_grads_with_norm_(grads, self.cfg.grad_clip, norm, foreach=True)
-            # A collective: every rank learns whether any rank's step went non-finite.
-            bad = self.guard.check(step, loss, grads, norm, self._stop_asked())
-            self.guard.step(self.optimizer, bad, grad_scale=scale)
+            bad = self._update_clipped(loss, step)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         return loss, bad
+
+    def _update_grad_scaler(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """fp16 without sharding: torch's GradScaler on the averaged gradients, whole on every
+        rank, so that each rank's own overflow check gives the same verdict."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # Overflowing gradients are the scaler's to skip. A non-finite loss (agreed across
+        # ranks) poisons the gradients so that the scaler skips that step too, on every rank
+        # alike, without a host read.
+        bad = self.guard.check(step, loss, grads, None, self._stop_asked())
+        if grads:
+            grads[0].add_(torch.where(bad, float("nan"), 0.0))
+        if self.cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
+            clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=True)
+        # GradScaler.step reads found-inf on the host unless the optimizer is fused (mgpu's
+        # are): then no sync.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return bad
+
+    def _update_clipped(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """fp32 and bf16; and fp16 under dist.shard_optimizer, where the LossScaler unscales
+        this rank's gradient shards and its overflow flag rides the norm's all-reduce, so that
+        an overflow on any rank's shard skips the step (and lowers the scale) on every rank."""
+        overflow = None
+        if self.sharded:  # this rank's averaged shards; the norm sums every rank's (mgpu.shard)
+            grads = self.optimizer.shard_grads()
+            if self.scaler.is_enabled():
+                overflow = self.scaler.unscale_(grads)  # this rank's shards only
+            # One small all-reduce: the global norm, and the overflow flag agreed across ranks.
+            norm, overflow = self.optimizer.grad_norm(overflow)
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+        scale = None
+        if self.cfg.grad_clip > 0 and norm is not None:
+            if fused(self.optimizer):
+                # Clipping rides in the fused update: its kernel divides each gradient by
+                # grad_scale as it reads it, so no pass over the gradients (and none of the
+                # host time that launches it) is spent on scaling them first.
+                scale = (norm + CLIP_EPS).div(self.cfg.grad_clip).clamp(min=1.0)
+            else:
+                clip_grads_with_norm_(grads, self.cfg.grad_clip, norm, foreach=True)
+        # A collective: every rank learns whether any rank's step went non-finite. Under fp16
+        # it judges the loss only (scaler_owns_grads): an overflow is the scaler's.
+        bad = self.guard.check(step, loss, grads, norm, self._stop_asked())
+        if overflow is None:
+            self.guard.step(self.optimizer, bad, grad_scale=scale)
+            return bad
+        # fp16, sharded: skipped for a non-finite loss or an overflow on any rank, and the
+        # scale lowered for either, as GradScaler does (a non-finite loss poisons its grads).
+        skipped = bad | overflow
+        self.guard.step(self.optimizer, skipped, grad_scale=scale)
+        self.scaler.update(skipped)
+        return bad
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> float:

@@ -53,3 +53,13 @@ def test_vs_plain_quick_runs(tmp_path):
     assert all(r > 0 for r in result["ratio"].values()), result["ratio"]
     for row in result["rows"]:
         assert row["mgpu"]["ms_per_step"] > 0 and row["plain"]["whole"]["ms_per_step"] > 0
+
+
+def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    result = run([*torchrun, "bench/engines.py", "--quick", "--models", "gpt2_small"], tmp_path)
+    assert result["world_size"] == 2
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert set(rows) == {"none", "torch_ddp", "torch_ddp_tuned", "mgpu", "mgpu_sharded"}, rows
+    assert all(r["step_ms"] > 0 for r in rows.values())
+    assert rows["mgpu_sharded"]["exposed_comm_ms"] is not None
