@@ -70,7 +70,7 @@ def compile_mode(
     Measured and left out of auto (GPT-2-small, one H100, bench/README.md): inductor's
     coordinate-descent tuning of its kernels took 0.4 ms off a 35 ms step but ~95 s onto the
     compile (it pays back after ~200k steps); max-autotune had not compiled the model after
-    470 s, and cuBLAS beat its Triton products in 14 of 15 shapes."""
+    470 s, and cuBLAS beat its Triton products in 14 of the 15 shapes it had timed."""
     whole = compiled_whole(model, overlap)
     if setting == "default":
         return None
