@@ -94,6 +94,10 @@ def spawn(worker, *args, nprocs: int = 2) -> None:
 
 
 def _run_then_exit(rank: int, worker, *args) -> None:
+    # One thread per process, as run_train's OMP_NUM_THREADS=1 gives torchrun's workers: the
+    # default (a thread per core in each of N processes) oversubscribes the cores, and on 2
+    # cores a 4-process run then spends most of its time spinning, 3-4 times slower.
+    torch.set_num_threads(1)
     worker(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()
