@@ -82,18 +82,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What the fork server imports once, so that the processes it forks start with it: importing
+# torch costs a new interpreter seconds of CPU, and a test run starts dozens of them.
+PRELOAD = ["torch", "torch.distributed", "mgpu.comm", "mgpu.shard", "mgpu.trainer", "conftest"]
+
+
 def spawn(worker, *args, nprocs: int = 2) -> None:
-    """`worker(rank, *args)` in `nprocs` fresh processes (torch.multiprocessing spawn), each
-    ending like train.py does once its work succeeded: without the interpreter's teardown of
-    torch's communication threads, which can abort a finished process ("terminate called
-    without an active exception") and fail a test that passed. A worker's exception still
-    reaches the test with its traceback."""
+    """`worker(rank, *args)` in `nprocs` fresh processes, each ending like train.py does once
+    its work succeeded: without the interpreter's teardown of torch's communication threads,
+    which can abort a finished process ("terminate called without an active exception") and
+    fail a test that passed. A worker's exception still reaches the test with its traceback.
+
+    The processes come from torch.multiprocessing's forkserver: forked from one clean server
+    process (started on first use, single-threaded, nothing of the test's state in it) that
+    has PRELOAD imported, rather than each a new interpreter as with spawn. Their environment
+    is the server's, taken when it started: a worker sets what it needs itself."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_run_then_exit, args=(worker, *args), nprocs=nprocs, join=True)
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    mp.start_processes(
+        _run_then_exit,
+        args=(worker, *args),
+        nprocs=nprocs,
+        join=True,
+        start_method="forkserver",
+    )
 
 
 def _run_then_exit(rank: int, worker, *args) -> None:
+    # One thread per process, as run_train's OMP_NUM_THREADS=1 gives torchrun's workers: the
+    # default (a thread per core in each of N processes) oversubscribes the cores, and on 2
+    # cores a 4-process run then spends most of its time spinning, 3-4 times slower.
+    torch.set_num_threads(1)
     worker(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -509,7 +509,7 @@ def test_sweep_script_runs_one_torchrun_per_point(tmp_path):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_cpu_affinity_gives_each_worker_its_own_block_of_cpus(tmp_path):
     run = tmp_path / "run"
-    args = [*FAST, "trainer.max_steps=4", "dist.cpu_affinity=true", f"hydra.run.dir={run}"]
+    args = [*TINY, "dist.cpu_affinity=true", f"hydra.run.dir={run}"]
     proc = run_train(args, cwd=tmp_path, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     blocks = []

@@ -112,37 +112,63 @@ def build(rt, case: str, reference: bool):
     return model, Trainer(tcfg, model, optimizer, schedule, rt)
 
 
+def train_cases(rt, out_dir: str, cases: list[str]) -> None:
+    rank, world = rt.rank, rt.world_size
+    for case in cases:
+        model_name, _, accum, _, _ = CASES[case]
+        model, trainer = build(rt, case, reference=False)
+        ready_at_launch = []
+        if isinstance(model, MgpuDataParallel):
+            reducer, launch = model.reducer, model.reducer._launch
+
+            def record(bucket, reducer=reducer, launch=launch, seen=ready_at_launch):
+                seen.append(len(reducer.ready))
+                launch(bucket)
+
+            reducer._launch = record
+        for step in range(STEPS):
+            x, y = batch(model_name, step, world * accum * MICRO)
+            starts = [(m * world + rank) * MICRO for m in range(accum)]
+            trainer.train_step(iter([(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]))
+        syncs = len(model.reducer.exposed) if isinstance(model, MgpuDataParallel) else -1
+        state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+        torch.save(
+            {"params": state, "syncs": syncs, "ready_at_launch": ready_at_launch},
+            f"{out_dir}/{case}.{rank}.pt",
+        )
+
+
 def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int = WORLD):
     with gloo_runtime(rank, port, world) as rt:
-        for case in cases:
-            model_name, _, accum, _, _ = CASES[case]
-            model, trainer = build(rt, case, reference=False)
-            ready_at_launch = []
-            if isinstance(model, MgpuDataParallel):
-                reducer, launch = model.reducer, model.reducer._launch
+        train_cases(rt, out_dir, cases)
 
-                def record(bucket, reducer=reducer, launch=launch, seen=ready_at_launch):
-                    seen.append(len(reducer.ready))
-                    launch(bucket)
 
-                reducer._launch = record
-            for step in range(STEPS):
-                x, y = batch(model_name, step, world * accum * MICRO)
-                starts = [(m * world + rank) * MICRO for m in range(accum)]
-                trainer.train_step(iter([(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]))
-            syncs = len(model.reducer.exposed) if isinstance(model, MgpuDataParallel) else -1
-            state = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-            torch.save(
-                {"params": state, "syncs": syncs, "ready_at_launch": ready_at_launch},
-                f"{out_dir}/{case}.{rank}.pt",
-            )
+# Every two-rank run of this module, in one pair of processes (each costs seconds to start):
+# one subdirectory of results each.
+PARTS = ("cases", "edge", "copies", "rewrap", "unused")
+
+
+def two_rank_worker(rank: int, port: int, out_dir: str):
+    with gloo_runtime(rank, port, WORLD) as rt:
+        train_cases(rt, f"{out_dir}/cases", list(CASES))
+        edge_work(rt, f"{out_dir}/edge")
+        copy_count_work(rt, f"{out_dir}/copies")
+        rewrap_work(rt, f"{out_dir}/rewrap")
+        unused_work(rt, f"{out_dir}/unused")  # last: its backward fails by design
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("reducer")
-    spawn(worker, free_port(), str(out), list(CASES), nprocs=WORLD)
+    for part in PARTS:
+        (out / part).mkdir()
+    spawn(two_rank_worker, free_port(), str(out), nprocs=WORLD)
     return out
+
+
+@pytest.fixture
+def results(two_ranks):
+    return two_ranks / "cases"
 
 
 def reference_state(case: str, world: int = WORLD):
@@ -241,52 +267,49 @@ def test_frozen_and_unused_parameters_are_left_alone(results):
     torch.testing.assert_close(got["branch.weight"], initial["branch.weight"], rtol=0, atol=0)
 
 
-def unused_worker(rank: int, port: int, out_dir: str):
-    with gloo_runtime(rank, port, WORLD) as rt:
-        model = wrap_model(Branchy(use_branch=False), DistConfig(engine=Engine.mgpu), rt)
-        x, y = batch("mlp", 0, MICRO)
-        try:
-            nn.functional.cross_entropy(model(x), y).backward()
-            message = "no error"
-        except RuntimeError as err:
-            message = str(err)
-        with open(f"{out_dir}/{rank}.txt", "w") as f:
-            f.write(message)
+def unused_work(rt, out_dir: str):
+    model = wrap_model(Branchy(use_branch=False), DistConfig(engine=Engine.mgpu), rt)
+    x, y = batch("mlp", 0, MICRO)
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    with open(f"{out_dir}/{rt.rank}.txt", "w") as f:
+        f.write(message)
 
 
-def test_unused_parameters_are_named_unless_find_unused(tmp_path):
-    spawn(unused_worker, free_port(), str(tmp_path), nprocs=WORLD)
+def test_unused_parameters_are_named_unless_find_unused(two_ranks):
     for rank in range(WORLD):
-        message = (tmp_path / f"{rank}.txt").read_text()
+        message = (two_ranks / "unused" / f"{rank}.txt").read_text()
         assert "branch.weight" in message and "branch.bias" in message, message
         assert "dist.find_unused=true" in message
         assert "body" not in message  # used parameters are not named
 
 
-def rewrap_worker(rank: int, port: int, out_dir: str):
-    with gloo_runtime(rank, port, WORLD) as rt:
-        torch.manual_seed(0)
-        module = MLP(in_features=8, num_classes=3, hidden=[16])
-        reference = copy.deepcopy(module)
-        first = wrap_model(module, DistConfig(engine=Engine.mgpu), rt)
-        first.reducer.remove()
-        second = wrap_model(module, DistConfig(engine=Engine.mgpu, bucket_cap_mb=0.0001), rt)
-        torch.manual_seed(1 + rank)  # each rank its own batch
-        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
-        nn.functional.cross_entropy(second(x), y).backward()
-        nn.functional.cross_entropy(reference(x), y).backward()
-        worst = 0.0
-        for p, q in zip(module.parameters(), reference.parameters(), strict=True):
-            tdist.all_reduce(q.grad)
-            worst = max(worst, (p.grad - q.grad / WORLD).abs().max().item())
-        with open(f"{out_dir}/{rank}.txt", "w") as f:
-            f.write(f"{worst} {len(first.reducer.exposed)} {len(second.reducer.exposed)}")
+def rewrap_work(rt, out_dir: str):
+    torch.manual_seed(0)
+    module = MLP(in_features=8, num_classes=3, hidden=[16])
+    reference = copy.deepcopy(module)
+    first = wrap_model(module, DistConfig(engine=Engine.mgpu), rt)
+    first.reducer.remove()
+    second = wrap_model(module, DistConfig(engine=Engine.mgpu, bucket_cap_mb=0.0001), rt)
+    torch.manual_seed(1 + rt.rank)  # each rank its own batch
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    nn.functional.cross_entropy(second(x), y).backward()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    worst = 0.0
+    for p, q in zip(module.parameters(), reference.parameters(), strict=True):
+        tdist.all_reduce(q.grad)
+        worst = max(worst, (p.grad - q.grad / WORLD).abs().max().item())
+    with open(f"{out_dir}/{rt.rank}.txt", "w") as f:
+        f.write(f"{worst} {len(first.reducer.exposed)} {len(second.reducer.exposed)}")
 
 
-def test_a_removed_reducer_leaves_a_rewrapped_module_to_the_new_one(tmp_path):
-    spawn(rewrap_worker, free_port(), str(tmp_path), nprocs=WORLD)
+def test_a_removed_reducer_leaves_a_rewrapped_module_to_the_new_one(two_ranks):
     for rank in range(WORLD):
-        worst, first_steps, second_steps = (tmp_path / f"{rank}.txt").read_text().split()
+        text = (two_ranks / "rewrap" / f"{rank}.txt").read_text()
+        worst, first_steps, second_steps = text.split()
         assert float(worst) < 1e-6
         # Only the second reducer communicated: the first, removed, took no part in backward.
         assert (first_steps, second_steps) == ("0", "1")
@@ -411,31 +434,24 @@ def edge_run(case: str, rt, engine: Engine, rank: int, world: int):
     return model
 
 
-def edge_worker(rank: int, port: int, out_dir: str):
-    with gloo_runtime(rank, port, WORLD) as rt:
-        for case in EDGE:
-            # torch DDP is the reference only where one process is not (and it cannot survive
-            # the boom case: an internal assert on the next step)
-            engines = (
-                [Engine.mgpu, Engine.torch_ddp] if case == "branch_rank0_only" else [Engine.mgpu]
-            )
-            for engine in engines:
-                model = edge_run(case, rt, engine, rank, WORLD)
-                info = {
-                    "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-                }
-                if engine is Engine.mgpu:
-                    reducer = model.reducer
-                    info["learned"] = reducer.observed is None
-                    info["first_bucket"] = [reducer.names[id(p)] for p in reducer.buckets[0].params]
-                torch.save(info, f"{out_dir}/{case}.{engine.value}.{rank}.pt")
+def edge_work(rt, out_dir: str):
+    for case in EDGE:
+        # torch DDP is the reference only where one process is not (and it cannot survive
+        # the boom case: an internal assert on the next step)
+        engines = [Engine.mgpu, Engine.torch_ddp] if case == "branch_rank0_only" else [Engine.mgpu]
+        for engine in engines:
+            model = edge_run(case, rt, engine, rt.rank, WORLD)
+            info = {"params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+            if engine is Engine.mgpu:
+                reducer = model.reducer
+                info["learned"] = reducer.observed is None
+                info["first_bucket"] = [reducer.names[id(p)] for p in reducer.buckets[0].params]
+            torch.save(info, f"{out_dir}/{case}.{engine.value}.{rt.rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def edge_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("edge")
-    spawn(edge_worker, free_port(), str(out), nprocs=WORLD)
-    return out
+@pytest.fixture
+def edge_results(two_ranks):
+    return two_ranks / "edge"
 
 
 @pytest.mark.parametrize("case", [c for c in EDGE if c != "branch_rank0_only"])
@@ -476,34 +492,33 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def copy_count_worker(rank: int, port: int, out_dir: str):
-    with gloo_runtime(rank, port, WORLD) as rt:
-        counts = {}
-        for cap in (1e-6, 1e3):  # a bucket per parameter; one bucket for everything
-            torch.manual_seed(0)
-            cfg = DistConfig(engine=Engine.mgpu, bucket_cap_mb=cap, first_bucket_mb=cap)
-            model = wrap_model(MLP(in_features=8, num_classes=5, hidden=[16, 16]), cfg, rt)
-            x, y = batch("mlp", 0, MICRO)
-            for step in range(3):
-                model.zero_grad(set_to_none=True)  # as the optimizer does each step
-                loss = nn.functional.cross_entropy(model(x), y)
-                with CountOps() as ops:
-                    loss.backward()
-                buckets = model.reducer.buckets
-                counts[cap, step] = dict(ops.counts), len(buckets), sum(b.own for b in buckets)
-            model.reducer.remove()
-        torch.save(counts, f"{out_dir}/{rank}.pt")
+def copy_count_work(rt, out_dir: str):
+    counts = {}
+    for cap in (1e-6, 1e3):  # a bucket per parameter; one bucket for everything
+        torch.manual_seed(0)
+        cfg = DistConfig(engine=Engine.mgpu, bucket_cap_mb=cap, first_bucket_mb=cap)
+        model = wrap_model(MLP(in_features=8, num_classes=5, hidden=[16, 16]), cfg, rt)
+        x, y = batch("mlp", 0, MICRO)
+        for step in range(3):
+            model.zero_grad(set_to_none=True)  # as the optimizer does each step
+            loss = nn.functional.cross_entropy(model(x), y)
+            with CountOps() as ops:
+                loss.backward()
+            buckets = model.reducer.buckets
+            counts[cap, step] = dict(ops.counts), len(buckets), sum(b.own for b in buckets)
+        model.reducer.remove()
+    torch.save(counts, f"{out_dir}/{rt.rank}.pt")
 
 
 def test_gradients_go_into_the_buckets_with_one_copy_per_bucket_and_none_for_one_parameter(
-    tmp_path,
+    two_ranks,
 ):
     """Host work per step scales with buckets, not parameters: each bucket's fresh gradients are
     copied in by one multi-tensor copy, with no copy launched per parameter. A bucket of one
     parameter is reduced in that parameter's own gradient: no copy at all."""
-    spawn(copy_count_worker, free_port(), str(tmp_path), nprocs=WORLD)
     for rank in range(WORLD):
-        for (cap, step), (ops, buckets, own) in torch.load(tmp_path / f"{rank}.pt").items():
+        counted = torch.load(two_ranks / "copies" / f"{rank}.pt")
+        for (cap, step), (ops, buckets, own) in counted.items():
             assert (buckets, own) == ((6, 6) if cap < 1 else (1, 0)), (cap, buckets, own)
             assert ops.get("_foreach_copy_", 0) == buckets - own, (cap, step, ops)
             assert ops.get("copy_", 0) == 0, (cap, step, ops)

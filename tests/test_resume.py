@@ -34,12 +34,17 @@ from mgpu.sampler import ShardedSampler, epoch_order
 from mgpu.trainer import Trainer
 
 BATCH = 32  # data.batch_size's default
+# gpt_tiny cut to one narrow layer: a step costs a third, and bit-for-bit resumption does not
+# depend on the model's size. Its shape, for tests that give the same GPT as model=custom.
+GPT = {"vocab_size": 256, "block_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 32}
+MODEL = [f"model.{key}={GPT[key]}" for key in ("n_layer", "n_head", "n_embd")]
 RUN = [
     "trainer.max_steps=20",
     "trainer.log_every=1",  # a loss per step: the record compares step by step
     "trainer.eval_every=0",
     "ckpt.every=5",
     "data.num_workers=0",
+    *MODEL,
 ]
 
 
@@ -142,13 +147,13 @@ def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, r
 
 def test_a_crash_in_the_middle_of_a_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
     marker = tmp_path / "killed"
-    gpt = "vocab_size=256 block_size=64 n_layer=2 n_head=4 n_embd=128".split()  # model=gpt_tiny
     model = ["model=custom", "model._target_=tests.faults.KillInSaveGPT"]
-    model += [f"+model.kwargs.{kv}" for kv in gpt]
+    model += [f"+model.kwargs.{key}={value}" for key, value in GPT.items()]  # the reference's
     model += ["+model.kwargs.at_save=3", f"+model.kwargs.marker={marker}"]  # the step-15 save
     never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
     run_dir = tmp_path / "run"
-    proc = run_restartable([*RUN, *never, *model, f"hydra.run.dir={run_dir}"], tmp_path)
+    run = [a for a in RUN if a not in MODEL]  # model=custom takes no gpt_tiny keys
+    proc = run_restartable([*run, *never, *model, f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, output(proc)[-3000:]
     assert marker.exists()  # rank 0 did die inside the save of step 15
     # The half-written step 15 never counted: the restart went back to step 10.
@@ -234,6 +239,7 @@ def test_resume_on_another_world_size_sees_each_sample_once(tmp_path):
         "+data.kwargs.eval_samples=16",
         "data.num_workers=0",
         "trainer.eval_every=0",
+        *MODEL,
         f"hydra.run.dir={run_dir}",
     ]
     first = run_train([*data, "data.batch_size=8", "trainer.max_steps=6"], cwd=tmp_path, nproc=2)
@@ -268,8 +274,8 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
     "args, message",
     [
         (
-            ["model.n_embd=64", "ckpt.resume={ref}/checkpoints/step-00000020"],
-            "wte.weight [256, 128] in {ref}/checkpoints/step-00000020, [256, 64] in the model",
+            ["model.n_embd=16", "ckpt.resume={ref}/checkpoints/step-00000020"],
+            "wte.weight [256, 32] in {ref}/checkpoints/step-00000020, [256, 16] in the model",
         ),
         (
             ["ckpt.resume=never"],  # in a run directory that holds the reference's step 20
