@@ -66,7 +66,37 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """pyproject's `-n auto`: one pytest worker per CPU this process may use (a serial run kept
+    about one of 2 CPUs busy: its processes start, wait for each other and time out one by
+    one); none on a GPU machine, whose tests would otherwise share its GPUs and time each
+    other's work."""
+    if torch.cuda.is_available():
+        return 0
+    return len(os.sched_getaffinity(0))
+
+
+# The files that take longest on 2 CPUs (a minute or more each), longest first. pytest-xdist
+# hands out whole files in collection order (pyproject: --dist loadfile,
+# --no-loadscope-reorder): these go first, so that no long file starts last and runs alone.
+SLOW_FILES = [
+    "test_resume.py",
+    "test_bench.py",
+    "test_launch.py",
+    "test_shard_resume.py",
+    "test_after_training.py",
+    "test_config.py",
+    "test_image_folder.py",
+    "test_nonfinite.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    def slow_first(item) -> int:
+        name = item.path.name
+        return SLOW_FILES.index(name) if name in SLOW_FILES else len(SLOW_FILES)
+
+    items.sort(key=slow_first)  # stable: each file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA GPUs")
