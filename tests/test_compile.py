@@ -74,14 +74,21 @@ class Stack(nn.Module):
         return self.head(x)
 
 
+def stack_as_sequential() -> nn.Sequential:
+    """Stack's layers in an nn.Sequential, made in the same order (so with the same initial
+    parameters under one seed): compile_model compiles it whole on any number of processes, as
+    it does ResNet."""
+    return nn.Sequential(nn.Linear(8, 16), *(Block(16) for _ in range(N_BLOCKS)), nn.Linear(16, 5))
+
+
 def batch(step: int):
     g = torch.Generator().manual_seed(step)
     return torch.randn(WORLD * 4, 8, generator=g), torch.randint(0, 5, (WORLD * 4,), generator=g)
 
 
-def train(rt, compiled: bool, overrides: dict):
+def train(rt, compiled: bool, overrides: dict, make=Stack):
     torch.manual_seed(0)
-    model = Stack()
+    model = make()
     # What train.py builds for trainer.compile=true (compile_mode auto), on a backend CI can run.
     tcfg = TrainerConfig(
         grad_clip=0.5, precision=Precision.fp32, compile=compiled, compile_backend="aot_eager"
@@ -105,18 +112,21 @@ def train(rt, compiled: bool, overrides: dict):
     return {"params": params, "launched_at_compiled_backward": seen}
 
 
-CASES = {  # name: (compiled, dist overrides)
+CASES = {  # name: (compiled, dist overrides[, model])
     "eager": (False, {"bucket_cap_mb": 1e-6}),
     "compiled": (True, {"bucket_cap_mb": 1e-6}),  # a bucket per parameter
     "compiled_sharded": (True, {"bucket_cap_mb": 1e-6, "shard_optimizer": True}),
     "compiled_one_bucket": (True, {"bucket_cap_mb": 1e3, "first_bucket_mb": 1e3}),
+    # one graph for the whole model: the sharding's forward pre-hook, which waits for the
+    # all-gathers of the updated parameters, runs where the compiled forward starts
+    "whole_sharded": (True, {"bucket_cap_mb": 1e-6, "shard_optimizer": True}, stack_as_sequential),
 }
 
 
 def worker(rank: int, port: int, out_dir: str):
     with gloo_runtime(rank, port, WORLD) as rt:
-        for name, (compiled, overrides) in CASES.items():
-            torch.save(train(rt, compiled, overrides), f"{out_dir}/{name}.{rank}.pt")
+        for name, case in CASES.items():
+            torch.save(train(rt, *case), f"{out_dir}/{name}.{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +155,17 @@ def test_compiled_blocks_train_sharded_like_the_eager_model(results):
             torch.testing.assert_close(sharded["params"][key], value, rtol=1e-5, atol=1e-5)
         per_step = [2 + 4 * k for k in range(N_BLOCKS)]  # reduce-scatters launch as all-reduces
         assert sharded["launched_at_compiled_backward"] == [per_step] * STEPS
+
+
+def test_a_model_compiled_whole_trains_sharded_like_the_eager_model(results):
+    for rank in range(WORLD):
+        eager, whole = results["eager", rank], results["whole_sharded", rank]
+        # the same parameters in the same order, under Sequential's names
+        pairs = zip(eager["params"].items(), whole["params"].values(), strict=True)
+        for (key, value), ours in pairs:
+            torch.testing.assert_close(ours, value, rtol=1e-5, atol=1e-5, msg=key)
+        # one compiled graph, whose backward starts before any bucket is complete
+        assert whole["launched_at_compiled_backward"] == [[0]] * STEPS
 
 
 def test_buckets_of_compiled_blocks_launch_while_backward_runs(results):
