@@ -60,9 +60,9 @@ def sweep(args) -> dict:
     logits = torch.randn(args.rows, args.vocab, device=cuda).bfloat16()
     y = torch.randint(0, args.vocab, (args.rows,), device=cuda)
     sides = {"copy": lambda: logits.clone()}
-    for block, warps, per_sm in LAUNCH_SHAPES:
-        name = f"block{block}_warps{warps}_per_sm{per_sm}"
-        sides[name] = lambda b=block, w=warps, p=per_sm: loss_grad_cuda(logits, y, b, w, p)
+    for launch in LAUNCH_SHAPES:
+        name = "_".join(f"{k}{int(v)}" for k, v in launch._asdict().items())
+        sides[name] = lambda launch=launch: loss_grad_cuda(logits, y, launch)
     ms: dict[str, list[float]] = {name: [] for name in sides}
     for fn in sides.values():
         events_ms(fn, 3)
@@ -89,7 +89,7 @@ def main() -> None:
     if args.sweep:
         rows = sweep(args)
         for name, row in rows.items():
-            print(f"{name:22s} {row['ms']:7.3f} ms  {row['gb_s']:7.1f} GB/s (read + write)")
+            print(f"{name:46s} {row['ms']:7.3f} ms  {row['gb_s']:7.1f} GB/s (read + write)")
         write(args, rows, "head_loss_sweep")
         return
     cuda = torch.device("cuda")

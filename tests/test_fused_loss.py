@@ -103,7 +103,7 @@ def test_fused_head_loss_kernel_matches_the_reference_on_a_gpu():
     torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.float().cpu(), ref_grad.float(), rtol=1e-2, atol=1e-5)
     for shape in LAUNCH_SHAPES:  # any of them may become the default (bench/head_loss.py)
-        shape_loss, shape_grad = loss_grad_cuda(logits, y, *shape)
+        shape_loss, shape_grad = loss_grad_cuda(logits, y, shape)
         torch.testing.assert_close(shape_loss, loss, rtol=1e-5, atol=1e-5, msg=str(shape))
         torch.testing.assert_close(shape_grad, grad, rtol=1e-2, atol=1e-5, msg=str(shape))
 

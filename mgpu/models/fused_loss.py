@@ -11,6 +11,8 @@ gradient, and the logits are not kept for it. Measured in bench/README.md.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,8 @@ def _triton_kernel():
         n_cols,
         ignore,
         BLOCK: tl.constexpr,
+        RESIDENT: tl.constexpr,
+        HINTS: tl.constexpr,
     ):
         # Each program takes rows program_id, program_id + programs, ...: how many programs
         # run decides how many rows are in flight at once, and so whether a row is still in
@@ -58,31 +62,71 @@ def _triton_kernel():
             src = logits_ptr + at * stride
             dst = grad_ptr + at * stride
             target = tl.load(targets_ptr + at)
-            # Pass 1: an online log-sum-exp, block by block: the running max moves once a
-            # block, so each value costs one exp.
-            run_max = float("-inf")
-            run_sum = 0.0
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(src + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-                new_max = tl.maximum(run_max, tl.max(x, axis=0))
-                block_sum = tl.sum(tl.exp(x - new_max), axis=0)
-                run_sum = run_sum * tl.exp(run_max - new_max) + block_sum
-                run_max = new_max
-            lse = run_max + tl.log(run_sum)
             keep = target != ignore
             safe = tl.where(keep, target, 0)
-            picked = tl.load(src + safe).to(tl.float32)
-            tl.store(loss_ptr + at, tl.where(keep, lse - picked, 0.0))
-            # Pass 2: the row's gradient, over a read that L2 serves while the row is still
-            # there (100 KB a row for GPT-2).
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
+            if RESIDENT:
+                # The whole row in one block (BLOCK >= n_cols), read once and kept in
+                # registers: the gradient needs no second read.
+                cols = tl.arange(0, BLOCK)
                 mask = cols < n_cols
-                x = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.exp(x - lse) - tl.where(cols == safe, 1.0, 0.0)
-                g = tl.where(keep, g, 0.0)
-                tl.store(dst + cols, g.to(dst.dtype.element_ty), mask=mask)
+                if HINTS:  # read once, written once: neither is worth keeping in L2
+                    x = tl.load(
+                        src + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first"
+                    )
+                else:
+                    x = tl.load(src + cols, mask=mask, other=float("-inf"))
+                x = x.to(tl.float32)
+                row_max = tl.max(x, axis=0)
+                e = tl.exp(x - row_max)
+                row_sum = tl.sum(e, axis=0)
+                lse = row_max + tl.log(row_sum)
+                picked = tl.sum(tl.where(cols == safe, x, 0.0), axis=0)
+                tl.store(loss_ptr + at, tl.where(keep, lse - picked, 0.0))
+                g = e / row_sum - tl.where(cols == safe, 1.0, 0.0)
+                g = tl.where(keep, g, 0.0).to(dst.dtype.element_ty)
+                if HINTS:
+                    tl.store(dst + cols, g, mask=mask, eviction_policy="evict_first")
+                else:
+                    tl.store(dst + cols, g, mask=mask)
+            else:
+                # Pass 1: an online log-sum-exp, block by block: the running max moves once
+                # a block, so each value costs one exp.
+                run_max = float("-inf")
+                run_sum = 0.0
+                for start in range(0, n_cols, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    if HINTS:  # pass 2 reads the row again: keep it in L2 over the stores
+                        x = tl.load(
+                            src + cols,
+                            mask=cols < n_cols,
+                            other=float("-inf"),
+                            eviction_policy="evict_last",
+                        )
+                    else:
+                        x = tl.load(src + cols, mask=cols < n_cols, other=float("-inf"))
+                    x = x.to(tl.float32)
+                    new_max = tl.maximum(run_max, tl.max(x, axis=0))
+                    block_sum = tl.sum(tl.exp(x - new_max), axis=0)
+                    run_sum = run_sum * tl.exp(run_max - new_max) + block_sum
+                    run_max = new_max
+                lse = run_max + tl.log(run_sum)
+                picked = tl.load(src + safe).to(tl.float32)
+                tl.store(loss_ptr + at, tl.where(keep, lse - picked, 0.0))
+                # Pass 2: the row's gradient, over a read that L2 serves while the row is
+                # still there (100 KB a row for GPT-2).
+                for start in range(0, n_cols, BLOCK):
+                    cols = start + tl.arange(0, BLOCK)
+                    mask = cols < n_cols
+                    if HINTS:  # last use of the row; the gradient is not read back here
+                        x = tl.load(src + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+                    else:
+                        x = tl.load(src + cols, mask=mask, other=0.0)
+                    g = tl.exp(x.to(tl.float32) - lse) - tl.where(cols == safe, 1.0, 0.0)
+                    g = tl.where(keep, g, 0.0).to(dst.dtype.element_ty)
+                    if HINTS:
+                        tl.store(dst + cols, g, mask=mask, eviction_policy="evict_first")
+                    else:
+                        tl.store(dst + cols, g, mask=mask)
 
     return loss_grad_rows
 
@@ -97,36 +141,44 @@ def cross_entropy_loss_grad(logits: Tensor, targets: Tensor) -> tuple[Tensor, Te
     return _loss_grad_reference(logits, targets)
 
 
-# The CUDA kernel's launch shape: columns a block, warps a program, programs an SM (0: one
-# program a row). On one H100 over GPT-2's 16384 x 50304 bf16 logits, 8192 x 16 warps, a
-# program a row, ran 1.669 and 1.670 ms in two sweeps, the fastest of each: 1.97 TB/s of its
-# read and write, against 3.0 TB/s for a plain copy (so pass 2 is partly served from HBM).
-# Fewer rows in flight (a grid-stride loop of 1 to 4 programs an SM) ran 1.71-2.94 ms
+class Launch(NamedTuple):
+    """How the CUDA kernel runs: columns a block, warps a program, programs an SM (0: one
+    program a row), the row kept in registers and read once (`resident`: block >= the row's
+    columns), and L2 eviction hints on its loads and stores."""
+
+    block: int
+    warps: int
+    per_sm: int = 0
+    resident: bool = False
+    hints: bool = False
+
+
+# On one H100 over GPT-2's 16384 x 50304 bf16 logits, 8192 x 16 warps, a program a row, ran
+# 1.669 and 1.670 ms in two sweeps, the fastest of each: 1.97 TB/s of its read and write,
+# against 3.0 TB/s for a plain copy (so pass 2 is partly served from HBM). Fewer rows in flight
+# (a grid-stride loop of 1 to 4 programs an SM) ran 1.71-2.94 ms
 # (bench/results/head_loss_sweep-NVIDIA_H100_80GB_HBM3-20261125-09*.json).
-BLOCK, NUM_WARPS, PER_SM = 8192, 16, 0
-# The shapes the sweep times and the GPU test checks, the default among them.
+LAUNCH = Launch(8192, 16)
+# The launches the sweep times and the GPU test checks, the default among them.
 LAUNCH_SHAPES = [
-    (4096, 16, 0),
-    (8192, 16, 0),
-    (4096, 8, 0),
-    (4096, 16, 1),
-    (4096, 16, 2),
-    (8192, 16, 2),
-    (4096, 8, 2),
-    (4096, 8, 4),
-    (8192, 8, 4),
-    (16384, 16, 2),
-    (16384, 32, 1),
-    (65536, 32, 1),  # a GPT-2 row in one block
+    Launch(4096, 16),
+    LAUNCH,
+    Launch(4096, 8),
+    Launch(8192, 16, 2),
+    Launch(8192, 8, 4),
+    Launch(4096, 16, hints=True),
+    Launch(8192, 16, hints=True),
+    Launch(8192, 8, 4, hints=True),
+    Launch(65536, 16, resident=True),
+    Launch(65536, 32, resident=True),
+    Launch(65536, 16, resident=True, hints=True),
+    Launch(65536, 32, resident=True, hints=True),
+    Launch(65536, 32, 1, resident=True, hints=True),
 ]
 
 
 def loss_grad_cuda(
-    logits: Tensor,
-    targets: Tensor,
-    block: int = BLOCK,
-    num_warps: int = NUM_WARPS,
-    per_sm: int = PER_SM,
+    logits: Tensor, targets: Tensor, launch: Launch = LAUNCH
 ) -> tuple[Tensor, Tensor]:
     """The op's CUDA kernel over `logits` [N, V] (any float dtype)."""
     global _KERNEL
@@ -134,20 +186,26 @@ def loss_grad_cuda(
         _KERNEL = _triton_kernel()
     logits = logits.contiguous()
     rows, cols = logits.shape
+    if launch.resident and cols > launch.block:
+        raise ValueError(f"{launch} keeps a row in one block of {launch.block}: rows have {cols}")
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits)
     programs = rows
-    if per_sm and logits.is_cuda:
+    if launch.per_sm and logits.is_cuda:
         sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        programs = min(rows, per_sm * sms)
+        programs = min(rows, launch.per_sm * sms)
     _KERNEL[(programs,)](
-        logits, grad, loss, targets.contiguous(), rows, cols, cols, IGNORE_INDEX, BLOCK=block,
-        num_warps=num_warps,
+        logits, grad, loss, targets.contiguous(), rows, cols, cols, IGNORE_INDEX,
+        BLOCK=launch.block, RESIDENT=launch.resident, HINTS=launch.hints, num_warps=launch.warps,
     )  # fmt: skip
     return loss, grad
 
 
-cross_entropy_loss_grad.register_kernel("cuda")(loss_grad_cuda)
+def _loss_grad_kernel(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    return loss_grad_cuda(logits, targets)
+
+
+cross_entropy_loss_grad.register_kernel("cuda")(_loss_grad_kernel)
 
 
 @cross_entropy_loss_grad.register_fake
