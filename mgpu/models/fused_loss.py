@@ -4,9 +4,10 @@
 Why: GPT-2's head scores 16x1024 positions against 50304 tokens, 1.65 GB of bf16 logits a step.
 Compiled, the usual loss reads them once in forward, then reads them again and writes their
 gradient in backward (~5 GB of traffic). Here one kernel reads each row of logits, takes its
-log-sum-exp, and writes the row's gradient over a second read that L2 partly serves, during
-forward; backward is then just the two matrix multiplies of the head, scaled by the incoming
-gradient, and the logits are not kept for it. Measured in bench/README.md.
+log-sum-exp, and writes the row's gradient over a second read that L2 partly serves (eviction
+hints keep the row there while the gradient streams out), during forward; backward is then
+just the two matrix multiplies of the head, scaled by the incoming gradient, and the logits are
+not kept for it. Measured in bench/README.md.
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ def _triton_kernel():
         n_cols,
         ignore,
         BLOCK: tl.constexpr,
-        RESIDENT: tl.constexpr,
         HINTS: tl.constexpr,
     ):
         # Each program takes rows program_id, program_id + programs, ...: how many programs
@@ -64,69 +64,44 @@ def _triton_kernel():
             target = tl.load(targets_ptr + at)
             keep = target != ignore
             safe = tl.where(keep, target, 0)
-            if RESIDENT:
-                # The whole row in one block (BLOCK >= n_cols), read once and kept in
-                # registers: the gradient needs no second read.
-                cols = tl.arange(0, BLOCK)
-                mask = cols < n_cols
-                if HINTS:  # read once, written once: neither is worth keeping in L2
+            # Pass 1: an online log-sum-exp, block by block: the running max moves once
+            # a block, so each value costs one exp.
+            run_max = float("-inf")
+            run_sum = 0.0
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                if HINTS:  # pass 2 reads the row again: keep it in L2 over the stores
                     x = tl.load(
-                        src + cols, mask=mask, other=float("-inf"), eviction_policy="evict_first"
+                        src + cols,
+                        mask=cols < n_cols,
+                        other=float("-inf"),
+                        eviction_policy="evict_last",
                     )
                 else:
-                    x = tl.load(src + cols, mask=mask, other=float("-inf"))
+                    x = tl.load(src + cols, mask=cols < n_cols, other=float("-inf"))
                 x = x.to(tl.float32)
-                row_max = tl.max(x, axis=0)
-                e = tl.exp(x - row_max)
-                row_sum = tl.sum(e, axis=0)
-                lse = row_max + tl.log(row_sum)
-                picked = tl.sum(tl.where(cols == safe, x, 0.0), axis=0)
-                tl.store(loss_ptr + at, tl.where(keep, lse - picked, 0.0))
-                g = e / row_sum - tl.where(cols == safe, 1.0, 0.0)
+                new_max = tl.maximum(run_max, tl.max(x, axis=0))
+                block_sum = tl.sum(tl.exp(x - new_max), axis=0)
+                run_sum = run_sum * tl.exp(run_max - new_max) + block_sum
+                run_max = new_max
+            lse = run_max + tl.log(run_sum)
+            picked = tl.load(src + safe).to(tl.float32)
+            tl.store(loss_ptr + at, tl.where(keep, lse - picked, 0.0))
+            # Pass 2: the row's gradient, over a read that L2 serves while the row is
+            # still there (100 KB a row for GPT-2).
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                if HINTS:  # last use of the row; the gradient is not read back here
+                    x = tl.load(src + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+                else:
+                    x = tl.load(src + cols, mask=mask, other=0.0)
+                g = tl.exp(x.to(tl.float32) - lse) - tl.where(cols == safe, 1.0, 0.0)
                 g = tl.where(keep, g, 0.0).to(dst.dtype.element_ty)
                 if HINTS:
                     tl.store(dst + cols, g, mask=mask, eviction_policy="evict_first")
                 else:
                     tl.store(dst + cols, g, mask=mask)
-            else:
-                # Pass 1: an online log-sum-exp, block by block: the running max moves once
-                # a block, so each value costs one exp.
-                run_max = float("-inf")
-                run_sum = 0.0
-                for start in range(0, n_cols, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    if HINTS:  # pass 2 reads the row again: keep it in L2 over the stores
-                        x = tl.load(
-                            src + cols,
-                            mask=cols < n_cols,
-                            other=float("-inf"),
-                            eviction_policy="evict_last",
-                        )
-                    else:
-                        x = tl.load(src + cols, mask=cols < n_cols, other=float("-inf"))
-                    x = x.to(tl.float32)
-                    new_max = tl.maximum(run_max, tl.max(x, axis=0))
-                    block_sum = tl.sum(tl.exp(x - new_max), axis=0)
-                    run_sum = run_sum * tl.exp(run_max - new_max) + block_sum
-                    run_max = new_max
-                lse = run_max + tl.log(run_sum)
-                picked = tl.load(src + safe).to(tl.float32)
-                tl.store(loss_ptr + at, tl.where(keep, lse - picked, 0.0))
-                # Pass 2: the row's gradient, over a read that L2 serves while the row is
-                # still there (100 KB a row for GPT-2).
-                for start in range(0, n_cols, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    mask = cols < n_cols
-                    if HINTS:  # last use of the row; the gradient is not read back here
-                        x = tl.load(src + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-                    else:
-                        x = tl.load(src + cols, mask=mask, other=0.0)
-                    g = tl.exp(x.to(tl.float32) - lse) - tl.where(cols == safe, 1.0, 0.0)
-                    g = tl.where(keep, g, 0.0).to(dst.dtype.element_ty)
-                    if HINTS:
-                        tl.store(dst + cols, g, mask=mask, eviction_policy="evict_first")
-                    else:
-                        tl.store(dst + cols, g, mask=mask)
 
     return loss_grad_rows
 
@@ -143,37 +118,39 @@ def cross_entropy_loss_grad(logits: Tensor, targets: Tensor) -> tuple[Tensor, Te
 
 class Launch(NamedTuple):
     """How the CUDA kernel runs: columns a block, warps a program, programs an SM (0: one
-    program a row), the row kept in registers and read once (`resident`: block >= the row's
-    columns), and L2 eviction hints on its loads and stores."""
+    program a row), and L2 eviction hints on its loads and stores."""
 
     block: int
     warps: int
     per_sm: int = 0
-    resident: bool = False
     hints: bool = False
 
 
-# On one H100 over GPT-2's 16384 x 50304 bf16 logits, 8192 x 16 warps, a program a row, ran
-# 1.669 and 1.670 ms in two sweeps, the fastest of each: 1.97 TB/s of its read and write,
-# against 3.0 TB/s for a plain copy (so pass 2 is partly served from HBM). Fewer rows in flight
-# (a grid-stride loop of 1 to 4 programs an SM) ran 1.71-2.94 ms
-# (bench/results/head_loss_sweep-NVIDIA_H100_80GB_HBM3-20261125-09*.json).
-LAUNCH = Launch(8192, 16)
+# On one H100 over GPT-2's 16384 x 50304 bf16 logits (bench/head_loss.py --sweep, files
+# bench/results/head_loss_sweep-NVIDIA_H100_80GB_HBM3-20261125-*.json):
+# - without hints, 8192 x 16 warps, a program a row, was the fastest in every sweep, 1.664-1.670
+#   ms: 1.98 TB/s of its read and write, against 3.0 TB/s for a plain copy, so pass 2 was
+#   partly served from HBM; fewer rows in flight (a grid-stride loop of 1 to 4 programs an SM)
+#   ran 1.71-2.94 ms;
+# - with hints (pass 1's loads kept in L2, pass 2's loads and the gradient's stores evicted
+#   first, so that the gradient streams out without pushing rows still to be read out of L2),
+#   the same launch ran 1.458-1.459 ms, 2.26 TB/s;
+# - a row kept in registers and read once (one block of 65536) ran 12.7-14.3 ms: 50304 fp32
+#   values over 512-1024 threads spill.
+LAUNCH = Launch(8192, 16, hints=True)
 # The launches the sweep times and the GPU test checks, the default among them.
 LAUNCH_SHAPES = [
-    Launch(4096, 16),
-    LAUNCH,
+    Launch(8192, 16),
     Launch(4096, 8),
-    Launch(8192, 16, 2),
-    Launch(8192, 8, 4),
-    Launch(4096, 16, hints=True),
-    Launch(8192, 16, hints=True),
+    LAUNCH,
+    Launch(8192, 8, hints=True),
+    Launch(8192, 32, hints=True),
+    Launch(16384, 16, hints=True),
+    Launch(16384, 32, hints=True),
+    Launch(8192, 16, 1, hints=True),
+    Launch(8192, 16, 2, hints=True),
+    Launch(8192, 16, 3, hints=True),
     Launch(8192, 8, 4, hints=True),
-    Launch(65536, 16, resident=True),
-    Launch(65536, 32, resident=True),
-    Launch(65536, 16, resident=True, hints=True),
-    Launch(65536, 32, resident=True, hints=True),
-    Launch(65536, 32, 1, resident=True, hints=True),
 ]
 
 
@@ -186,8 +163,6 @@ def loss_grad_cuda(
         _KERNEL = _triton_kernel()
     logits = logits.contiguous()
     rows, cols = logits.shape
-    if launch.resident and cols > launch.block:
-        raise ValueError(f"{launch} keeps a row in one block of {launch.block}: rows have {cols}")
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     grad = torch.empty_like(logits)
     programs = rows
@@ -196,7 +171,7 @@ def loss_grad_cuda(
         programs = min(rows, launch.per_sm * sms)
     _KERNEL[(programs,)](
         logits, grad, loss, targets.contiguous(), rows, cols, cols, IGNORE_INDEX,
-        BLOCK=launch.block, RESIDENT=launch.resident, HINTS=launch.hints, num_warps=launch.warps,
+        BLOCK=launch.block, HINTS=launch.hints, num_warps=launch.warps,
     )  # fmt: skip
     return loss, grad
 
