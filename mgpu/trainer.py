@@ -77,6 +77,11 @@ class Trainer:
         goodput: Goodput | None = None,
     ):
         self.cfg, self.model, self.rt = cfg, model, rt
+        # The parameter objects, listed once: they stay the same objects for the whole run
+        # (sharding and checkpoint loads change their data, not them), and walking the module
+        # tree for them every step cost ResNet-50 ~0.17 ms of host time a step, which a
+        # launch-bound step pays in full.
+        self.params = list(model.parameters())
         self.profiler, self.goodput = profiler, goodput
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
         self.preemption = preemption
@@ -230,7 +235,7 @@ class Trainer:
     def _update_grad_scaler(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """fp16 without sharding: torch's GradScaler on the averaged gradients, whole on every
         rank, so that each rank's own overflow check gives the same verdict."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params if p.grad is not None]
         # Overflowing gradients are the scaler's to skip. A non-finite loss (agreed across
         # ranks) poisons the gradients so that the scaler skips that step too, on every rank
         # alike, without a host read.
@@ -239,7 +244,7 @@ class Trainer:
             grads[0].add_(torch.where(bad, float("nan"), 0.0))
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
-            clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=True)
+            clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
         # GradScaler.step reads found-inf on the host unless the optimizer is fused (mgpu's
         # are): then no sync.
         self.scaler.step(self.optimizer)
@@ -258,7 +263,7 @@ class Trainer:
             # One small all-reduce: the global norm, and the overflow flag agreed across ranks.
             norm, overflow = self.optimizer.grad_norm(overflow)
         else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grads = [p.grad for p in self.params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
         scale = None
         if self.cfg.grad_clip > 0 and norm is not None:
