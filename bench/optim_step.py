@@ -2,10 +2,13 @@
 over GPT-2-small's parameters, as mgpu runs them today against a torch.compile'd update.
 
     python bench/optim_step.py [--model gpt2_small]
+    python bench/optim_step.py --quick       # a tiny GPT on the CPU: checks the script
 
-fused: what mgpu's Trainer does on one GPU: the gradients' global norm (one multi-tensor norm),
-the clip factor as a device scalar, then torch's fused AdamW, which divides each gradient by
-that factor as it reads it and skips the update on a device flag (mgpu.guard).
+fused: what mgpu's Trainer does on one GPU (its optimizer from mgpu.optim.build_optimizer, the
+model's optim.* and trainer.grad_clip): the gradients' global norm (one multi-tensor norm), the
+clip factor as a device scalar, then torch's fused AdamW, which divides each gradient by that
+factor as it reads it and skips the update on a device flag (mgpu.guard). Left out on both
+sides: the guard's check of the loss and the norm, a few one-value kernels a step.
 compiled: the same arithmetic (norm, clip factor, the skip flag, AdamW with decoupled weight
 decay and bias correction) written as one function over the parameter list and compiled by
 inductor, which fuses each parameter's update into one kernel.
@@ -28,25 +31,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
-from bench.vs_plain import compose_config  # noqa: E402
-from mgpu.config import to_config  # noqa: E402
+from bench.vs_plain import MODELS, QUICK, compose_config  # noqa: E402
+from mgpu.config import Config, to_config  # noqa: E402
 from mgpu.models import build_model  # noqa: E402
-from mgpu.optim import param_groups  # noqa: E402
+from mgpu.optim import build_optimizer  # noqa: E402
+from mgpu.trainer import CLIP_EPS  # noqa: E402
 
-CLIP, LR, BETAS, EPS, WD = 1.0, 6e-4, (0.9, 0.95), 1e-8, 0.1
 
-
-def fused_side(params: list[torch.Tensor]):
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=True)
+def fused_side(model: torch.nn.Module, cfg: Config):
+    params = list(model.parameters())
+    opt = build_optimizer(cfg.optim, model, params[0].device)
+    clip = cfg.trainer.grad_clip
 
     def step() -> None:
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        opt.grad_scale = (norm + 1e-6).div(CLIP).clamp(min=1.0)
+        # mgpu.guard's hand-over to the fused kernel: the clip factor and the skip flag
+        opt.grad_scale = (norm + CLIP_EPS).div(clip).clamp(min=1.0)
         opt.found_inf = (~norm.isfinite()).float()
         opt.step()
         del opt.grad_scale, opt.found_inf
@@ -54,18 +55,20 @@ def fused_side(params: list[torch.Tensor]):
     return step
 
 
-def compiled_side(params: list[torch.Tensor]):
-    decays = [WD if p.dim() >= 2 else 0.0 for p in params]
+def compiled_side(model: torch.nn.Module, cfg: Config):
+    params = list(model.parameters())
+    o, clip = cfg.optim, cfg.trainer.grad_clip
+    decays = [o.weight_decay if p.dim() >= 2 else 0.0 for p in params]  # as mgpu.optim's groups
     exp_avgs = [torch.zeros_like(p) for p in params]
     exp_avg_sqs = [torch.zeros_like(p) for p in params]
     count = torch.zeros((), device=params[0].device)
-    lr = torch.tensor(LR, device=params[0].device)
-    b1, b2 = BETAS
+    lr = torch.tensor(o.lr, device=params[0].device)
+    (b1, b2), eps = o.betas, o.eps
 
-    @torch.compile
+    @torch.compile(backend=cfg.trainer.compile_backend)
     def update(params, grads, exp_avgs, exp_avg_sqs, count, lr):
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        scale = ((norm + 1e-6) / CLIP).clamp(min=1.0)
+        scale = ((norm + CLIP_EPS) / clip).clamp(min=1.0)
         keep = norm.isfinite()
         t = count + keep.float()
         step_size = lr / (1 - b1**t)
@@ -74,7 +77,7 @@ def compiled_side(params: list[torch.Tensor]):
             g = g / scale
             m_new = m + (1 - b1) * (g - m)
             v_new = v * b2 + (1 - b2) * g * g
-            p_new = p * (1 - lr * wd) - step_size * m_new / (v_new.sqrt() / root_c2 + EPS)
+            p_new = p * (1 - lr * wd) - step_size * m_new / (v_new.sqrt() / root_c2 + eps)
             p.copy_(torch.where(keep, p_new, p))
             m.copy_(torch.where(keep, m_new, m))
             v.copy_(torch.where(keep, v_new, v))
@@ -87,7 +90,13 @@ def compiled_side(params: list[torch.Tensor]):
     return step
 
 
-def events_ms(fn, steps: int) -> float:
+def events_ms(fn, steps: int, cuda: bool) -> float:
+    """ms a call between two CUDA events (host time on CPU)."""
+    if not cuda:
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / steps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
@@ -99,36 +108,38 @@ def events_ms(fn, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt2_small")
+    parser.add_argument("--model", default="gpt2_small", choices=list(MODELS))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT on the CPU")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
-    cuda = torch.device("cuda")
-    cfg = to_config(compose_config([f"model={args.model}", "data.vocab_size=50304"]))
-    torch.manual_seed(0)
-    model = build_model(cfg.model).to(cuda)
-    groups = param_groups(model, WD)
-    base = [p.detach() for g in groups for p in g["params"]]
-    grads = [torch.randn_like(p) * 1e-3 for p in base]
+    overrides = MODELS[args.model]  # vs_plain.py's run of that model
+    if args.quick:
+        args.steps, args.rounds = 3, 2
+        overrides = [*overrides, *QUICK[args.model], "trainer.compile_backend=aot_eager"]
+    device = torch.device("cpu" if args.quick else "cuda")
+    cfg = to_config(compose_config(overrides))
     sides = {}
     for name, make in (("fused", fused_side), ("compiled", compiled_side)):
-        params = [p.clone().requires_grad_() for p in base]
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g.clone()
-        sides[name] = (params, make(params))
+        torch.manual_seed(0)  # the same parameters and gradients on both sides
+        model = build_model(cfg.model).to(device)
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3
+        sides[name] = (params, make(model, cfg))
     start = time.perf_counter()
     for _params, step in sides.values():
-        events_ms(step, 3)  # compile
+        events_ms(step, 3, device.type == "cuda")  # compile
     warmup_s = time.perf_counter() - start
     ms: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(args.rounds):
         for name, (_params, step) in sides.items():
-            ms[name].append(events_ms(step, args.steps))
+            ms[name].append(events_ms(step, args.steps, device.type == "cuda"))
     # Every side took the same gradients the same number of times: the parameters must agree.
     fused, compiled = sides["fused"][0], sides["compiled"][0]
     worst = max((a - b).abs().max().item() for a, b in zip(fused, compiled, strict=True))
-    n = sum(p.numel() for p in base)
+    n = sum(p.numel() for p in fused)
     moved = n * 4 * (1 + 7)  # the norm reads g; the update reads p, g, m, v and writes p, m, v
     rows = {
         name: {"ms": statistics.median(t), "rounds": t, "gb_s": moved / statistics.median(t) / 1e6}
@@ -137,7 +148,7 @@ def main() -> None:
     for name, row in rows.items():
         print(f"{name:10s} {row['ms']:7.3f} ms  {row['gb_s']:7.1f} GB/s")
     print(f"parameters {n}, largest difference between sides {worst:.3g}, warm-up {warmup_s:.0f} s")
-    meta = versions()
+    meta = {"device": "cpu", "torch": torch.__version__} if args.quick else versions()
     device = meta["device"].replace(" ", "_")
     path = Path(args.out) / f"optim_step-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -63,3 +63,11 @@ def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
     assert set(rows) == {"none", "torch_ddp", "torch_ddp_tuned", "mgpu", "mgpu_sharded"}, rows
     assert all(r["step_ms"] > 0 for r in rows.values())
     assert rows["mgpu_sharded"]["exposed_comm_ms"] is not None
+
+
+def test_optim_step_quick_runs(tmp_path):
+    result = run([sys.executable, "bench/optim_step.py", "--quick"], tmp_path)
+    assert set(result["rows"]) == {"fused", "compiled"}
+    assert all(r["ms"] > 0 for r in result["rows"].values())
+    # the same arithmetic on the same gradients: the two sides' parameters agree
+    assert result["max_abs_diff"] < 1e-5, result["max_abs_diff"]

@@ -144,7 +144,9 @@ def test_compiled_blocks_train_like_the_eager_model(results):
     for rank in range(WORLD):
         eager, compiled = results["eager", rank]["params"], results["compiled", rank]["params"]
         for key, value in eager.items():
-            torch.testing.assert_close(compiled[key], value, rtol=1e-6, atol=1e-6, msg=key)
+            torch.testing.assert_close(
+                compiled[key], value, rtol=1e-6, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+            )
 
 
 def test_compiled_blocks_train_sharded_like_the_eager_model(results):
@@ -163,7 +165,9 @@ def test_a_model_compiled_whole_trains_sharded_like_the_eager_model(results):
         # the same parameters in the same order, under Sequential's names
         pairs = zip(eager["params"].items(), whole["params"].values(), strict=True)
         for (key, value), ours in pairs:
-            torch.testing.assert_close(ours, value, rtol=1e-5, atol=1e-5, msg=key)
+            torch.testing.assert_close(
+                ours, value, rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}"
+            )
         # one compiled graph, whose backward starts before any bucket is complete
         assert whole["launched_at_compiled_backward"] == [[0]] * STEPS
 
