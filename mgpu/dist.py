@@ -135,6 +135,14 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
                 tdist.destroy_process_group()
 
 
+# One tensor gathered from every rank into one, and one summed (or averaged) across ranks and
+# scattered in equal parts: newer torch names them all_gather_single and reduce_scatter_single
+# and deprecates all_gather_into_tensor and reduce_scatter_tensor, the only names torch 2.10 and
+# 2.11 have (the GPU machines' torch: a call under the newer names fails there).
+all_gather_single = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+reduce_scatter_single = getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+
 def all_reduce_sum_(tensor: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """In-place sum over ranks. Every rank must call it at the same point: it is a collective."""
     if rt.distributed:

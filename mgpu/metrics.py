@@ -17,10 +17,9 @@ from datetime import timedelta
 from typing import Protocol
 
 import torch
-import torch.distributed as tdist
 
 from mgpu.config import Config
-from mgpu.dist import Runtime, all_reduce_sum_
+from mgpu.dist import Runtime, all_gather_single, all_reduce_sum_
 from mgpu.goodput import Goodput
 from mgpu.lagged import HostCopy
 from mgpu.models.flops import peak_tflops
@@ -49,11 +48,6 @@ class Board(Protocol):
 # Seconds between rewrites of the goodput file at log steps (each is an fsync); checkpoints and
 # the end of training write it too.
 GOODPUT_SAVE_S = 30.0
-
-
-# One tensor gathered from every rank into one: all_gather_single in newer torch, which
-# deprecates all_gather_into_tensor; only the latter exists in torch 2.10 and 2.11.
-_all_gather = getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
 
 
 def memory_scalars(device: torch.device) -> dict[str, float]:
@@ -88,14 +82,14 @@ class RankSpread:
         n, world = len(values), self.rt.world_size
         if not self.cuda:
             out = torch.empty(world * n, dtype=torch.float64)
-            _all_gather(out, torch.tensor(values, dtype=torch.float64))
+            all_gather_single(out, torch.tensor(values, dtype=torch.float64))
             self.pending.append((step, HostCopy(out.view(world, n))))
             return
         # Pinned staging both ways: a copy from pageable memory would wait for the stream.
         src = torch.tensor(values, dtype=torch.float64).pin_memory()
         mine = src.to(self.rt.device, non_blocking=True)
         out = torch.empty(world * n, dtype=torch.float64, device=self.rt.device)
-        _all_gather(out, mine)  # queued behind this step's work, not awaited
+        all_gather_single(out, mine)  # queued behind this step's work, not awaited
         self.pending.append((step, HostCopy(out.view(world, n), keep=(src,))))  # src until read
 
     def take(self, everything: bool = False) -> list[tuple[int, list[list[float]]]]:

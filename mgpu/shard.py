@@ -45,6 +45,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from mgpu.buckets import Bucket, slice_of
+from mgpu.dist import all_gather_single, reduce_scatter_single
 
 # Optimizers whose update is elementwise given per-group hyperparameters: stepping any split of
 # a parameter into pieces gives the same values as stepping it whole.
@@ -135,7 +136,7 @@ class Shards:
             src, dst = shard.wire_in, shard.wire_out
         if self.op is tdist.ReduceOp.SUM:
             src.div_(self.world)  # gloo has no average: divide first, as the all-reduce does
-        work = tdist.reduce_scatter_single(dst, src, op=self.op, group=self.group, async_op=True)
+        work = reduce_scatter_single(dst, src, op=self.op, group=self.group, async_op=True)
         return _Landing(work, shard)
 
     def gather(self) -> None:
@@ -153,7 +154,7 @@ class Shards:
 
     def _all_gather(self, shard: BucketShard):
         group = self.group
-        return tdist.all_gather_single(shard.full, shard.param, group=group, async_op=True)
+        return all_gather_single(shard.full, shard.param, group=group, async_op=True)
 
     def gather_flat(self, full: torch.Tensor, local: torch.Tensor) -> None:
         """Every rank's `local` (its part of a bucket-shaped tensor) into `full`, blocking: for
@@ -161,7 +162,7 @@ class Shards:
         if self.world == 1:
             full.copy_(local)
         else:
-            tdist.all_gather_single(full, local, group=self.group)
+            all_gather_single(full, local, group=self.group)
 
     def gather_object(self, obj) -> list:
         """Every rank's picklable `obj`, in rank order (a host sync; checkpoints only)."""

@@ -4,11 +4,15 @@ only: pieces of both groups in one shard) and SGD with momentum, with accumulati
 tied, frozen and unused parameters, buckets of one parameter and bf16 communication; optimizer
 state of 1/N per rank; the checkpoint format equal to the unsharded one; bad combinations."""
 
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as tdist
 from conftest import free_port, gloo_runtime, spawn
 from test_reducer import MODELS, batch
 
+import mgpu.shard
 from mgpu.comm import wrap_model
 from mgpu.config import (
     ConfigError,
@@ -38,6 +42,8 @@ CASES = {
     "bf16_wire": ("mlp", 1, "adamw", 0.0, {"reduce_dtype": ReduceDtype.bf16}),
     # step NAN_STEP's inputs are NaN: trainer.nonfinite=skip skips its update on every rank
     "adamw_nan_skipped": ("mlp", 1, "adamw", 0.05, {}),
+    # through torch 2.10 and 2.11's names of the two collectives (OLD_TORCH_NAMES)
+    "adamw_old_torch_names": ("mlp", 2, "adamw", 0.05, {}),
 }
 NAN_STEP = 5
 
@@ -89,25 +95,41 @@ def state_bytes(optimizer) -> int:
     )
 
 
+# The collectives as torch 2.10 and 2.11 name them (mgpu.dist picks the newer names where they
+# exist, as on CI's torch): the same collectives, so the same training.
+OLD_TORCH_NAMES = {
+    "all_gather_single": tdist.all_gather_into_tensor,
+    "reduce_scatter_single": tdist.reduce_scatter_tensor,
+}
+
+
 def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int):
     with gloo_runtime(rank, port, world) as rt:
         for case in cases:
-            accum = CASES[case][1]
-            for sharded in (False, True):
-                model, optimizer, trainer = build(rt, case, "mgpu", sharded)
-                for step in range(STEPS):
-                    x, y = inputs(case, step, world * accum * MICRO)
-                    starts = [(m * world + rank) * MICRO for m in range(accum)]
-                    micro = [(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]
-                    trainer.train_step(iter(micro))
-                result = {
-                    "params": {k: v.clone() for k, v in model.module.state_dict().items()},
-                    "optimizer": optimizer.state_dict(),  # a collective when sharded
-                    "bytes": state_bytes(optimizer),
-                    "buckets": len(model.reducer.buckets),
-                }
-                name = "sharded" if sharded else "plain"
-                torch.save(result, f"{out_dir}/{case}.{name}.{rank}.pt")
+            if case == "adamw_old_torch_names":
+                with mock.patch.multiple(mgpu.shard, **OLD_TORCH_NAMES):
+                    train_case(rt, out_dir, case, world, rank)
+            else:
+                train_case(rt, out_dir, case, world, rank)
+
+
+def train_case(rt, out_dir: str, case: str, world: int, rank: int) -> None:
+    accum = CASES[case][1]
+    for sharded in (False, True):
+        model, optimizer, trainer = build(rt, case, "mgpu", sharded)
+        for step in range(STEPS):
+            x, y = inputs(case, step, world * accum * MICRO)
+            starts = [(m * world + rank) * MICRO for m in range(accum)]
+            micro = [(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]
+            trainer.train_step(iter(micro))
+        result = {
+            "params": {k: v.clone() for k, v in model.module.state_dict().items()},
+            "optimizer": optimizer.state_dict(),  # a collective when sharded
+            "bytes": state_bytes(optimizer),
+            "buckets": len(model.reducer.buckets),
+        }
+        name = "sharded" if sharded else "plain"
+        torch.save(result, f"{out_dir}/{case}.{name}.{rank}.pt")
 
 
 def run(tmp_path_factory, world: int, cases: list[str]) -> dict:
