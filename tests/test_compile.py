@@ -86,12 +86,13 @@ def batch(step: int):
     return torch.randn(WORLD * 4, 8, generator=g), torch.randint(0, 5, (WORLD * 4,), generator=g)
 
 
-def train(rt, compiled: bool, overrides: dict, make=Stack):
+def train(rt, compiled: bool, overrides: dict, make=Stack, backend: str = "aot_eager"):
     torch.manual_seed(0)
-    model = make()
-    # What train.py builds for trainer.compile=true (compile_mode auto), on a backend CI can run.
+    model = make().to(rt.device)
+    # What train.py builds for trainer.compile=true (compile_mode auto), by default on a backend
+    # CI can run.
     tcfg = TrainerConfig(
-        grad_clip=0.5, precision=Precision.fp32, compile=compiled, compile_backend="aot_eager"
+        grad_clip=0.5, precision=Precision.fp32, compile=compiled, compile_backend=backend
     )
     if compiled:
         mode = compile_mode(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
@@ -108,7 +109,7 @@ def train(rt, compiled: bool, overrides: dict, make=Stack):
     for step in range(STEPS):
         x, y = batch(step)
         trainer.train_step(iter([(x[rt.rank :: WORLD], y[rt.rank :: WORLD])]))
-    params = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    params = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return {"params": params, "launched_at_compiled_backward": seen}
 
 
