@@ -167,6 +167,16 @@ def events_ms(fn, steps: int, cuda: bool) -> float:
     return start.elapsed_time(end) / steps
 
 
+def kernel_ms(fn, steps: int) -> float:
+    """The GPU's kernel time a call (torch.profiler), without the gaps: a side launched from
+    Python kernel by kernel is bound by the host here, which a GPU-bound training step hides."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2_small", choices=list(MODELS))
@@ -214,8 +224,12 @@ def main() -> None:
         name: {"ms": statistics.median(t), "rounds": t, "gb_s": moved / statistics.median(t) / 1e6}
         for name, t in ms.items()
     }
+    if device.type == "cuda":
+        for name, (_params, step) in sides.items():
+            rows[name]["kernel_ms"] = kernel_ms(step, args.steps)
     for name, row in rows.items():
-        print(f"{name:10s} {row['ms']:7.3f} ms  {row['gb_s']:7.1f} GB/s")
+        kernels = f"  kernels {row['kernel_ms']:7.3f} ms" if "kernel_ms" in row else ""
+        print(f"{name:10s} {row['ms']:7.3f} ms  {row['gb_s']:7.1f} GB/s{kernels}")
     print(f"parameters {n}, largest difference from fused {differs}, warm-up {warmup_s:.0f} s")
     meta = {"device": "cpu", "torch": torch.__version__} if args.quick else versions()
     device = meta["device"].replace(" ", "_")
