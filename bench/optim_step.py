@@ -14,9 +14,9 @@ decay and bias correction) written as one function over the parameter list and c
 inductor, which fuses each parameter's update into one kernel.
 triton (GPU only): the norm and clip factor as mgpu computes them, then one hand-written Triton
 kernel per parameter tensor that reads the parameter, gradient and both moments once and writes
-them once, with the clip factor and the skip flag read from the device: what an optimizer step
-at the copy rate would take, to weigh against fused AdamW (the step count is kept on the host
-here, which a real one could not do with a device skip flag).
+them once, with the clip factor and the skip flag read from the device: the least traffic an
+update can move, to weigh against fused AdamW (the step count is kept on the host here, which a
+real one could not do with a device skip flag).
 All sides get the same gradients each step; after the timed steps their parameters are compared
 with the fused side's.
 Writes bench/results/optim_step-<device>-<time>.json.
