@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
+from bench.head_loss import events_ms as cuda_events_ms  # noqa: E402
 from bench.vs_plain import MODELS, QUICK, compose_config  # noqa: E402
 from mgpu.config import Config, to_config  # noqa: E402
 from mgpu.models import build_model  # noqa: E402
@@ -158,13 +159,7 @@ def events_ms(fn, steps: int, cuda: bool) -> float:
         for _ in range(steps):
             fn()
         return (time.perf_counter() - t) * 1e3 / steps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
+    return cuda_events_ms(fn, steps)
 
 
 def kernel_ms(fn, steps: int) -> float:
