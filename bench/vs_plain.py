@@ -102,7 +102,9 @@ class PlainLoop:
     for, `model.attention`), fused_loss (cudagraphs with GPT's head and loss fused into one
     step, `model.head_loss=fused`), coordinate (cudagraphs with inductor's coordinate-descent
     tuning of its kernels' launch configurations), autotune (torch.compile's max-autotune
-    mode: Triton matrix multiplies autotuned against cuBLAS, with CUDA graphs).
+    mode: Triton matrix multiplies autotuned against cuBLAS, with CUDA graphs), graphed (eager
+    only: the model and its loss captured by torch.cuda.make_graphed_callables on the first
+    step, its eager kernels replayed as CUDA graphs).
 
     The reference's GPT calls scaled_dot_product_attention as nanoGPT does, leaving the kernel
     to torch (`model.attention=torch`), and returns logits that the loop's loss reads
@@ -138,6 +140,8 @@ class PlainLoop:
             if variant == "blocks_loss":
                 step = WithLoss(model, torch.compile(cross_entropy, backend=backend))
         self.forward_loss = step
+        # Captured on the first step, from its batch (make_graphed_callables needs samples).
+        self.capture = self.graphed = not compiled and variant == "graphed"
         self.model = model
         o = cfg.optim
         if o.name.value == "adamw":
@@ -162,7 +166,16 @@ class PlainLoop:
         self.device = device
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+        # make_graphed_callables refuses autocast's cast cache (a replay cannot consult it).
+        autocast = torch.autocast(
+            self.device.type, dtype=self.amp, enabled=self.amp is not None,
+            cache_enabled=False if self.graphed else None,
+        )  # fmt: skip
+        if self.capture:
+            with autocast:
+                self.forward_loss = torch.cuda.make_graphed_callables(self.forward_loss, (x, y))
+            self.capture = False
+        with autocast:
             loss = self.forward_loss(x, y)
         loss.backward()
         if self.clip > 0:
@@ -332,6 +345,7 @@ def bench(name: str, mode: str, args, rt) -> dict:
         "fused_loss": compiled and hasattr(cfg.model, "head_loss"),
         "blocks": compiled and blocks,
         "blocks_loss": compiled and blocks,
+        "graphed": not compiled and rt.device.type == "cuda",
     }
     levers = [v for v in args.plain_variants if applies.get(v, compiled)]
     variants = ["whole", *levers]
@@ -420,6 +434,7 @@ def main() -> None:
             "fused_loss",
             "coordinate",
             "autotune",
+            "graphed",
         ],
     )
     parser.add_argument("--steps", type=int, default=20, help="steps per round (and log interval)")
