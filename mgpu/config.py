@@ -110,6 +110,11 @@ class TrainerConfig:
     # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune; auto:
     # mgpu.models.compile_mode decides (CUDA graphs for a model compiled whole on a GPU).
     compile_mode: str = "auto"
+    # An uncompiled model's forward, loss and backward captured from the first batch and
+    # replayed as CUDA graphs (mgpu.graphs): the eager kernels without launching each from
+    # Python. auto: on a GPU, for a model that is not compiled nor wrapped for data parallelism
+    # (one process); true elsewhere is an error that says why.
+    cuda_graphs: Any = "auto"
     # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
     # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.
     # cudnn_benchmark: cuDNN times its convolution algorithms for each new input shape and keeps
@@ -152,6 +157,7 @@ class TrainerConfig:
         _non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
         _non_negative("trainer.seed", self.seed, "0")
         self.compile = _auto_or_bool("trainer.compile", self.compile)
+        self.cuda_graphs = _auto_or_bool("trainer.cuda_graphs", self.cuda_graphs)
         _require(
             self.compile_mode in COMPILE_MODES,
             "trainer.compile_mode",

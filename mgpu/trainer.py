@@ -29,6 +29,7 @@ from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import TrainerConfig
 from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
+from mgpu.graphs import GraphedLoss, ModelLoss, keep_grads, use_graphs
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.loss_scale import LossScaler
@@ -97,10 +98,20 @@ class Trainer:
         mode = compile_mode(
             cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
         )
-        self.loss_fn = training_loss(cfg, rt.device, mode)
         # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
         # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
-        self.model_loss = getattr(unwrap(model), "computes_loss", False)
+        own_loss = getattr(unwrap(model), "computes_loss", False)
+        loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
+        wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
+        compiled = cfg.compiles(rt.device.type)
+        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped)
+        # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
+        # graphs (mgpu.graphs); with several micro-batches, replayed gradients are summed into
+        # .grad tensors of their own (keep_grads), which zero_grad then zeroes, not drops.
+        self.forward_loss = (
+            GraphedLoss(model, loss_fn, self.amp_dtype) if graphs else ModelLoss(model, loss_fn)
+        )
+        self.keep_grads = graphs and cfg.grad_accum_steps > 1
         self.sharded = isinstance(optimizer, ShardedOptimizer)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it. Sharded,
         # each rank sees only its shards' overflows: mgpu's LossScaler, whose verdict the ranks
@@ -127,7 +138,7 @@ class Trainer:
             rt,
             scaler_owns_grads=self.scaler.is_enabled(),
             # Wrapped for data parallelism: the ranks share their parameters and must agree.
-            agree=isinstance(model, MgpuDataParallel | DistributedDataParallel),
+            agree=wrapped,
             preemptible=preemption is not None,
             on_skip=recorder.skipped if recorder is not None else None,
         )
@@ -186,6 +197,8 @@ class Trainer:
         timer = self.timer
         total = torch.zeros((), device=self.rt.device)
         watch = self.watch
+        if self.keep_grads:
+            keep_grads(self.params)
         for micro in range(accum):
             watch.beat(step, watchdog.DATA)
             timer.data_asked()
@@ -197,10 +210,7 @@ class Trainer:
             # ones accumulate locally (forward and backward both inside the no-sync region).
             with sync_gradients(self.model, enabled=micro == accum - 1):
                 with phase(FORWARD), self._autocast():
-                    if self.model_loss:
-                        loss = self.model(inputs, targets)
-                    else:
-                        loss = self.loss_fn(self.model(inputs), targets)
+                    loss = self.forward_loss(inputs, targets)
                 with phase(BACKWARD):
                     self.scaler.scale(loss / accum).backward()
             timer.backward_done()
@@ -228,7 +238,7 @@ class Trainer:
             bad = self._update_grad_scaler(loss, step)
         else:
             bad = self._update_clipped(loss, step)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         self.schedule.step()
         return loss, bad
 

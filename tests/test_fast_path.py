@@ -11,6 +11,7 @@ from torch import nn
 
 from mgpu.config import ConfigError, OptimConfig, OptimizerName, Precision, TrainerConfig, to_config
 from mgpu.dist import Runtime
+from mgpu.graphs import ModelLoss, use_graphs
 from mgpu.loader import TRAINER_CORES, worker_count
 from mgpu.models import GPT, ResNet, compile_mode, compile_model
 from mgpu.optim import build_optimizer, build_schedule, param_groups
@@ -88,6 +89,7 @@ def test_compile_and_math_keys_compose_with_their_defaults():
         ("trainer.compile_mode=fast", "trainer.compile_mode='fast': must be one of auto"),
         ("data.num_workers=many", "data.num_workers='many': must be auto or a number"),
         ("data.num_workers=-2", "data.num_workers=-2: must be auto or a number"),
+        ("trainer.cuda_graphs=always", "trainer.cuda_graphs='always': must be auto, true or"),
     ],
 )
 def test_bad_fast_path_values_name_the_key(override, needle):
@@ -136,6 +138,43 @@ def test_compile_mode_auto_graphs_whole_models_on_gpus_only():
         "max-autotune-no-cudagraphs"
     )
     assert compile_mode("reduce-overhead", "inductor", resnet, cuda) == "reduce-overhead"
+
+
+def test_cuda_graphs_auto_replays_uncompiled_unwrapped_models_on_gpus_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_graphs("auto", cuda, compiled=False, wrapped=False)
+    assert not use_graphs("auto", cpu, compiled=False, wrapped=False)
+    assert not use_graphs("auto", cuda, compiled=True, wrapped=False)
+    assert not use_graphs("auto", cuda, compiled=False, wrapped=True)
+    assert not use_graphs(False, cuda, compiled=False, wrapped=False)
+    assert use_graphs(True, cuda, compiled=False, wrapped=False)
+    assert to_config(compose_config()).trainer.cuda_graphs == "auto"
+    assert to_config(compose_config("trainer.cuda_graphs=false")).trainer.cuda_graphs is False
+
+
+@pytest.mark.parametrize(
+    "device, compiled, wrapped, needle",
+    [
+        ("cpu", False, False, "needs a CUDA device (this run is on cpu)"),
+        ("cuda", True, False, "set trainer.compile=false or trainer.cuda_graphs=auto"),
+        ("cuda", False, True, "could not reduce gradient buckets while backward runs"),
+    ],
+)
+def test_cuda_graphs_true_where_they_cannot_run_says_why(device, compiled, wrapped, needle):
+    with pytest.raises(ConfigError, match="trainer.cuda_graphs=True: ") as err:
+        use_graphs(True, torch.device(device), compiled=compiled, wrapped=wrapped)
+    assert needle in str(err.value)
+
+
+def test_a_trainer_on_the_cpu_refuses_cuda_graphs_and_runs_eager_under_auto():
+    ocfg = OptimConfig()
+    model = net()
+    optimizer = build_optimizer(ocfg, model, CPU.device)
+    schedule = build_schedule(ocfg, optimizer, STEPS)
+    auto = Trainer(TrainerConfig(), model, optimizer, schedule, CPU)
+    assert isinstance(auto.forward_loss, ModelLoss)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        Trainer(TrainerConfig(cuda_graphs=True), model, optimizer, schedule, CPU)
 
 
 def test_auto_workers_share_the_cpus_out_and_leave_the_trainer_its_own():

@@ -1,0 +1,120 @@
+"""trainer.cuda_graphs on a GPU: the Trainer replaying an uncompiled model's forward, loss and
+backward as CUDA graphs trains exactly as the same Trainer launching them eagerly, step for step:
+the losses, the parameters and BatchNorm's running statistics (which the capture's warm-up must
+not move), with one and with several micro-batches a step (whose gradients a replay must not
+overwrite before they are summed), and with a batch of another shape among them."""
+
+import pytest
+import torch
+from torch import nn
+
+from mgpu.config import OptimConfig, Precision, TrainerConfig
+from mgpu.dist import Runtime
+from mgpu.graphs import GraphedLoss, ModelLoss
+from mgpu.models import GPT, ResNet
+from mgpu.optim import build_optimizer, build_schedule
+from mgpu.trainer import Trainer, set_math_modes
+
+pytestmark = pytest.mark.gpu
+STEPS = 6
+
+
+def runtime() -> Runtime:
+    return Runtime(0, 0, 1, "gloo", torch.device("cuda"), has_process_group=False)
+
+
+def resnet() -> nn.Module:
+    model = ResNet(num_classes=10, block="basic", layers=[1, 1])
+    return model.to(memory_format=torch.channels_last)
+
+
+def gpt() -> nn.Module:
+    return GPT(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
+
+
+def image_batches(n: int, size: int = 32):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        x = torch.randn(8, 3, size, size, generator=g).cuda()
+        y = torch.randint(0, 10, (8,), generator=g).cuda()
+        out.append((x.contiguous(memory_format=torch.channels_last), y))
+    return out
+
+
+def token_batches(n: int, length: int = 32):
+    g = torch.Generator().manual_seed(1)
+    return [
+        tuple(torch.randint(0, 64, (4, length), generator=g).cuda() for _ in range(2))
+        for _ in range(n)
+    ]
+
+
+def train(make_model, batches, graphs: bool, precision: Precision, accum: int = 1):
+    """STEPS steps of the Trainer from the same initial weights; the losses, parameters and
+    buffers after, and which forward it used."""
+    rt = runtime()
+    set_math_modes(TrainerConfig(tf32=False, cudnn_benchmark=False), rt.device)
+    torch.manual_seed(0)
+    model = make_model().cuda()
+    ocfg = OptimConfig(lr=1e-2, warmup_steps=0, min_lr_ratio=1.0)
+    optimizer = build_optimizer(ocfg, model, rt.device)
+    cfg = TrainerConfig(
+        compile=False,
+        cuda_graphs=graphs,
+        precision=precision,
+        grad_accum_steps=accum,
+        grad_clip=1.0,
+        max_steps=STEPS,
+    )
+    trainer = Trainer(cfg, model, optimizer, build_schedule(ocfg, optimizer, STEPS), rt)
+    model.train()
+    feed = iter(batches)
+    losses = [trainer.train_step(feed, step)[0] for step in range(1, STEPS + 1)]
+    torch.cuda.synchronize()
+    kind = type(trainer.forward_loss)
+    state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return torch.stack(losses), state, kind
+
+
+CASES = {
+    "resnet_fp32": (resnet, image_batches, Precision.fp32, 1),
+    "resnet_bf16_accum2": (resnet, image_batches, Precision.bf16, 2),
+    "gpt_bf16": (gpt, token_batches, Precision.bf16, 1),
+    "gpt_fp32_accum3": (gpt, token_batches, Precision.fp32, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_replayed_step_trains_as_the_eager_step(case):
+    make_model, make_batches, precision, accum = CASES[case]
+    batches = make_batches(STEPS * accum)
+    eager_losses, eager_state, eager_kind = train(make_model, batches, False, precision, accum)
+    losses, state, kind = train(make_model, batches, True, precision, accum)
+    assert eager_kind is ModelLoss and kind is GraphedLoss  # the two paths under test
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    assert state.keys() == eager_state.keys()
+    for key, value in state.items():  # BatchNorm's running statistics among them
+        torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_batch_of_another_shape_runs_uncaptured_and_trains_as_eager():
+    batches = image_batches(STEPS)
+    batches[3] = image_batches(1, size=40)[0]  # one batch the graphs were not captured for
+    eager_losses, eager_state, _ = train(resnet, batches, False, Precision.fp32)
+    losses, state, _ = train(resnet, batches, True, Precision.fp32)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    for key, value in state.items():
+        torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_auto_replays_an_uncompiled_model_on_one_gpu():
+    rt = runtime()
+    model = gpt().cuda()
+    ocfg = OptimConfig()
+    optimizer = build_optimizer(ocfg, model, rt.device)
+    schedule = build_schedule(ocfg, optimizer, STEPS)
+    auto = Trainer(TrainerConfig(compile=False), model, optimizer, schedule, rt)
+    assert isinstance(auto.forward_loss, GraphedLoss)
+    off = Trainer(TrainerConfig(compile=False, cuda_graphs=False), model, optimizer, schedule, rt)
+    assert isinstance(off.forward_loss, ModelLoss)
