@@ -148,6 +148,11 @@ class GraphedLoss:
         with torch.no_grad():
             for buffer, value in zip(buffers, saved, strict=True):
                 buffer.copy_(value)
+        # The capture made each parameter's gradient accumulator on its warm-up stream, and the
+        # graphs keep those alive, so autograd runs them there, ordered after the replay by an
+        # event each, and backward's end orders the current stream after them: correct, and
+        # what torch warns of on the first backward; said here instead.
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         self.captured = _signature(inputs, targets)
         log.info(
             "trainer.cuda_graphs: %s and its loss captured as CUDA graphs for batches of %s",
