@@ -9,7 +9,9 @@ TF32 and cuDNN autotuning on, one batch of the same dataset resident on the GPU.
 mgpu: `Trainer.fit` built by mgpu.run.build_run from the same Hydra config, as train.py builds it
 (DataLoader workers, side-stream prefetcher, non-finite guard, telemetry, LR schedule, clipping,
 a final evaluation and checkpoint after the timed steps); its step time is what its own telemetry
-wrote to TensorBoard (time/step_ms per log interval), the figure a user sees.
+wrote to TensorBoard (time/step_ms per log interval), the figure a user sees. Eager mode is
+train.py's with trainer.compile=false: the uncompiled model replayed as CUDA graphs by
+trainer.cuda_graphs=auto (`--override trainer.cuda_graphs=false` launches every kernel).
 
 Order per model and mode: plain rounds, then mgpu's run (one interval per round after a warm-up
 interval), then plain rounds again, so that drift in the machine's state falls on both sides.

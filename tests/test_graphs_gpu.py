@@ -83,6 +83,7 @@ def train(make_model, batches, graphs: bool, precision: Precision, accum: int = 
 CASES = {
     "resnet_fp32": (resnet, image_batches, Precision.fp32, 1),
     "resnet_bf16_accum2": (resnet, image_batches, Precision.bf16, 2),
+    "resnet_fp16": (resnet, image_batches, Precision.fp16, 1),  # GradScaler on replayed grads
     "gpt_bf16": (gpt, token_batches, Precision.bf16, 1),
     "gpt_fp32_accum3": (gpt, token_batches, Precision.fp32, 3),
 }
