@@ -9,22 +9,21 @@ Why: an uncompiled step launches each kernel from Python, one after another. Res
 ~1,500 a step, and the launching thread, not the GPU, bounds it: on one H100 an eager plain loop
 ran 36.08 ms a step and the same kernels replayed as CUDA graphs 33.49 ms; GPT-2-small, whose GPU
 is the bound, ran 51.68 and 51.53 ms (bench/results/vs_plain-NVIDIA_H100_80GB_HBM3-20261125-
-132406.json). The graphs hold the eager kernels themselves (torch.cuda.make_graphed_callables
-records them), so a replayed step computes what the eager step computes.
+132406.json). The graphs hold the eager kernels themselves, recorded from the eager step, so a
+replayed step computes what the eager step computes.
 
 Lifetime rules. A replay writes the loss, and the gradients it hands to autograd, into buffers the
 graphs own; the next replay overwrites them. The Trainer adds the loss into its step total on the
 same stream before the next micro-step, and the optimizer reads the gradients before the next
-step's backward. With one micro-batch a step that is all: autograd may keep a graph's gradient
-buffer as a parameter's .grad, and the step is done with it before the next replay. With several,
-each .grad must be a tensor of its own (keep_grads), else the second replay would overwrite the
-first micro-batch's gradients in .grad before they are added to.
+step's backward. Autograd may keep a graph's gradient buffer as a parameter's .grad (no copy);
+with several micro-batches a step, the backward replay copies such a .grad out before it writes
+the buffer again (_Replay.backward), else it would overwrite the gradients it is to be added to.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -87,19 +86,52 @@ def _signature(*tensors: torch.Tensor) -> tuple:
     return tuple((t.shape, t.dtype, t.device) for t in tensors)
 
 
+WARMUP_STEPS = 3  # uncaptured steps before capturing, on a side stream (see _capture)
+
+
+class _Replay(torch.autograd.Function):
+    """One replay of the captured forward, and of the captured backward when autograd asks for
+    the gradients; the parameters are inputs so that autograd hands them their gradients."""
+
+    @staticmethod
+    def forward(ctx, graphs: GraphedLoss, inputs, targets, *params):  # noqa: ANN001
+        ctx.graphs = graphs
+        graphs.inputs.copy_(inputs)
+        graphs.targets.copy_(targets)
+        graphs.forward_graph.replay()
+        return graphs.loss.detach()  # the graph's own buffer: the next replay overwrites it
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):  # noqa: ANN001
+        graphs = ctx.graphs
+        # A .grad that autograd kept from the last replay is the graph's own buffer, which this
+        # replay is about to overwrite: under gradient accumulation it is copied out first, so
+        # that this micro-batch's gradients are added to it, not written over it.
+        for p, g in zip(graphs.params, graphs.grads, strict=True):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
+        graphs.grad_loss.copy_(grad_loss)
+        graphs.backward_graph.replay()
+        # The graph's gradient buffers, detached: autograd may keep them as .grad (the module
+        # docstring says for how long that is safe).
+        grads = [g.detach() if g is not None else None for g in graphs.grads]
+        return None, None, None, *grads
+
+
 class GraphedLoss:
     """ModelLoss replayed as CUDA graphs: captured at the first call, from that batch, under
     autocast to `amp_dtype` (None: fp32); called as ModelLoss is, inside the step's autocast."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable | None, amp_dtype: torch.dtype | None):
-        self.model, self.loss_fn, self.amp_dtype = model, loss_fn, amp_dtype
+        self.model, self.amp_dtype = model, amp_dtype
         self.eager = ModelLoss(model, loss_fn)
-        self.replay: nn.Module | None = None
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.captured: tuple = ()
         self.warned = False
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.replay is None:
+        if not self.captured:
             self._capture(inputs, targets)
         if _signature(inputs, targets) != self.captured:
             # A graph replays fixed shapes. Training batches all have one shape (the loader
@@ -114,45 +146,18 @@ class GraphedLoss:
                 )
                 self.warned = True
             return self.eager(inputs, targets)
-        return self.replay(inputs, targets)
+        return _Replay.apply(self, inputs, targets, *self.params)
 
     def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        # The capture runs the step's forward and backward three times on a side stream to warm
-        # up (cuDNN picks its algorithms there, not while recording) and synchronises the device:
-        # a one-time sync point, at the first step. The warm-up would also move BatchNorm's
-        # running statistics three batches on; they are put back, in place, since the graphs
-        # hold the buffers' addresses.
-        buffers = list(self.model.buffers())
-        saved = [b.clone() for b in buffers]
-        # The graphs keep their sample batch as the buffers every replay copies its inputs into:
-        # copies of the batch, not the loader's own tensors, which it reuses for later batches.
-        sample = (inputs.clone(), targets.clone())
-        # make_graphed_callables refuses autocast's cache of cast weights (a replay cannot
-        # consult it); a cast recorded in the graph is replayed instead.
-        enabled = self.amp_dtype is not None
-        autocast = torch.autocast(
-            inputs.device.type, dtype=self.amp_dtype, enabled=enabled, cache_enabled=False
-        )
         try:
-            with autocast:
-                self.replay = torch.cuda.make_graphed_callables(
-                    ModelLoss(self.model, self.loss_fn), sample
-                )
+            self._record(inputs, targets)
         except Exception as err:
             raise CaptureError(
                 f"trainer.cuda_graphs: capturing {type(self.model).__name__} and its loss as CUDA "
-                f"graphs failed ({err}); a model whose step reads GPU values on the host, changes "
-                "shape from step to step or leaves parameters without gradients cannot be "
-                "replayed. Set trainer.cuda_graphs=false to train it uncaptured."
+                f"graphs failed ({err}); a model whose step reads GPU values on the host or "
+                "changes shape from step to step cannot be replayed. Set "
+                "trainer.cuda_graphs=false to train it uncaptured."
             ) from err
-        with torch.no_grad():
-            for buffer, value in zip(buffers, saved, strict=True):
-                buffer.copy_(value)
-        # The capture made each parameter's gradient accumulator on its warm-up stream, and the
-        # graphs keep those alive, so autograd runs them there, ordered after the replay by an
-        # event each, and backward's end orders the current stream after them: correct, and
-        # what torch warns of on the first backward; said here instead.
-        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
         self.captured = _signature(inputs, targets)
         log.info(
             "trainer.cuda_graphs: %s and its loss captured as CUDA graphs for batches of %s",
@@ -160,11 +165,49 @@ class GraphedLoss:
             self.captured,
         )
 
-
-def keep_grads(params: Sequence[nn.Parameter]) -> None:
-    """Give every parameter a zeroed .grad of its own where it has none, so that a replayed
-    backward adds into it rather than lending it the graph's buffer (the module docstring says
-    why). Called before the first micro-batch's backward of a step."""
-    for p in params:
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
+    def _record(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        # The buffers every replay copies its batch into: copies of the first batch, not the
+        # loader's own tensors, which it reuses for later batches.
+        self.inputs, self.targets = inputs.clone(), targets.clone()
+        # autocast's cache of cast weights is off while recording: a cast cached by an earlier
+        # forward would be read, not recorded, and the replay would reuse a stale copy.
+        autocast = torch.autocast(
+            inputs.device.type,
+            dtype=self.amp_dtype,
+            enabled=self.amp_dtype is not None,
+            cache_enabled=False,
+        )
+        # Warm-up, uncaptured, on a side stream: cuDNN picks its algorithms, cuBLAS its
+        # workspaces, Triton compiles, none of which may happen while recording. It moves
+        # BatchNorm's running statistics WARMUP_STEPS batches on: they are put back after, in
+        # place, since the graphs hold the buffers' addresses. The synchronize calls around it
+        # are the capture's sync points, once, at the first step.
+        buffers = list(self.model.buffers())
+        saved = [b.clone() for b in buffers]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream()), autocast:
+            for _ in range(WARMUP_STEPS):
+                loss = self.eager(self.inputs, self.targets)
+                torch.autograd.grad(loss, self.params, allow_unused=True)
+            del loss
+        torch.cuda.synchronize()
+        # thread_local: the loader's copy thread goes on issuing copies and allocations on its
+        # own stream while this thread records; a process-wide ("global") capture would be
+        # invalidated by them. Forward and backward share one memory pool, recorded in the
+        # order they replay, so neither's buffers are handed to the other.
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+            with autocast:
+                loss = self.eager(self.inputs, self.targets)
+        self.grad_loss = torch.ones_like(loss)
+        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
+            self.grads = torch.autograd.grad(
+                loss, self.params, grad_outputs=self.grad_loss, allow_unused=True
+            )
+        # The loss's buffer, without the recorded autograd graph behind it (whose gradient
+        # accumulators were made on the capture's stream; the replays make their own).
+        self.loss = loss.detach()
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)

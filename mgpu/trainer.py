@@ -29,7 +29,7 @@ from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import TrainerConfig
 from mgpu.dist import Runtime, all_reduce_sum_
 from mgpu.goodput import Goodput
-from mgpu.graphs import GraphedLoss, ModelLoss, keep_grads, use_graphs
+from mgpu.graphs import GraphedLoss, ModelLoss, use_graphs
 from mgpu.guard import NonFiniteGuard, fused
 from mgpu.loader import DeviceLoader, epochs, to_device
 from mgpu.loss_scale import LossScaler
@@ -106,12 +106,10 @@ class Trainer:
         compiled = cfg.compiles(rt.device.type)
         graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped)
         # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
-        # graphs (mgpu.graphs); with several micro-batches, replayed gradients are summed into
-        # .grad tensors of their own (keep_grads), which zero_grad then zeroes, not drops.
+        # graphs (mgpu.graphs).
         self.forward_loss = (
             GraphedLoss(model, loss_fn, self.amp_dtype) if graphs else ModelLoss(model, loss_fn)
         )
-        self.keep_grads = graphs and cfg.grad_accum_steps > 1
         self.sharded = isinstance(optimizer, ShardedOptimizer)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it. Sharded,
         # each rank sees only its shards' overflows: mgpu's LossScaler, whose verdict the ranks
@@ -197,8 +195,6 @@ class Trainer:
         timer = self.timer
         total = torch.zeros((), device=self.rt.device)
         watch = self.watch
-        if self.keep_grads:
-            keep_grads(self.params)
         for micro in range(accum):
             watch.beat(step, watchdog.DATA)
             timer.data_asked()
@@ -238,7 +234,7 @@ class Trainer:
             bad = self._update_grad_scaler(loss, step)
         else:
             bad = self._update_clipped(loss, step)
-        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
+        self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         return loss, bad
 

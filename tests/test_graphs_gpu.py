@@ -2,7 +2,10 @@
 backward as CUDA graphs trains exactly as the same Trainer launching them eagerly, step for step:
 the losses, the parameters and BatchNorm's running statistics (which the capture's warm-up must
 not move), with one and with several micro-batches a step (whose gradients a replay must not
-overwrite before they are summed), and with a batch of another shape among them."""
+overwrite before they are summed), with a batch of another shape among them, and while another
+thread copies on a stream of its own, as the loader's copy thread does."""
+
+import threading
 
 import pytest
 import torch
@@ -107,6 +110,34 @@ def test_a_batch_of_another_shape_runs_uncaptured_and_trains_as_eager():
     batches[3] = image_batches(1, size=40)[0]  # one batch the graphs were not captured for
     eager_losses, eager_state, _ = train(resnet, batches, False, Precision.fp32)
     losses, state, _ = train(resnet, batches, True, Precision.fp32)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    for key, value in state.items():
+        torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def copy_thread(stop: threading.Event) -> None:
+    """What the loader's copy thread does while the Trainer captures: allocations, copies and
+    synchronisation on a stream of its own (calls a process-wide capture forbids)."""
+    host = torch.randn(1 << 20).pin_memory()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        while not stop.is_set():
+            torch.empty(1 << 20, device="cuda").copy_(host, non_blocking=True)
+            stream.synchronize()
+
+
+def test_capturing_while_another_thread_copies_on_its_own_stream():
+    batches = image_batches(STEPS)
+    eager_losses, eager_state, _ = train(resnet, batches, False, Precision.fp32)
+    stop = threading.Event()
+    thread = threading.Thread(target=copy_thread, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        losses, state, kind = train(resnet, batches, True, Precision.fp32)
+    finally:
+        stop.set()
+        thread.join()
+    assert kind is GraphedLoss
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
     for key, value in state.items():
         torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
