@@ -15,9 +15,10 @@ replayed step computes what the eager step computes.
 Lifetime rules. A replay writes the loss, and the gradients it hands to autograd, into buffers the
 graphs own; the next replay overwrites them. The Trainer adds the loss into its step total on the
 same stream before the next micro-step, and the optimizer reads the gradients before the next
-step's backward. Autograd may keep a graph's gradient buffer as a parameter's .grad (no copy);
-with several micro-batches a step, the backward replay copies such a .grad out before it writes
-the buffer again (_Replay.backward), else it would overwrite the gradients it is to be added to.
+step's forward replay. Autograd may keep a graph's gradient buffer as a parameter's .grad (no
+copy); with several micro-batches a step, the forward replay copies such a .grad out first
+(_Replay.forward): the forward replay may write its temporaries over that buffer (the two graphs
+share one memory pool) and the backward replay writes it anew.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graphs: GraphedLoss, inputs, targets, *params):  # noqa: ANN001
         ctx.graphs = graphs
+        # A .grad that autograd kept from the last backward replay is a buffer of the graphs'
+        # memory pool, which this forward replay may write its temporaries into (forward and
+        # backward share the pool) and the backward replay writes anew. Under gradient
+        # accumulation it is copied out first, so that this micro-batch's gradients are added
+        # to it; with one micro-batch a step, the optimizer has read it and zero_grad dropped it.
+        for p, g in zip(graphs.params, graphs.grads, strict=True):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
         graphs.inputs.copy_(inputs)
         graphs.targets.copy_(targets)
         graphs.forward_graph.replay()
@@ -105,12 +114,6 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):  # noqa: ANN001
         graphs = ctx.graphs
-        # A .grad that autograd kept from the last replay is the graph's own buffer, which this
-        # replay is about to overwrite: under gradient accumulation it is copied out first, so
-        # that this micro-batch's gradients are added to it, not written over it.
-        for p, g in zip(graphs.params, graphs.grads, strict=True):
-            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
-                p.grad = p.grad.clone()
         graphs.grad_loss.copy_(grad_loss)
         graphs.backward_graph.replay()
         # The graph's gradient buffers, detached: autograd may keep them as .grad (the module
