@@ -152,8 +152,13 @@ class GraphedLoss:
         return _Replay.apply(self, inputs, targets, *self.params)
 
     def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        # The warm-up draws dropout masks as eager steps do; the generators are put back after,
+        # so that the replays draw what eager steps from here would (a replay advances the CUDA
+        # generator by what its recorded kernels draw), and a run resumed from a checkpoint,
+        # which captures again, draws what the uninterrupted run drew.
         try:
-            self._record(inputs, targets)
+            with torch.random.fork_rng(devices=[inputs.device]):
+                self._record(inputs, targets)
         except Exception as err:
             raise CaptureError(
                 f"trainer.cuda_graphs: capturing {type(self.model).__name__} and its loss as CUDA "

@@ -1,9 +1,9 @@
 """trainer.cuda_graphs on a GPU: the Trainer replaying an uncompiled model's forward, loss and
 backward as CUDA graphs trains exactly as the same Trainer launching them eagerly, step for step:
-the losses, the parameters and BatchNorm's running statistics (which the capture's warm-up must
-not move), with one and with several micro-batches a step (whose gradients a replay must not
-overwrite before they are summed), with a batch of another shape among them, and while another
-thread copies on a stream of its own, as the loader's copy thread does."""
+the losses, the parameters, BatchNorm's running statistics (which the capture's warm-up must not
+move) and dropout's masks, with one and with several micro-batches a step (whose gradients a
+replay must not overwrite before they are summed), with a batch of another shape among them, and
+while another thread copies on a stream of its own, as the loader's copy thread does."""
 
 import threading
 
@@ -31,8 +31,12 @@ def resnet() -> nn.Module:
     return model.to(memory_format=torch.channels_last)
 
 
-def gpt() -> nn.Module:
-    return GPT(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
+def gpt(dropout: float = 0.0) -> nn.Module:
+    return GPT(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64, dropout=dropout)
+
+
+def gpt_dropout() -> nn.Module:
+    return gpt(dropout=0.2)
 
 
 def image_batches(n: int, size: int = 32):
@@ -89,6 +93,8 @@ CASES = {
     "resnet_fp16": (resnet, image_batches, Precision.fp16, 1),  # GradScaler on replayed grads
     "gpt_bf16": (gpt, token_batches, Precision.bf16, 1),
     "gpt_fp32_accum3": (gpt, token_batches, Precision.fp32, 3),
+    # The replays draw the masks eager steps draw: the capture's warm-up leaves the RNG as it was.
+    "gpt_dropout_fp32": (gpt_dropout, token_batches, Precision.fp32, 1),
 }
 
 
