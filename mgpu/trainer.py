@@ -1,7 +1,8 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
-precision, gradient clipping, periodic and final evaluation, when to record metrics, and when
-all ranks save a checkpoint together (mgpu.resume says how) or stop on preemption; the state a
-checkpoint holds (state_dict/load_state_dict).
+precision (the forward and loss eager, or replayed as CUDA graphs: mgpu.graphs), gradient
+clipping, periodic and final evaluation, when to record metrics, and when all ranks save a
+checkpoint together (mgpu.resume says how) or stop on preemption; the state a checkpoint holds
+(state_dict/load_state_dict).
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later, with the step's
