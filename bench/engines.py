@@ -198,9 +198,10 @@ def build(name: str, engine: str, rt, use_compile: bool, models: dict = MODELS):
     schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
     spec = ENGINES[engine]
     # The Trainer compiles the loss when compile is on (as train.py's does) and leaves it eager
-    # when off, so eager engines measure eager steps.
+    # when off, so eager engines measure eager steps: without CUDA graphs too, which
+    # trainer.cuda_graphs=auto would give the unwrapped engines (none, none_agree) only.
     precision = Precision.bf16 if rt.device.type == "cuda" else Precision.fp32
-    tcfg = TrainerConfig(precision=precision, grad_clip=1.0, compile=use_compile)
+    tcfg = TrainerConfig(precision=precision, grad_clip=1.0, compile=use_compile, cuda_graphs=False)
     if use_compile:
         model = compiled(model, spec, tcfg, rt)
     model = spec.wrap(model, spec.dist, rt)

@@ -72,6 +72,7 @@ def build(name: str, rt, variant: str, board_dir: Path, steps: int):
         log_every=log_every,
         stall_timeout_s=0,
         compile=False,  # the eager step, as this benchmark has always measured
+        cuda_graphs=False,  # launched kernel by kernel: the host time telemetry competes with
     )
     recorder = None
     if variant != "no_recorder":

@@ -83,8 +83,49 @@ class ModelLoss(nn.Module):
         return self.loss_fn(self.model(inputs), targets)
 
 
-def _signature(*tensors: torch.Tensor) -> tuple:
-    return tuple((t.shape, t.dtype, t.device) for t in tensors)
+def _signature(model: nn.Module, *tensors: torch.Tensor) -> tuple:
+    """What a replay assumes of a call: the batch's shapes, dtypes and devices; each module's
+    train/eval mode; which parameters take gradients (the graphs hold one of each)."""
+    return (
+        tuple((t.shape, t.dtype, t.device) for t in tensors),
+        tuple(m.training for m in model.modules()),
+        tuple(p.requires_grad for p in model.parameters()),
+    )
+
+
+def _difference(captured: tuple, now: tuple) -> str:
+    names = ("batch shapes", "a module's train/eval mode", "which parameters take gradients")
+    changed = [n for n, a, b in zip(names, captured, now, strict=True) if a != b]
+    batch = f": {now[0]} against {captured[0]}" if captured[0] != now[0] else ""
+    return ", ".join(changed) + batch
+
+
+def unreplayed_hooks(model: nn.Module) -> list[str]:
+    """Hooks a replay would not run as eager steps do: module hooks run while recording only, and
+    a hook on a parameter's gradient is recorded into the backward graph and then run again when
+    autograd accumulates the replayed gradient. torch lists neither publicly; these dicts are
+    what torch's own make_graphed_callables checks. (Hooks run after accumulation are fine.)"""
+    import torch.nn.modules.module as tm
+
+    found = [
+        f"global module {kind} hooks"
+        for kind, hooks in (
+            ("forward", tm._global_forward_hooks),
+            ("forward pre", tm._global_forward_pre_hooks),
+            ("backward", tm._global_backward_hooks),
+            ("backward pre", tm._global_backward_pre_hooks),
+        )
+        if hooks
+    ]
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            found.append(f"module hooks on {name or type(m).__name__}")
+        if m._backward_pre_hooks:
+            found.append(f"module backward pre hooks on {name or type(m).__name__}")
+    for name, p in model.named_parameters():
+        if p._backward_hooks:
+            found.append(f"a gradient hook on {name}")
+    return found
 
 
 WARMUP_STEPS = 3  # uncaptured steps before capturing, on a side stream (see _capture)
@@ -124,56 +165,90 @@ class _Replay(torch.autograd.Function):
 
 class GraphedLoss:
     """ModelLoss replayed as CUDA graphs: captured at the first call, from that batch, under
-    autocast to `amp_dtype` (None: fp32); called as ModelLoss is, inside the step's autocast."""
+    autocast to `amp_dtype` (None: fp32); called as ModelLoss is, inside the step's autocast.
+    `required` (trainer.cuda_graphs=true): a model that cannot be replayed is an error; under
+    auto it trains uncaptured, with a warning that says why."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None, amp_dtype: torch.dtype | None):
-        self.model, self.amp_dtype = model, amp_dtype
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable | None,
+        amp_dtype: torch.dtype | None,
+        required: bool = False,
+    ):
+        self.model, self.amp_dtype, self.required = model, amp_dtype, required
         self.eager = ModelLoss(model, loss_fn)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.captured: tuple = ()
+        self.off = False  # auto, and the model has hooks a replay would not run
         self.warned = False
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.off:
+            return self.eager(inputs, targets)
         if not self.captured:
-            self._capture(inputs, targets)
-        if _signature(inputs, targets) != self.captured:
-            # A graph replays fixed shapes. Training batches all have one shape (the loader
-            # drops the last partial batch); a loader given to fit that does not runs its other
-            # batches uncaptured, correctly and at eager speed.
+            if not self._capture(inputs, targets):
+                return self.eager(inputs, targets)
+        signature = _signature(self.model, inputs, targets)
+        if signature != self.captured:
+            # A graph replays fixed shapes, one train/eval mode and one set of parameters with
+            # gradients. Training batches all have one shape (the loader drops the last partial
+            # batch) and fit trains in train mode; a call that differs (a loader given to fit
+            # that keeps partial batches, a module put in eval mode or a parameter unfrozen
+            # after the capture) runs uncaptured, correctly and at eager speed.
             if not self.warned:
                 log.warning(
-                    "trainer.cuda_graphs: a batch of %s differs from the captured %s; batches "
-                    "like it run uncaptured",
-                    _signature(inputs, targets),
-                    self.captured,
+                    "trainer.cuda_graphs: a step differs from the captured one (%s); steps like "
+                    "it run uncaptured",
+                    _difference(self.captured, signature),
                 )
                 self.warned = True
             return self.eager(inputs, targets)
         return _Replay.apply(self, inputs, targets, *self.params)
 
-    def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        # The warm-up draws dropout masks as eager steps do; the generators are put back after,
-        # so that the replays draw what eager steps from here would (a replay advances the CUDA
-        # generator by what its recorded kernels draw), and a run resumed from a checkpoint,
-        # which captures again, draws what the uninterrupted run drew.
+    def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        """Record the graphs from this batch; False where hooks keep the model uncaptured."""
+        hooks = unreplayed_hooks(self.model)
+        if hooks:
+            why = (
+                f"{type(self.model).__name__} has {', '.join(hooks[:3])}"
+                f"{' and more' if len(hooks) > 3 else ''}, which a replay would not run as an "
+                "eager step does"
+            )
+            if self.required:
+                raise CaptureError(
+                    f"trainer.cuda_graphs=true: {why}; remove the hooks, or set "
+                    "trainer.cuda_graphs=auto (trains uncaptured) or false"
+                )
+            log.warning("trainer.cuda_graphs=auto: %s; training uncaptured", why)
+            self.off = True
+            return False
+        # The warm-up draws dropout masks as eager steps do; the CUDA generator is put back
+        # after, so that the replays draw what eager steps from here would (a replay advances it
+        # by what its recorded kernels draw), and a run resumed from a checkpoint, which
+        # captures again, draws what the uninterrupted run drew.
+        rng = torch.cuda.get_rng_state(inputs.device)
         try:
-            with torch.random.fork_rng(devices=[inputs.device]):
-                self._record(inputs, targets)
+            self._record(inputs, targets)
         except Exception as err:
             raise CaptureError(
                 f"trainer.cuda_graphs: capturing {type(self.model).__name__} and its loss as CUDA "
                 f"graphs failed ({err}); a model whose step reads GPU values on the host or "
-                "changes shape from step to step cannot be replayed. Set "
-                "trainer.cuda_graphs=false to train it uncaptured."
+                "changes shape from step to step cannot be replayed, nor can a step recorded "
+                "while another thread draws CUDA random numbers (a random transform on the "
+                "device). Set trainer.cuda_graphs=false to train it uncaptured."
             ) from err
-        self.captured = _signature(inputs, targets)
+        torch.cuda.set_rng_state(rng, inputs.device)
+        self.captured = _signature(self.model, inputs, targets)
         log.info(
             "trainer.cuda_graphs: %s and its loss captured as CUDA graphs for batches of %s",
             type(self.model).__name__,
-            self.captured,
+            self.captured[0],
         )
+        return True
 
     def _record(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Warm up, record the forward and backward graphs, put BatchNorm's statistics back."""
         # The buffers every replay copies its batch into: copies of the first batch, not the
         # loader's own tensors, which it reuses for later batches.
         self.inputs, self.targets = inputs.clone(), targets.clone()
@@ -193,23 +268,32 @@ class GraphedLoss:
         buffers = list(self.model.buffers())
         saved = [b.clone() for b in buffers]
         torch.cuda.synchronize()
-        with torch.cuda.stream(torch.cuda.Stream()), autocast:
+        # Backward runs outside autocast, as the eager step's does (train_step): autocast would
+        # otherwise recast what backward computes in fp32 (autocast reaches backward's thread).
+        no_autocast = torch.autocast(inputs.device.type, enabled=False)
+        with torch.cuda.stream(torch.cuda.Stream()):
             for _ in range(WARMUP_STEPS):
-                loss = self.eager(self.inputs, self.targets)
-                torch.autograd.grad(loss, self.params, allow_unused=True)
+                with autocast:
+                    loss = self.eager(self.inputs, self.targets)
+                with no_autocast:
+                    torch.autograd.grad(loss, self.params, allow_unused=True)
             del loss
         torch.cuda.synchronize()
         # thread_local: the loader's copy thread goes on issuing copies and allocations on its
         # own stream while this thread records; a process-wide ("global") capture would be
         # invalidated by them. Forward and backward share one memory pool, recorded in the
-        # order they replay, so neither's buffers are handed to the other.
+        # order they replay: the backward graph's gradients may sit where the forward graph's
+        # temporaries go (what _Replay.forward copies out under accumulation).
         pool = torch.cuda.graph_pool_handle()
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
             with autocast:
                 loss = self.eager(self.inputs, self.targets)
         self.grad_loss = torch.ones_like(loss)
-        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
+        with (
+            torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"),
+            no_autocast,
+        ):
             self.grads = torch.autograd.grad(
                 loss, self.params, grad_outputs=self.grad_loss, allow_unused=True
             )

@@ -109,7 +109,9 @@ class Trainer:
         # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
         # graphs (mgpu.graphs).
         self.forward_loss = (
-            GraphedLoss(model, loss_fn, self.amp_dtype) if graphs else ModelLoss(model, loss_fn)
+            GraphedLoss(model, loss_fn, self.amp_dtype, required=cfg.cuda_graphs is True)
+            if graphs
+            else ModelLoss(model, loss_fn)
         )
         self.sharded = isinstance(optimizer, ShardedOptimizer)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it. Sharded,

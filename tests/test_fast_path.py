@@ -11,7 +11,7 @@ from torch import nn
 
 from mgpu.config import ConfigError, OptimConfig, OptimizerName, Precision, TrainerConfig, to_config
 from mgpu.dist import Runtime
-from mgpu.graphs import ModelLoss, use_graphs
+from mgpu.graphs import ModelLoss, unreplayed_hooks, use_graphs
 from mgpu.loader import TRAINER_CORES, worker_count
 from mgpu.models import GPT, ResNet, compile_mode, compile_model
 from mgpu.optim import build_optimizer, build_schedule, param_groups
@@ -164,6 +164,27 @@ def test_cuda_graphs_true_where_they_cannot_run_says_why(device, compiled, wrapp
     with pytest.raises(ConfigError, match="trainer.cuda_graphs=True: ") as err:
         use_graphs(True, torch.device(device), compiled=compiled, wrapped=wrapped)
     assert needle in str(err.value)
+
+
+def test_hooks_a_replay_would_not_run_are_named():
+    model = net()
+    assert unreplayed_hooks(model) == []
+    handles = [
+        model[0].register_forward_hook(lambda *_: None),
+        model[2].weight.register_hook(lambda g: g * 2),  # recorded, then run again: 4x
+    ]
+    found = unreplayed_hooks(model)
+    assert found == ["module hooks on 0", "a gradient hook on 2.weight"], found
+    for handle in handles:
+        handle.remove()
+    # Run by autograd after it accumulates a gradient, which a replay leaves to it: fine.
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    assert unreplayed_hooks(model) == []
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
+    try:
+        assert unreplayed_hooks(model) == ["global module forward pre hooks"]
+    finally:
+        handle.remove()
 
 
 def test_a_trainer_on_the_cpu_refuses_cuda_graphs_and_runs_eager_under_auto():

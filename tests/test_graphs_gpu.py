@@ -13,7 +13,7 @@ from torch import nn
 
 from mgpu.config import OptimConfig, OptimizerName, Precision, TrainerConfig
 from mgpu.dist import Runtime
-from mgpu.graphs import GraphedLoss, ModelLoss
+from mgpu.graphs import CaptureError, GraphedLoss, ModelLoss
 from mgpu.models import GPT, ResNet
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.trainer import Trainer, set_math_modes
@@ -57,9 +57,9 @@ def token_batches(n: int, length: int = 32):
     ]
 
 
-def train(make_model, batches, graphs: bool, precision: Precision, accum: int = 1):
+def train(make_model, batches, graphs, precision: Precision, accum: int = 1, before_step=None):
     """STEPS steps of the Trainer from the same initial weights; the losses, parameters and
-    buffers after, and which forward it used."""
+    buffers after, and which forward it used. before_step(model, step) runs before each step."""
     rt = runtime()
     set_math_modes(TrainerConfig(tf32=False, cudnn_benchmark=False), rt.device)
     torch.manual_seed(0)
@@ -80,7 +80,11 @@ def train(make_model, batches, graphs: bool, precision: Precision, accum: int = 
     trainer = Trainer(cfg, model, optimizer, build_schedule(ocfg, optimizer, STEPS), rt)
     model.train()
     feed = iter(batches)
-    losses = [trainer.train_step(feed, step)[0] for step in range(1, STEPS + 1)]
+    losses = []
+    for step in range(1, STEPS + 1):
+        if before_step is not None:
+            before_step(model, step)
+        losses.append(trainer.train_step(feed, step)[0])
     torch.cuda.synchronize()
     kind = type(trainer.forward_loss)
     state = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
@@ -119,6 +123,56 @@ def test_a_batch_of_another_shape_runs_uncaptured_and_trains_as_eager():
     torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
     for key, value in state.items():
         torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def assert_same_training(ours, theirs) -> None:
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    for key, value in ours[1].items():
+        torch.testing.assert_close(value, theirs[1][key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def freeze_batchnorm_from_step_4(model: nn.Module, step: int) -> None:
+    if step == 4:  # after the capture: BatchNorm in eval mode, its statistics frozen
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+
+
+def test_a_module_put_in_eval_mode_after_the_capture_runs_uncaptured():
+    batches = image_batches(STEPS)
+    eager = train(resnet, batches, False, Precision.fp32, before_step=freeze_batchnorm_from_step_4)
+    graphed = train(resnet, batches, True, Precision.fp32, before_step=freeze_batchnorm_from_step_4)
+    assert graphed[2] is GraphedLoss
+    assert_same_training(graphed, eager)  # a replay would have moved the frozen statistics
+
+
+class CountCalls:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *_):
+        self.calls += 1
+
+
+def test_a_model_with_hooks_trains_uncaptured_under_auto_and_stops_under_true():
+    batches = image_batches(STEPS)
+    counts = {}
+
+    def hooked(key):
+        def make():
+            model = resnet()
+            counts[key] = CountCalls()
+            model.fc.register_forward_hook(counts[key])
+            return model
+
+        return make
+
+    eager = train(hooked("eager"), batches, False, Precision.fp32)
+    auto = train(hooked("auto"), batches, "auto", Precision.fp32)
+    assert counts["auto"].calls == counts["eager"].calls == STEPS  # the hook ran every step
+    assert_same_training(auto, eager)
+    with pytest.raises(CaptureError, match="has module hooks on fc"):
+        train(hooked("true"), batches, True, Precision.fp32)
 
 
 def copy_thread(stop: threading.Event) -> None:
