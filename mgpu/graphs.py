@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 
 class CaptureError(RuntimeError, RunStopped):
-    """The model's step could not be captured as CUDA graphs; the message says how to go on."""
+    """The model's step could not be captured as CUDA graphs; the message says how to go on.
+    Said by the rank it happened on: ranks training apart (dist.engine=none) capture apart."""
+
+    every_rank = False
 
 
 def use_graphs(setting: bool | str, device: torch.device, compiled: bool, wrapped: bool) -> bool:
