@@ -23,6 +23,7 @@ share one memory pool) and the backward replay writes it anew.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -88,16 +89,24 @@ class ModelLoss(nn.Module):
 
 def _signature(model: nn.Module, *tensors: torch.Tensor) -> tuple:
     """What a replay assumes of a call: the batch's shapes, dtypes and devices; each module's
-    train/eval mode; which parameters take gradients (the graphs hold one of each)."""
+    train/eval mode; which parameters take gradients; where the parameters and buffers live
+    (the graphs read and write those addresses: a tensor given new storage, as `p.data = ...`
+    or load_state_dict(assign=True) do, would be left behind)."""
     return (
         tuple((t.shape, t.dtype, t.device) for t in tensors),
         tuple(m.training for m in model.modules()),
         tuple(p.requires_grad for p in model.parameters()),
+        tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())),
     )
 
 
 def _difference(captured: tuple, now: tuple) -> str:
-    names = ("batch shapes", "a module's train/eval mode", "which parameters take gradients")
+    names = (
+        "batch shapes",
+        "a module's train/eval mode",
+        "which parameters take gradients",
+        "the storage of a parameter or buffer",
+    )
     changed = [n for n, a, b in zip(names, captured, now, strict=True) if a != b]
     batch = f": {now[0]} against {captured[0]}" if captured[0] != now[0] else ""
     return ", ".join(changed) + batch
@@ -194,11 +203,12 @@ class GraphedLoss:
                 return self.eager(inputs, targets)
         signature = _signature(self.model, inputs, targets)
         if signature != self.captured:
-            # A graph replays fixed shapes, one train/eval mode and one set of parameters with
-            # gradients. Training batches all have one shape (the loader drops the last partial
-            # batch) and fit trains in train mode; a call that differs (a loader given to fit
-            # that keeps partial batches, a module put in eval mode or a parameter unfrozen
-            # after the capture) runs uncaptured, correctly and at eager speed.
+            # A graph replays fixed shapes, one train/eval mode, one set of parameters with
+            # gradients, at fixed addresses. Training batches all have one shape (the loader
+            # drops the last partial batch) and fit trains in train mode; a call that differs (a
+            # loader given to fit that keeps partial batches, a module put in eval mode, a
+            # parameter unfrozen or given new storage after the capture) runs uncaptured,
+            # correctly and at eager speed.
             if not self.warned:
                 log.warning(
                     "trainer.cuda_graphs: a step differs from the captured one (%s); steps like "

@@ -146,6 +146,21 @@ def test_a_module_put_in_eval_mode_after_the_capture_runs_uncaptured():
     assert_same_training(graphed, eager)  # a replay would have moved the frozen statistics
 
 
+def swap_in_new_storage_at_step_4(model: nn.Module, step: int) -> None:
+    if step == 4:  # as an EMA swap or load_state_dict(assign=True) does: the graphs' addresses go
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
+
+
+def test_parameters_given_new_storage_after_the_capture_train_uncaptured():
+    batches = image_batches(STEPS)
+    swap = swap_in_new_storage_at_step_4
+    eager = train(resnet, batches, False, Precision.fp32, before_step=swap)
+    graphed = train(resnet, batches, True, Precision.fp32, before_step=swap)
+    assert_same_training(graphed, eager)  # replays would have updated the old storage
+
+
 class CountCalls:
     def __init__(self):
         self.calls = 0
