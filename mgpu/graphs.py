@@ -130,10 +130,8 @@ def unreplayed_hooks(model: nn.Module) -> list[str]:
         if hooks
     ]
     for name, m in model.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             found.append(f"module hooks on {name or type(m).__name__}")
-        if m._backward_pre_hooks:
-            found.append(f"module backward pre hooks on {name or type(m).__name__}")
     for name, p in model.named_parameters():
         if p._backward_hooks:
             found.append(f"a gradient hook on {name}")

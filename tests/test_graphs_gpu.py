@@ -102,33 +102,29 @@ CASES = {
 }
 
 
+def assert_same_training(ours, theirs) -> None:
+    """Losses, parameters and buffers (BatchNorm's running statistics among them) alike."""
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    assert ours[1].keys() == theirs[1].keys()
+    for key, value in ours[1].items():
+        torch.testing.assert_close(value, theirs[1][key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_replayed_step_trains_as_the_eager_step(case):
     make_model, make_batches, precision, accum = CASES[case]
     batches = make_batches(STEPS * accum)
-    eager_losses, eager_state, eager_kind = train(make_model, batches, False, precision, accum)
-    losses, state, kind = train(make_model, batches, True, precision, accum)
-    assert eager_kind is ModelLoss and kind is GraphedLoss  # the two paths under test
-    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
-    assert state.keys() == eager_state.keys()
-    for key, value in state.items():  # BatchNorm's running statistics among them
-        torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
+    eager = train(make_model, batches, False, precision, accum)
+    graphed = train(make_model, batches, True, precision, accum)
+    assert eager[2] is ModelLoss and graphed[2] is GraphedLoss  # the two paths under test
+    assert_same_training(graphed, eager)
 
 
 def test_a_batch_of_another_shape_runs_uncaptured_and_trains_as_eager():
     batches = image_batches(STEPS)
     batches[3] = image_batches(1, size=40)[0]  # one batch the graphs were not captured for
-    eager_losses, eager_state, _ = train(resnet, batches, False, Precision.fp32)
-    losses, state, _ = train(resnet, batches, True, Precision.fp32)
-    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
-    for key, value in state.items():
-        torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
-
-
-def assert_same_training(ours, theirs) -> None:
-    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
-    for key, value in ours[1].items():
-        torch.testing.assert_close(value, theirs[1][key], rtol=1e-5, atol=1e-6, msg=key)
+    eager = train(resnet, batches, False, Precision.fp32)
+    assert_same_training(train(resnet, batches, True, Precision.fp32), eager)
 
 
 def freeze_batchnorm_from_step_4(model: nn.Module, step: int) -> None:
@@ -203,19 +199,17 @@ def copy_thread(stop: threading.Event) -> None:
 
 def test_capturing_while_another_thread_copies_on_its_own_stream():
     batches = image_batches(STEPS)
-    eager_losses, eager_state, _ = train(resnet, batches, False, Precision.fp32)
+    eager = train(resnet, batches, False, Precision.fp32)
     stop = threading.Event()
     thread = threading.Thread(target=copy_thread, args=(stop,), daemon=True)
     thread.start()
     try:
-        losses, state, kind = train(resnet, batches, True, Precision.fp32)
+        graphed = train(resnet, batches, True, Precision.fp32)
     finally:
         stop.set()
         thread.join()
-    assert kind is GraphedLoss
-    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
-    for key, value in state.items():
-        torch.testing.assert_close(value, eager_state[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert graphed[2] is GraphedLoss
+    assert_same_training(graphed, eager)
 
 
 def test_auto_replays_an_uncompiled_model_on_one_gpu():
