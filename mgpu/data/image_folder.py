@@ -335,8 +335,7 @@ class ImageFolder(Dataset):
     def _sample(self, i: int, epoch: int, seed: int):
         path, label = self.files[i], self.labels[i]
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = self.read_bytes(i)
             image = Image.open(io.BytesIO(data))
             box, flip = self.crop(i, *image.size, epoch, seed)
             if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
@@ -350,6 +349,12 @@ class ImageFolder(Dataset):
         if self.decode == "gpu":
             return Encoded(label, i, pixels=pixels)
         return pixels, torch.tensor(label, dtype=torch.int64)
+
+    def read_bytes(self, i: int) -> bytes:
+        """Sample i's encoded file, as stored (a dataset of other storage overrides this and
+        `_split_files`; `files[i]` stays the name that errors and logs give)."""
+        with open(self.files[i], "rb") as f:
+            return f.read()
 
     def count_replaced(self, why: str) -> None:
         """Count a replaced file (in this process's slot) and name it in the rank's log."""
