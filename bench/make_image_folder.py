@@ -35,9 +35,27 @@ def photo_like(seed: int, width: int, height: int) -> np.ndarray:
     return np.clip(out, 0, 255).astype(np.uint8)
 
 
-def write_one(job: tuple[str, int, int, int, int]) -> int:
-    path, seed, width, height, quality = job
-    Image.fromarray(photo_like(seed, width, height)).save(path, format="JPEG", quality=quality)
+# --mix realistic: of every 100 images, what kind each is (the rest are plain RGB JPEGs of the
+# --width x --height size): a photo-sized JPEG of 2400x1800, a grayscale JPEG, a CMYK JPEG (as
+# print workflows leave them; nvJPEG refuses these) and a PNG, as a crawled data set holds them.
+REALISTIC = {"large": range(0, 3), "gray": range(3, 6), "cmyk": range(6, 7), "png": range(7, 9)}
+LARGE = (2400, 1800)
+
+
+def kind_of(i: int, mix: str) -> str:
+    if mix == "plain":
+        return "jpeg"
+    return next((kind for kind, slots in REALISTIC.items() if i % 100 in slots), "jpeg")
+
+
+def write_one(job: tuple[str, int, int, int, int, str]) -> int:
+    path, seed, width, height, quality, kind = job
+    image = Image.fromarray(photo_like(seed, width, height))
+    if kind == "png":
+        image.save(path, format="PNG")
+    else:
+        mode = {"gray": "L", "cmyk": "CMYK"}.get(kind, "RGB")
+        image.convert(mode).save(path, format="JPEG", quality=quality)
     return os.path.getsize(path)
 
 
@@ -50,17 +68,28 @@ def write_folder(
     quality: int = 90,
     seed: int = 0,
     processes: int | None = None,
+    mix: str = "plain",
 ) -> dict:
-    """`images` JPEGs spread over `classes` folders under `root`; returns what was written."""
+    """`images` JPEGs (and with mix=realistic, some PNGs) spread over `classes` folders under
+    `root`; returns what was written."""
     jobs = []
     for i in range(images):
         folder = root / f"class{i % classes:04d}"
         folder.mkdir(parents=True, exist_ok=True)
-        width, height = size if i % 4 else size[::-1]
-        jobs.append((str(folder / f"img{i:07d}.jpg"), seed * 1_000_003 + i, width, height, quality))
+        kind = kind_of(i, mix)
+        width, height = LARGE if kind == "large" else size
+        width, height = (width, height) if i % 4 else (height, width)
+        name = f"img{i:07d}.{'png' if kind == 'png' else 'jpg'}"
+        jobs.append((str(folder / name), seed * 1_000_003 + i, width, height, quality, kind))
     with Pool(processes or os.cpu_count()) as pool:
         sizes = pool.map(write_one, jobs, chunksize=16)
-    return {"images": images, "classes": classes, "mean_kb": sum(sizes) / len(sizes) / 1024}
+    kinds = {k: sum(kind_of(i, mix) == k for i in range(images)) for k in ("jpeg", *REALISTIC)}
+    return {
+        "images": images,
+        "classes": classes,
+        "mean_kb": sum(sizes) / len(sizes) / 1024,
+        "kinds": kinds,
+    }
 
 
 def main() -> None:
@@ -72,6 +101,13 @@ def main() -> None:
     p.add_argument("--height", type=int, default=375)
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mix",
+        choices=("plain", "realistic"),
+        default="plain",
+        help="plain: every image a --width x --height RGB JPEG; realistic: of every 100, 3 "
+        "photo-sized (2400x1800), 3 grayscale and 1 CMYK JPEGs, 2 PNGs",
+    )
     args = p.parse_args()
     if args.images < 1 or args.classes < 1 or args.images < args.classes:
         p.error("--images and --classes must be >= 1, with at least one image per class")
@@ -82,10 +118,11 @@ def main() -> None:
         size=(args.width, args.height),
         quality=args.quality,
         seed=args.seed,
+        mix=args.mix,
     )
     print(
-        f"wrote {made['images']} JPEGs ({made['mean_kb']:.0f} KB on average) in "
-        f"{made['classes']} class folders under {args.root}"
+        f"wrote {made['images']} images ({made['mean_kb']:.0f} KB on average) in "
+        f"{made['classes']} class folders under {args.root}: {made['kinds']}"
     )
 
 

@@ -296,7 +296,7 @@ def test_gpu_decode_matches_cpu_decode(tmp_path):
     batches = {}
     for decode in ("cpu", "gpu"):
         cfg = ImageFolderDataConfig(**folder(root, batch_size=5, num_workers=2, decode=decode))
-        cfg.image_size = 64
+        cfg.image_size, cfg.reduced_decode = 64, False  # full-size decodes on both sides
         for split in ("train", "eval"):
             dataset = ImageFolder(split, **cfg.dataset_kwargs())
             loader = build_loader(cfg, dataset, rt, seed=11, train=split == "train")
@@ -382,13 +382,15 @@ def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
     """decode=gpu's batch step on the CPU, with Pillow standing in for nvJPEG: the crops match
     decode=cpu's within a level (torch's antialiased resize against Pillow's), in their places,
     with their labels; a JPEG the decoder refuses is named (error) or replaced (skip)."""
-    from mgpu.data.gpu_decode import BatchDecoder
+    from mgpu.data.gpu_decode import BatchDecoder, resize_each
     from mgpu.data.image_folder import collate_encoded
 
     write_tree(tmp_path / "train", per_class=6, sizes=((150, 200), (90, 60), (40, 64)))
     kwargs = {**folder(tmp_path / "train", eval_samples=2), "image_size": 32, "classes": CLASSES}
-    cpu, gpu = ImageFolder("train", **kwargs), ImageFolder("train", **{**kwargs, "decode": "gpu"})
-    step = BatchDecoder(gpu, torch.device("cpu"), pillow_jpegs)
+    # the same full-size decode on both sides: only the resize differs
+    cpu = ImageFolder("train", **kwargs, reduced_decode=False)
+    gpu = ImageFolder("train", **{**kwargs, "decode": "gpu"})
+    step = BatchDecoder(gpu, torch.device("cpu"), pillow_jpegs, resize_each)
     keys = [SampleKey(i, 1, 4) for i in range(len(cpu))]
     images, labels = step(collate_encoded([gpu[k] for k in keys]))
     expected = torch.stack([cpu[k][0] for k in keys])
@@ -408,3 +410,68 @@ def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
     # its place takes the batch's next JPEG, crop and label too
     assert torch.equal(images[jpegs[2]], images[jpegs[3]])
     assert labels[jpegs[2]] == labels[jpegs[3]]
+
+
+@pytest.mark.gpu
+def test_batched_gpu_crops_match_the_per_image_reference():
+    """decode=gpu's two batched kernels (gpu_resize.resize_into) against torch's antialiased
+    resize image by image (gpu_decode.resize_each): images of different sizes, boxes that
+    shrink (up to 8x) and grow, thin ones, flips, slots out of order, three output sizes.
+    Noise is the hardest input for a filter: every weight shows."""
+    pytest.importorskip("triton")
+    from mgpu.data.gpu_decode import resize_each
+    from mgpu.data.gpu_resize import resize_into
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [(375, 500), (500, 375), (1800, 2400), (64, 96), (20, 30), (333, 250)]
+    images = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8) for h, w in sizes]
+    images = [image.cuda() for image in images]
+    boxes = [(0, 0, 500, 375), (10, 37, 300, 90), (100, 200, 2000, 1500), (3, 5, 40, 50)]
+    boxes += [(0, 0, 30, 20), (17, 1, 5, 331)]
+    flips = [False, True, True, False, True, False]
+    slots = [3, 0, 5, 1, 2, 4]
+    for size in (224, 64, 301):
+        fast = torch.zeros(len(images), 3, size, size, dtype=torch.uint8, device="cuda")
+        slow = torch.zeros_like(fast)
+        resize_into(fast, images, boxes, flips, slots)
+        resize_each(slow, images, boxes, flips, slots)
+        diff = (fast.int() - slow.int()).abs()
+        # float sums in another order: a value near .5 may round the other way
+        assert diff.max() <= 1 and diff.float().mean() < 0.01, (
+            size,
+            diff.max(),
+            diff.float().mean(),
+        )
+
+
+def test_reduced_decode_stays_close_to_a_full_decode(tmp_path):
+    """DCT-scaled decoding (data.reduced_decode, the default) against a full decode then the
+    same crop and resize: a photo-sized JPEG, train crops at 1/2, 1/4 and 1/8 and eval's
+    center crop. The reduced decode low-passes with the IDCT instead of the resize's triangle,
+    so pixels differ a little; a box mapped to the wrong place would differ by tens of levels."""
+    from mgpu.data.image_folder import DCT_FACTORS, draft_for_crop
+
+    write_tree(tmp_path / "train", per_class=3, sizes=((1200, 1600), (90, 70), (250, 330)))
+    kwargs = {**folder(tmp_path / "train", eval_samples=2), "image_size": 64, "classes": CLASSES}
+    reduced, full = (
+        ImageFolder("train", **kwargs),
+        ImageFolder("train", **kwargs, reduced_decode=False),
+    )
+    factors = set()
+    for i in range(len(full)):
+        if not full.files[i].endswith(".jpg"):
+            continue
+        for epoch in range(8):
+            key = SampleKey(i, epoch, 3)
+            image = Image.open(full.files[i])
+            box, _ = full.crop(i, *image.size, epoch, 3)
+            scaled = draft_for_crop(image, box, 64)
+            factors.add(round(box[2] / scaled[2]) if scaled != box else 1)
+            diff = (reduced[key][0].int() - full[key][0].int()).abs().float()
+            # seen: mean <= 0.27, max 3 (on photo-like noise, bench/README: mean 1.4, max 20)
+            assert diff.mean() < 1 and diff.max() <= 8, (key, box, diff.mean(), diff.max())
+    assert factors >= set(DCT_FACTORS), factors  # every reduction ran
+    evals = [ImageFolder("eval", **kwargs, reduced_decode=r) for r in (True, False)]
+    for i in range(len(evals[0])):
+        diff = (evals[0][i][0].int() - evals[1][i][0].int()).abs().float()
+        assert diff.mean() < 1, (i, diff.mean())

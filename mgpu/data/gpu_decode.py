@@ -8,6 +8,7 @@ torchvision is imported here only, lazily: it is optional, and CPU hosts do with
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,8 @@ from torch import Tensor
 
 from mgpu.config_checks import ConfigError  # what train.py reports in one line
 from mgpu.data.image_folder import BadImageFile, EncodedBatch, ImageFolder
+
+log = logging.getLogger(__name__)
 
 
 def gpu_decode_unavailable() -> str | None:
@@ -28,21 +31,31 @@ def gpu_decode_unavailable() -> str | None:
         from torchvision.io import decode_jpeg  # noqa: F401
     except Exception as err:  # ImportError, or a torchvision built for another torch
         return f"torchvision cannot be imported ({type(err).__name__}: {err})"
+    try:
+        import triton  # noqa: F401 - the batched crops (gpu_resize)
+    except ImportError as err:
+        return f"triton cannot be imported ({err})"
     return None
 
 
 def resolve_decode(mode: str) -> str:
-    """data.decode: cpu and gpu as they are; auto is cpu.
+    """data.decode: cpu and gpu as they are; auto is gpu wherever the GPU can decode, else cpu,
+    and the log says which and why.
 
-    Measured on one H100 with 16 cores (bench/results/input_pipeline-nvidia-h100-80gb-hbm3-x1-
-    20261125-071918.json: ResNet-50, B=256, eager bf16, 3,000 ImageNet-sized JPEGs, 14 workers):
-    Pillow in the workers fed 0.993 of the batch already on the GPU with 0.09 % data wait, while
-    nvJPEG on the prefetcher's copy thread fed 0.906 (5 % data wait) and decoding inline in the
-    training loop 0.686: torchvision's GPU decode waits on the host for its own work, and the
-    decode kernels take the GPU from training. decode=gpu is for hosts with too few cores per
-    GPU for Pillow to keep up (Pillow took 3.0-3.5 ms of a core a 500x375 sample).
+    The GPU path costs the training step almost nothing: torchvision hands baseline JPEGs to
+    nvJPEG's hardware decoder (the JPEG engines beside the SMs on A100 and H100), and the crops
+    of a whole batch are two kernels (gpu_resize). Pillow in the workers takes 4-5 ms of a core
+    per ImageNet-sized image, so a compiled ResNet-50 on one H100 (~5,300 images/s) would need
+    more cores than a GPU server has per GPU (bench/README.md, real_images).
     """
-    return "cpu" if mode == "auto" else mode
+    if mode != "auto":
+        return mode
+    why = gpu_decode_unavailable()
+    if why is None:
+        log.info("data.decode=auto: JPEGs decoded on the GPU (nvJPEG), PNG and CMYK on the CPU")
+        return "gpu"
+    log.info("data.decode=auto: images decoded on the CPU, in the workers (%s)", why)
+    return "cpu"
 
 
 def _probe_jpeg() -> Tensor:
@@ -53,6 +66,31 @@ def _probe_jpeg() -> Tensor:
 
 
 JpegDecode = Callable[[list[Tensor]], list[Tensor]]  # JPEG bytes -> [3, H, W] uint8 images
+# (out, images, boxes, flips, slots): each image's box resized into out[slot] (gpu_resize)
+Resize = Callable[[Tensor, list[Tensor], list[tuple], list[bool], list[int]], None]
+
+
+def resize_each(
+    out: Tensor,
+    images: list[Tensor],
+    boxes: list[tuple[int, int, int, int]],
+    flips: list[bool],
+    slots: list[int],
+) -> None:
+    """What gpu_resize.resize_into does, image by image with torch's antialiased bilinear
+    resize (the same filter, float between the passes): a few kernels per image. The reference
+    the batched kernels are tested against, and the resize of BatchDecoder on a CPU in tests."""
+    size = out.shape[-1]
+    for image, (left, top, w, h), flip, slot in zip(images, boxes, flips, slots, strict=True):
+        crop = F.interpolate(
+            image[None, :, top : top + h, left : left + w].float(),
+            size=(size, size),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        )[0]
+        crop = crop.flip(-1) if flip else crop
+        out[slot] = (crop + 0.5).floor_().clamp_(0, 255).to(torch.uint8)
 
 
 def gpu_decoder(dataset: ImageFolder, device: torch.device | str) -> BatchDecoder:
@@ -70,10 +108,11 @@ def gpu_decoder(dataset: ImageFolder, device: torch.device | str) -> BatchDecode
 
     try:
         nvjpeg([_probe_jpeg()])
-    except RuntimeError as err:
-        why = f"torchvision cannot decode JPEGs on {device} ({err}); use data.decode=cpu"
+        from mgpu.data.gpu_resize import resize_into
+    except (RuntimeError, ImportError) as err:  # ImportError: Triton, for the batched crops
+        why = f"JPEGs cannot be decoded and cropped on {device} ({err}); use data.decode=cpu"
         raise ConfigError("data.decode", "gpu", why) from None
-    return BatchDecoder(dataset, device, nvjpeg)
+    return BatchDecoder(dataset, device, nvjpeg, resize_into)
 
 
 class BatchDecoder:
@@ -86,9 +125,11 @@ class BatchDecoder:
     mgpu.loader runs this step on its copy thread, where it overlaps the training loop.
     """
 
-    def __init__(self, dataset: ImageFolder, device: torch.device, decode: JpegDecode):
+    def __init__(
+        self, dataset: ImageFolder, device: torch.device, decode: JpegDecode, resize: Resize
+    ):
         self.dataset, self.device, self.size = dataset, device, dataset.image_size
-        self._decode = decode
+        self._decode, self._resize = decode, resize
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         """(images [B, 3, S, S] uint8, labels [B]) on the device."""
@@ -99,24 +140,9 @@ class BatchDecoder:
             out[batch.pixels_at.to(device)] = batch.pixels.to(device, non_blocking=True)
         if batch.lengths:
             images, boxes, flips, labels = self._decoded(batch)
-            # Two kernels an image (to float, resize) and one cat for the batch: the sizes
-            # differ, so there is no batched resize. Bilinear with antialias is the filter
-            # Pillow's resize uses (image_folder.crop_resize).
-            crops = torch.cat(
-                [
-                    F.interpolate(
-                        image[None, :, top : top + h, left : left + w].float(),
-                        size=(size, size),
-                        mode="bilinear",
-                        antialias=True,
-                        align_corners=False,
-                    )
-                    for image, (left, top, w, h) in zip(images, boxes, strict=True)
-                ]
-            )
-            flips = flips.to(device, non_blocking=True)[:, None, None, None]
-            crops = torch.where(flips, crops.flip(-1), crops)
-            out[batch.jpeg_at.to(device)] = crops.round_().clamp_(0, 255).to(torch.uint8)
+            # Every crop of the batch in two launches (gpu_resize.resize_into), whatever the
+            # images' sizes: the same filter as the workers' Pillow resize.
+            self._resize(out, images, boxes, flips.tolist(), batch.jpeg_at.tolist())
         return out, labels.to(device, non_blocking=True)
 
     def _decoded(self, batch: EncodedBatch):

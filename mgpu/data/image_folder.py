@@ -162,6 +162,28 @@ def crop_resize(image: Image.Image, box: tuple, flip: bool, size: int) -> Tensor
     return torch.from_numpy(np.asarray(out).transpose(2, 0, 1).copy())
 
 
+# JPEG's DCT scaling: libjpeg decodes at 1/2, 1/4 or 1/8 of the size for little more than the
+# entropy decoding, skipping most of the IDCT and colour work. Used when the crop box is at least
+# this many times the output size on its shorter side, so the reduced box is still shrunk.
+DCT_FACTORS = (8, 4, 2)
+
+
+def draft_for_crop(image: Image.Image, box: tuple, size: int) -> tuple[int, int, int, int]:
+    """Ask Pillow (before decoding) for the smallest DCT-scaled decode of a JPEG whose crop box
+    still covers `size` pixels on each side; `box` mapped onto that decode (rounded to whole
+    pixels, so its edges move by under half a reduced pixel). Other formats: `box` as it is."""
+    left, top, w, h = box
+    factor = next((f for f in DCT_FACTORS if min(w, h) >= f * size), 1)
+    if factor == 1 or image.format != "JPEG":
+        return box
+    width, height = image.size
+    image.draft(image.mode, (width // factor, height // factor))
+    sx, sy = width / image.size[0], height / image.size[1]
+    x0, y0 = round(left / sx), round(top / sy)
+    x1, y1 = round((left + w) / sx), round((top + h) / sy)
+    return x0, y0, x1 - x0, y1 - y0
+
+
 # ---- what workers hand over with decode=gpu ----
 
 
@@ -236,7 +258,8 @@ class ImageFolder(Dataset):
     split=train: the images of `path` (less the held-out ones when there is no `eval_path`),
     random-resized crops with horizontal flips; split=eval: `eval_path`'s images, or
     `eval_samples` of `path`'s held out, center crops. decode=gpu: items are Encoded (and
-    `device_decoder` makes the prefetcher's decode step).
+    `device_decoder` makes the prefetcher's decode step). reduced_decode: JPEGs decoded on the
+    CPU use DCT scaling where the crop allows (draft_for_crop).
     """
 
     # The trainer applies this to inputs once they are on the device.
@@ -257,6 +280,7 @@ class ImageFolder(Dataset):
         scale: tuple[float, float] = (0.08, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         eval_crop: float = 0.875,
+        reduced_decode: bool = True,
     ):
         if split not in ("train", "eval"):
             raise ValueError(f"split={split!r} is not a known split; use 'train' or 'eval'")
@@ -268,6 +292,7 @@ class ImageFolder(Dataset):
         self.split, self.train = split, split == "train"
         self.image_size, self.decode, self.bad_files = image_size, decode, bad_files
         self.scale, self.ratio, self.eval_crop = tuple(scale), tuple(ratio), eval_crop
+        self.reduced_decode = reduced_decode
         self.num_classes = len(self.classes)
         self.tokens_per_sample = None
         self.sample_shape = (3, image_size, image_size)  # an input's shape (for FLOPs)
@@ -342,6 +367,8 @@ class ImageFolder(Dataset):
                 # nvJPEG's baseline and progressive YCbCr/gray JPEGs: the GPU decodes these.
                 # Only the header was read here; a file broken further in fails on the GPU.
                 return Encoded(label, i, data=data, box=box, flip=flip)
+            if self.reduced_decode:
+                box = draft_for_crop(image, box, self.image_size)
             pixels = crop_resize(image.convert("RGB"), box, flip, self.image_size)
         except UNREADABLE as err:
             why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err

@@ -1,0 +1,208 @@
+"""ResNet-50 trained through train.py on a folder of real-sized images against the same run with
+its batches made on the GPU's doorstep, on one GPU, in one job, with the host's cores limited.
+
+    python bench/real_images.py                       # 12,000 images, 16 and 8 cores, B=128/256
+    python bench/real_images.py --folder DIR --cores 16 --batches 128 --decodes auto cpu
+    python bench/real_images.py --quick               # tiny shapes on the CPU: checks the script
+
+Each run is `taskset -c 0-(N-1) python train.py ...` as a user types it (compiled ResNet-50,
+bf16, channels_last, SGD, the defaults of experiment=resnet50_folder), read back from its own
+TensorBoard telemetry: the median of throughput/samples_per_sec over the log intervals after
+--warmup steps. The reference is experiment=resnet50 with the same batch size, model and cores:
+synthetic uint8 images from the workers, which cost them a fraction of a millisecond each (its
+data wait is reported beside it), so its rate is the step's own.
+
+The image set (bench/make_image_folder.py --mix realistic): 500x375 JPEGs, one in four portrait,
+with photo-sized (2400x1800), grayscale and CMYK JPEGs and PNGs among them. Also measured: what
+one CPU core decodes and crops a second (a worker's loop, in one process pinned to one core) and
+what the GPU decodes and crops a second (data.decode=gpu's batch step, batches of 128).
+
+Writes bench/results/real_images-<device>-<time>.json with a top-level "ratio" object:
+resnet50_b<B>_<N>cores (img/s through train.py with data.decode=auto over the reference's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.engines import versions  # noqa: E402
+from bench.make_image_folder import write_folder  # noqa: E402
+from tests.conftest import read_scalars  # noqa: E402
+
+
+def train_args(kind: str, folder: Path, batch: int, decode: str, steps: int, every: int):
+    common = [
+        f"data.batch_size={batch}",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every={every}",
+        "trainer.eval_every=0",
+        "ckpt.every=0",
+        "model.num_classes=1000",
+    ]
+    if kind == "reference":
+        return ["experiment=resnet50", *common]
+    return [
+        "experiment=resnet50_folder",
+        f"data.path={folder}",
+        f"data.decode={decode}",
+        "data.eval_samples=16",
+        *common,
+    ]
+
+
+def run_train(args: list[str], cores: int, out: Path, timeout: float, quick: bool) -> dict:
+    """One train.py run pinned to the first `cores` CPUs; its samples/s and data wait."""
+    pin = [] if quick else ["taskset", "-c", f"0-{cores - 1}"]
+    cmd = [*pin, sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={out}"]
+    if quick:
+        cmd += ["model=resnet_tiny", "data.image_size=32", "data.num_workers=1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{tail}")
+    scalars = read_scalars(out)
+    return {"cmd": " ".join(cmd[len(pin) + 1 :]), "wall_s": time.perf_counter() - start, **scalars}
+
+
+def summarise(scalars: dict, warmup: int) -> dict:
+    def median(tag: str) -> float | None:
+        values = [v for step, v in scalars.get(tag, []) if step > warmup]
+        return statistics.median(values) if values else None
+
+    return {
+        "img_per_s": median("throughput/samples_per_sec"),
+        "step_ms": median("time/step_ms"),
+        "data_wait_pct": median("time/data_wait_pct"),
+        "intervals": len([s for s, _ in scalars.get("throughput/samples_per_sec", [])]),
+    }
+
+
+def cpu_decode_rate(folder: Path, n: int) -> float:
+    """Images a second one core decodes and crops as a data.decode=cpu worker does."""
+    code = (
+        "import sys,time; from mgpu.data import ImageFolder; from mgpu.sampler import SampleKey;"
+        f"d=ImageFolder('train', r'{folder}', decode='cpu', eval_samples=64);"
+        f"keys=[SampleKey(i*7 % len(d), 0, 0) for i in range({n})]; d[keys[0]];"
+        "t=time.perf_counter(); [d[k] for k in keys]; print(len(keys)/(time.perf_counter()-t))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = ["taskset", "-c", "0", sys.executable, "-c", code]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def gpu_decode_rate(folder: Path, batch: int, batches: int) -> dict:
+    """Images a second data.decode=gpu's batch step decodes and crops (host bytes in, uint8
+    crops out), the workers' part done beforehand."""
+    from mgpu.data import ImageFolder
+    from mgpu.data.image_folder import collate_encoded
+    from mgpu.sampler import SampleKey
+
+    dataset = ImageFolder("train", str(folder), decode="gpu", eval_samples=64)
+    step = dataset.device_decoder(torch.device("cuda", torch.cuda.current_device()))
+    work = [
+        collate_encoded(
+            [dataset[SampleKey((b * batch + i) % len(dataset), 0, 0)] for i in range(batch)]
+        )
+        for b in range(batches)
+    ]
+    step(work[0])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for encoded in work:
+        step(encoded)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"img_per_s": batch * batches / seconds, "jpegs_per_batch": len(work[0].lengths)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--folder", type=Path, help="an image tree to use (default: write one)")
+    p.add_argument("--images", type=int, default=12000)
+    p.add_argument("--cores", type=int, nargs="+", default=[16, 8])
+    p.add_argument("--batches", type=int, nargs="+", default=[128, 256])
+    p.add_argument("--decodes", nargs="+", default=["auto"], help="data.decode values to run")
+    p.add_argument("--only", nargs="*", default=[], help="cores:batch pairs to run, e.g. 8:128")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=60, help="steps left out of the medians")
+    p.add_argument("--every", type=int, default=20, help="steps per log interval")
+    p.add_argument("--probes", action="store_true", help="also measure decode rates alone")
+    p.add_argument("--timeout", type=float, default=420)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = p.parse_args()
+    if args.quick:
+        args.images, args.cores, args.batches = 60, [1], [8]
+        args.steps, args.warmup, args.every = 6, 2, 2
+    work = Path(tempfile.mkdtemp(prefix="real_images-"))
+    folder = args.folder
+    made = None
+    if folder is None:
+        folder = work / "images"
+        made = write_folder(folder, args.images, min(100, args.images // 4), mix="realistic")
+        print(f"wrote {made}", flush=True)
+    runs, ratio = [], {}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    pairs = [(c, b) for c in args.cores for b in args.batches]
+    if args.only:
+        pairs = [tuple(map(int, x.split(":"))) for x in args.only]
+    for cores, batch in pairs:
+        results = {}
+        for kind, decode in [("reference", "-")] + [("folder", d) for d in args.decodes]:
+            name = f"b{batch}_{cores}cores_{kind}_{decode}"
+            cmd = train_args(kind, folder, batch, decode, args.steps, args.every)
+            raw = run_train(cmd, cores, work / name, args.timeout, args.quick)
+            row = {"name": name, "cores": cores, "batch": batch, "kind": kind, "decode": decode}
+            row.update(summarise(raw, args.warmup), cmd=raw["cmd"], wall_s=raw["wall_s"])
+            results[kind, decode] = row
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+        reference = results["reference", "-"]["img_per_s"]
+        for (kind, decode), row in results.items():
+            if kind == "folder" and reference and row["img_per_s"]:
+                row["ratio"] = row["img_per_s"] / reference
+                key = f"resnet50_b{batch}_{cores}cores"
+                ratio[key if decode == "auto" else f"{key}_{decode}"] = row["ratio"]
+        save(args.out, {"ratio": ratio, "runs": runs, "folder": made or str(folder)}, stamp)
+    probes = {}
+    if args.probes and not args.quick:
+        probes["cpu_decode_img_per_s_per_core"] = cpu_decode_rate(folder, 300)
+        if torch.cuda.is_available():
+            probes["gpu_decode_img_per_s_per_gpu"] = gpu_decode_rate(folder, 128, 20)
+        print(json.dumps(probes), flush=True)
+    record = {"ratio": ratio, "probes": probes, "runs": runs, "folder": made or str(folder)}
+    path = save(args.out, record, stamp)
+    print("ratio", json.dumps(ratio, indent=1))
+    print(f"wrote {path}")
+
+
+def save(out: Path, record: dict, stamp: str) -> Path:
+    """The results so far, rewritten after every run (a job cut off keeps what it measured)."""
+    meta = (
+        versions() if torch.cuda.is_available() else {"device": "cpu", "torch": torch.__version__}
+    )
+    record = {**record, **meta, "argv": sys.argv, "time": stamp}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"real_images-{meta['device'].replace(' ', '_')}-{stamp}.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+if __name__ == "__main__":
+    main()
