@@ -69,7 +69,10 @@ def run_train(args: list[str], cores: int, out: Path, timeout: float, quick: boo
     cmd = [*pin, sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={out}"]
     if quick:
         cmd += ["model=resnet_tiny", "data.image_size=32", "data.num_workers=1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -100,7 +103,11 @@ def cpu_decode_rate(folder: Path, n: int) -> float:
         f"keys=[SampleKey(i*7 % len(d), 0, 0) for i in range({n})]; d[keys[0]];"
         "t=time.perf_counter(); [d[k] for k in keys]; print(len(keys)/(time.perf_counter()-t))"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    env["OMP_NUM_THREADS"] = "1"
     cmd = ["taskset", "-c", "0", sys.executable, "-c", code]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
