@@ -37,7 +37,6 @@ def _end_live_epochs() -> None:
 
 
 _END = object()  # the end of an epoch, as the copy thread reports it
-HIGHEST_PRIORITY = -16  # torch maps it onto the device's highest stream priority
 STOP_POLL_S = 0.05  # how often a waiting copy thread looks for a stop request
 
 
@@ -116,13 +115,8 @@ class DeviceLoader:
         self.memory_format = memory_format
         self.cuda = self.device.type == "cuda"
         # Stream-lifetime rule: one side stream for the loader's whole life, reused by every
-        # epoch; a stream per epoch would pile up. A decode step's kernels run there at the
-        # GPU's highest stream priority: at equal priority the block scheduler keeps feeding
-        # the training step's queued kernels first, and the decode, which the copy thread waits
-        # for, got SMs only once the step ran dry (a decode beside a GPU-bound loop made no
-        # progress at all; bench/README.md, real_images). Its kernels are small.
-        priority = HIGHEST_PRIORITY if decode is not None else 0
-        self.stream = torch.cuda.Stream(self.device, priority=priority) if self.cuda else None
+        # epoch; a stream per epoch would pile up.
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.wait = DataWait()
         # Pinned-buffer rule: (copy event, host batch) of each batch whose copy may still be
         # running; the host batch is released only once its event is done.

@@ -112,35 +112,7 @@ def gpu_decoder(dataset: ImageFolder, device: torch.device | str) -> BatchDecode
     except (RuntimeError, ImportError) as err:  # ImportError: Triton, for the batched crops
         why = f"JPEGs cannot be decoded and cropped on {device} ({err}); use data.decode=cpu"
         raise ConfigError("data.decode", "gpu", why) from None
-    from mgpu.data.nvjpeg import HardwareDecoder, NvjpegError
-
-    try:
-        engines = HardwareDecoder(device)
-        engines([_probe_jpeg()])
-    except NvjpegError as err:
-        log.info("data.decode=gpu: torchvision's nvJPEG decode (the JPEG engines: %s)", err)
-        return BatchDecoder(dataset, device, nvjpeg, resize_into)
-    log.info("data.decode=gpu: the GPU's JPEG engines (nvJPEG), crops batched")
-    return BatchDecoder(dataset, device, split_decode(engines, nvjpeg), resize_into)
-
-
-def split_decode(engines: JpegDecode, other: JpegDecode) -> JpegDecode:
-    """Baseline JPEGs to the JPEG engines in one batch, the rest (progressive, subsamplings
-    the engines lack) to `other`, each image back in its place."""
-
-    def decode(data: list[Tensor]) -> list[Tensor]:
-        fits = [engines.supported(d) for d in data]
-        if all(fits):
-            return engines(data)
-        out: list[Tensor | None] = [None] * len(data)
-        for want, step in ((True, engines), (False, other)):
-            places = [k for k, f in enumerate(fits) if f is want]
-            if places:
-                for k, image in zip(places, step([data[k] for k in places]), strict=True):
-                    out[k] = image
-        return out
-
-    return decode
+    return BatchDecoder(dataset, device, nvjpeg, resize_into)
 
 
 class BatchDecoder:
