@@ -71,3 +71,12 @@ def test_optim_step_quick_runs(tmp_path):
     assert all(r["ms"] > 0 for r in result["rows"].values())
     # the same arithmetic on the same gradients: the two sides' parameters agree
     assert result["max_abs_diff"] < 1e-5, result["max_abs_diff"]
+
+
+def test_real_images_quick_runs(tmp_path):
+    """train.py on a written realistic folder against the synthetic reference, tiny shapes."""
+    result = run([sys.executable, "bench/real_images.py", "--quick"], tmp_path)
+    assert set(result["ratio"]) == {"resnet50_b8_1cores"}, result["ratio"]
+    assert result["folder"]["kinds"]["png"] > 0 and result["folder"]["kinds"]["cmyk"] > 0
+    runs = {r["kind"]: r for r in result["runs"]}
+    assert runs["reference"]["img_per_s"] > 0 and runs["folder"]["img_per_s"] > 0, runs
