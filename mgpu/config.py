@@ -283,7 +283,10 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
     if isinstance(model, GPTModelConfig):
         if isinstance(data, ImageDataConfig):
             raise ConfigError("data", "images", "a GPT model needs token data, e.g. data=ngram")
-        model.follow_data(getattr(data, "vocab_size", None), data._target_)
+        # A user's dataset (data=custom) tells its vocabulary by the kwarg it is built with.
+        custom = isinstance(data, CustomDataConfig)
+        vocab = data.kwargs.get("vocab_size") if custom else getattr(data, "vocab_size", None)
+        model.follow_data(vocab, data._target_)
         if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
             _require(
                 data.seq_len <= model.block_size,

@@ -72,8 +72,9 @@ class GPTModelConfig(ModelConfig):
         check that every token id of the data has a row."""
         if self.vocab_size == "auto":
             why = (
-                f"follows the data's vocabulary (data.vocab_size), which {data_name} does not "
-                "give; set model.vocab_size to its number of token ids"
+                f"follows the data's vocabulary (data.vocab_size; data.kwargs.vocab_size for "
+                f"data=custom), which {data_name} does not give; set model.vocab_size to its "
+                "number of token ids"
             )
             _require(data_vocab is not None, "model.vocab_size", "auto", why)
             self.vocab_size = -(-data_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE

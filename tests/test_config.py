@@ -111,3 +111,12 @@ def test_bad_input_under_torchrun_stops_every_rank_without_a_process_group(tmp_p
 def test_ngram_entropy_is_what_the_readme_states():
     readme = (ROOT / "README.md").read_text()
     assert f"{math.log(4):.3f}" in readme
+
+
+def test_a_gpt_on_a_users_dataset_follows_its_vocab_size_kwarg_or_is_told_to_set_one():
+    custom = ["data=custom", "data._target_=tests.faults.FaultyTokens"]
+    cfg = to_config(compose_config(*custom, "+data.kwargs.vocab_size=300"))
+    assert cfg.model.vocab_size == 320  # rounded up to a multiple of 64
+    with pytest.raises(ConfigError, match=r"model\.vocab_size='auto'.*FaultyTokens"):
+        to_config(compose_config(*custom))
+    assert to_config(compose_config(*custom, "model.vocab_size=256")).model.vocab_size == 256
