@@ -276,19 +276,18 @@ class Config:
 
 
 def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
-    """Catch a model/data pairing that would only fail deep inside the first step."""
+    """Resolve model.vocab_size=auto from the data, and catch a model/data pairing that would
+    only fail deep inside the first step."""
     if isinstance(data, ImageFolderDataConfig):
         _check_model_fits_folder(model, data)
     if isinstance(model, GPTModelConfig):
         if isinstance(data, ImageDataConfig):
             raise ConfigError("data", "images", "a GPT model needs token data, e.g. data=ngram")
+        # A user's dataset (data=custom) tells its vocabulary by the kwarg it is built with.
+        custom = isinstance(data, CustomDataConfig)
+        vocab = data.kwargs.get("vocab_size") if custom else getattr(data, "vocab_size", None)
+        model.follow_data(vocab, data._target_)
         if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
-            _require(
-                data.vocab_size <= model.vocab_size,
-                "model.vocab_size",
-                model.vocab_size,
-                f"is smaller than data.vocab_size ({data.vocab_size}); raise it",
-            )
             _require(
                 data.seq_len <= model.block_size,
                 "data.seq_len",
@@ -373,15 +372,15 @@ def to_config(cfg: DictConfig) -> Config:
 
 
 def _record_resolved(cfg: DictConfig, config: Config) -> None:
-    """Write what a data schema found on disk (data=image_folder's class list) into the composed
-    config, so that the run's config.yaml, made from it, records it (the labels must not
-    change when a folder is added later)."""
-    resolved = getattr(config.data, "resolved", None)
-    if resolved is None:
-        return
+    """Write what the model and data schemas resolved into the composed config, so that the
+    run's config.yaml, made from it, records it: data=image_folder's class list (the labels must
+    not change when a folder is added later), data=tokens' tokenizer and vocabulary, and
+    model.vocab_size=auto's number."""
     with read_write(cfg):
-        for key, value in resolved().items():
-            cfg.data[key] = value
+        for group in ("model", "data"):
+            resolved = getattr(getattr(config, group), "resolved", None)
+            for key, value in resolved().items() if resolved else ():
+                cfg[group][key] = value
 
 
 def _reject_unknown_keys(cfg: DictConfig) -> None:

@@ -33,3 +33,9 @@ def _auto_or_bool(key: str, value: Any) -> bool | str:
     text = str(value).lower()
     _require(text in ("auto", "true", "false"), key, value, "must be auto, true or false")
     return "auto" if text == "auto" else text == "true"
+
+
+def _auto_or_positive_int(key: str, value: Any, auto: str) -> None:
+    """A count that may be left to mgpu: auto (which `auto` explains) or an integer > 0."""
+    ok = value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+    _require(ok, key, value, f"must be auto ({auto}) or a positive integer")

@@ -3,15 +3,31 @@ keys (batch size, workers, prefetching) are shared by all of them in DataConfig.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
 
-from mgpu.config_checks import ConfigError, _non_negative, _positive, _require
+from mgpu.config_checks import (
+    ConfigError,
+    _auto_or_positive_int,
+    _non_negative,
+    _positive,
+    _require,
+)
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
+from mgpu.data.tokenizer import (
+    BYTES,
+    TokenizerError,
+    TokenMeta,
+    load_tokenizer,
+    meta_path,
+    read_meta,
+    sha256_file,
+)
 
 
 class Decode(Enum):
@@ -105,12 +121,103 @@ class TokenFileDataConfig(DataConfig):
     path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
     seq_len: int = 1024
     eval_samples: int = 256  # the file's last windows, held out for evaluation
-    vocab_size: int = 50304  # every token in the file must be below this
+    # Every token id in the file is below this. auto: the size of the file's tokenizer.
+    vocab_size: Any = "auto"
+    # The tokenizer that made the file: auto (the one its metadata, PATH.meta.json, names), bytes
+    # (byte-level tokens), or a tokenizer.json (for a file without metadata). The run's
+    # config.yaml records what was found, and the run directory keeps a copy of the
+    # tokenizer.json (mgpu.sample and mgpu.evaluate decode with it). "": none recorded (a run
+    # saved before runs recorded their tokenizer).
+    tokenizer: str = "auto"
+    tokenizer_sha256: str = ""  # the tokenizer.json's sha256; found and recorded by mgpu
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("seq_len", "eval_samples", "vocab_size"):
+        for key in ("seq_len", "eval_samples"):
             _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
+        self._resolve_tokenizer()
+
+    def _resolve_tokenizer(self) -> None:
+        """auto from the file's metadata, a tokenizer.json given by path hashed, and the
+        metadata, where the file has one, checked against what is set. A saved config (every
+        value resolved) reads nothing but the metadata: its token file may be gone."""
+        given = self.tokenizer not in ("auto", BYTES, "") and not self.tokenizer_sha256
+        if (given or "auto" in (self.tokenizer, self.vocab_size)) and not os.path.isfile(self.path):
+            why = "no such file; make one from a text file with python -m mgpu.data.prepare"
+            raise ConfigError("data.path", self.path, why)
+        try:
+            meta = read_meta(self.path)
+        except TokenizerError as err:
+            raise ConfigError("data.path", self.path, str(err)) from None
+        if self.tokenizer == "auto":
+            found = meta_path(self.path)
+            why = (
+                f"reads the file's tokenizer from {found}, which is missing (the file was not "
+                "made by python -m mgpu.data.prepare, or by an older one): prepare it again, or "
+                "set data.tokenizer=bytes (byte-level tokens) or data.tokenizer=TOKENIZER.json"
+            )
+            _require(meta is not None, "data.tokenizer", "auto", why)
+            self.tokenizer = meta.tokenizer_path(self.path)
+            if self.tokenizer != BYTES:
+                self.tokenizer_sha256 = self._hash("data.tokenizer")
+        elif given:
+            self.tokenizer_sha256 = self._hash("data.tokenizer")
+        if meta is not None:
+            self._check_meta(meta)
+        if self.vocab_size == "auto":
+            why = "follows data.tokenizer, and none is recorded; set data.vocab_size"
+            _require(self.tokenizer != "", "data.vocab_size", "auto", why)
+            self.vocab_size = meta.vocab_size if meta else self._tokenizer_size()
+
+    def _tokenizer_size(self) -> int:
+        try:
+            return load_tokenizer(self.tokenizer).vocab_size
+        except TokenizerError as err:
+            raise ConfigError("data.tokenizer", self.tokenizer, str(err)) from None
+
+    def _hash(self, key: str) -> str:
+        _require(os.path.isfile(self.tokenizer), key, self.tokenizer, "no such file")
+        return sha256_file(self.tokenizer)
+
+    def _check_meta(self, meta: TokenMeta) -> None:
+        """What the file's metadata says against the file and what is set."""
+        size = os.path.getsize(self.path)
+        why = (
+            f"holds {size // 2:,} tokens, and its metadata ({meta_path(self.path)}) says "
+            f"{meta.tokens:,}: it was rewritten since; prepare it again"
+        )
+        _require(size == 2 * meta.tokens, "data.path", self.path, why)
+        theirs = meta.tokenizer if meta.tokenizer == BYTES else meta.tokenizer_sha256
+        ours = self.tokenizer if self.tokenizer == BYTES else self.tokenizer_sha256
+        _require(
+            ours == theirs,
+            "data.tokenizer",
+            self.tokenizer,
+            f"is not the tokenizer that made data.path={self.path} (its metadata names "
+            f"{meta.tokenizer_path(self.path)}, sha256 {meta.tokenizer_sha256[:12] or '-'}; "
+            f"this one's is {self.tokenizer_sha256[:12] or '-'}); prepare the file with this "
+            "one (python -m mgpu.data.prepare ... --tokenizer), or to train on the file's own "
+            "tokenizer leave data.tokenizer=auto",
+        )
+        if self.vocab_size != "auto":
+            _require(
+                self.vocab_size >= meta.vocab_size,
+                "data.vocab_size",
+                self.vocab_size,
+                f"is below the {meta.vocab_size} tokens of the file's tokenizer; set "
+                f"data.vocab_size=auto (follows the file) or at least {meta.vocab_size}",
+            )
+
+    def resolved(self) -> dict[str, Any]:
+        """What the file's metadata said, for the run's saved config."""
+        keys = ("vocab_size", "tokenizer", "tokenizer_sha256")
+        return {key: getattr(self, key) for key in keys}
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        kwargs = super().dataset_kwargs()
+        del kwargs["tokenizer"], kwargs["tokenizer_sha256"]  # the config's business, not the data's
+        return kwargs
 
 
 @dataclass

@@ -7,7 +7,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from mgpu.config_checks import _positive, _require
+from mgpu.config_checks import _auto_or_positive_int, _positive, _require
+
+VOCAB_MULTIPLE = 64  # model.vocab_size=auto rounds the data's vocabulary up to a multiple of this
 
 
 @dataclass
@@ -21,7 +23,10 @@ class ModelConfig:
 @dataclass
 class GPTModelConfig(ModelConfig):
     _target_: str = "mgpu.models.GPT"
-    vocab_size: int = 256
+    # Rows of the embedding and the head: auto (the data's vocabulary, data.vocab_size, rounded
+    # up to a multiple of 64 for faster matrix multiplies; the run's config.yaml records the
+    # number) or a number at least data.vocab_size.
+    vocab_size: Any = "auto"
     block_size: int = 64  # longest sequence the position embedding covers
     n_layer: int = 2
     n_head: int = 4
@@ -51,7 +56,8 @@ class GPTModelConfig(ModelConfig):
             self.attention,
             f"must be one of {', '.join(ATTENTION)}",
         )
-        for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        _auto_or_positive_int("model.vocab_size", self.vocab_size, "follows data.vocab_size")
+        for key in ("block_size", "n_layer", "n_head", "n_embd"):
             _positive(f"model.{key}", getattr(self, key), "a positive integer")
         _require(
             self.n_embd % self.n_head == 0,
@@ -60,6 +66,31 @@ class GPTModelConfig(ModelConfig):
             f"must be divisible by model.n_head ({self.n_head})",
         )
         _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+
+    def follow_data(self, data_vocab: int | None, data_name: str) -> None:
+        """Resolve vocab_size=auto from the data's vocabulary (None: the data gives none), and
+        check that every token id of the data has a row."""
+        if self.vocab_size == "auto":
+            why = (
+                f"follows the data's vocabulary (data.vocab_size; data.kwargs.vocab_size for "
+                f"data=custom), which {data_name} does not give; set model.vocab_size to its "
+                "number of token ids"
+            )
+            _require(data_vocab is not None, "model.vocab_size", "auto", why)
+            self.vocab_size = -(-data_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        elif data_vocab is not None:
+            _require(
+                self.vocab_size >= data_vocab,
+                "model.vocab_size",
+                self.vocab_size,
+                f"is smaller than data.vocab_size ({data_vocab}): token ids up to "
+                f"{data_vocab - 1} would have no row; set model.vocab_size=auto (follows the "
+                f"data) or at least {data_vocab}",
+            )
+
+    def resolved(self) -> dict[str, Any]:
+        """What follow_data decided, for the run's saved config."""
+        return {"vocab_size": self.vocab_size}
 
 
 @dataclass

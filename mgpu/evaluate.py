@@ -1,6 +1,7 @@
 """Evaluate a checkpoint on its run's eval split, with the run's saved config, on any number of
 processes: the mean loss over every eval sample exactly once (as training's evaluation counts
-it), and for classifiers the accuracy.
+it); for a token file also per byte of the text its targets decode to (with the run's tokenizer);
+for classifiers the accuracy.
 
 python -m mgpu.evaluate RUN_DIR_OR_CHECKPOINT [key=value ...]
 torchrun --nproc_per_node=2 -m mgpu.evaluate RUN_DIR_OR_CHECKPOINT [key=value ...]
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -20,6 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mgpu.config import TokenFileDataConfig
+from mgpu.data import TokenFile
+from mgpu.data.tokenizer import Tokenizer
 from mgpu.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
@@ -77,8 +82,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def bits_per_byte(result: Result, dataset: TokenFile, tokenizer: Tokenizer) -> float:
+    """The loss per byte of the text the eval targets decode to, in bits: comparable across
+    tokenizers, as the loss per token is not."""
+    text = tokenizer.decode(dataset.target_tokens().tolist())
+    return result.loss * result.targets / len(text) / math.log(2)
+
+
 def run(restored: Restored) -> None:
     cfg = restored.config
+    # A token file's text, decoded with the run's tokenizer; other data have none.
+    decodes = isinstance(cfg.data, TokenFileDataConfig) and cfg.data.tokenizer != ""
+    tokenizer = restored.tokenizer() if decodes else None
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s) as rt:
         global JOINED
         JOINED = rt.has_process_group
@@ -102,6 +117,8 @@ def run(restored: Restored) -> None:
         if rt.is_primary:
             line = f"{restored.path} (step {restored.step}) on {rt.world_size} process(es): "
             line += f"eval loss {result.loss:.6f}"
+            if tokenizer is not None:
+                line += f", {bits_per_byte(result, dataset, tokenizer):.4f} bits per byte of text"
             if result.accuracy is not None:
                 line += f", accuracy {result.accuracy:.4f}"
             print(f"{line} over {result.targets} targets", flush=True)

@@ -29,12 +29,23 @@ from mgpu.checkpoint import (
     find_latest_valid,
     load,
 )
-from mgpu.config import Config, ConfigError, describe_error, to_config
+from mgpu.config import Config, ConfigError, TokenFileDataConfig, describe_error, to_config
+from mgpu.data.tokenizer import (
+    BYTE_VOCAB,
+    BYTES,
+    RUN_TOKENIZER,
+    ByteTokenizer,
+    JsonTokenizer,
+    Tokenizer,
+    TokenizerError,
+    sha256_file,
+)
 from mgpu.dist import LaunchError
 from mgpu.models import build_model
 from mgpu.state import CheckpointMismatch, restore_model
 
 log = logging.getLogger(__name__)
+RUN_CONFIG = "config.yaml"  # what train.py's rank 0 writes into a run directory first
 
 
 class UsageError(ValueError):
@@ -59,6 +70,11 @@ def resolve_checkpoint(path: Path | str) -> Path:
     if path.name.startswith("step-") or (path / MANIFEST).exists() or (path / SHARED).exists():
         return path  # a checkpoint directory: load says which check it fails, if any
     root = path if path.name == "checkpoints" else checkpoint_root(path)
+    if not root.is_dir() and (path / RUN_CONFIG).is_file():
+        raise UsageError(
+            f"{path}: a run directory without checkpoints: its training has saved none yet; "
+            "wait for its first save (ckpt.every, and the end of training) or pass another run"
+        )
     if not root.is_dir():
         raise UsageError(
             f"{path}: neither a run directory (it has no checkpoints/) nor a checkpoint "
@@ -67,9 +83,12 @@ def resolve_checkpoint(path: Path | str) -> Path:
     newest, problems = find_latest_valid(root)
     for problem in problems:
         log.warning("skipping invalid checkpoint: %s", problem)
+    if newest is None and not problems:
+        why = "no checkpoint yet: its training has saved none; wait for its first save"
+        raise CheckpointError(root, f"{why} (ckpt.every) or pass another run")
     if newest is None:
-        why = f" ({len(problems)} invalid, above)" if problems else ""
-        raise CheckpointError(root, f"no valid checkpoint{why}; train longer or pass another run")
+        why = f"no valid checkpoint ({len(problems)} invalid, above)"
+        raise CheckpointError(root, f"{why}; train longer or pass another run")
     return newest
 
 
@@ -96,6 +115,12 @@ def saved_config(text: str, overrides: list[str]) -> Config:
     for group in ("model", "data"):
         section = OmegaConf.to_container(tree[group])
         typed[group] = OmegaConf.structured(_schema(group, section))
+    data = OmegaConf.to_container(tree.data)
+    if data.get("_target_") == TokenFileDataConfig._target_ and "tokenizer" not in data:
+        # Saved before runs recorded their tokenizer, when mgpu.data.prepare wrote byte-level
+        # tokens only and told users to set data.vocab_size=256; mgpu.sample read every run of
+        # vocabulary 256 as byte-level then, and still does. Any other run recorded none.
+        tree.data.tokenizer = BYTES if data.get("vocab_size") == BYTE_VOCAB else ""
     # What training resumed from is no concern here, and a path it named may be gone since.
     tree.ckpt.resume = "auto"
     merged = OmegaConf.merge(typed, tree, OmegaConf.from_dotlist(overrides))
@@ -110,6 +135,36 @@ class Restored:
     step: int
     config: Config
     model: nn.Module
+
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the run trained with: byte-level, or its run directory's copy of the
+        tokenizer.json, checked against the sha256 the checkpoint's config recorded."""
+        data = self.config.data
+        name = getattr(data, "tokenizer", None)
+        if name is None:
+            raise UsageError(
+                f"{self.path}: trained on {data._target_}, which has no tokenizer (no text to "
+                "decode); train on text with data=tokens (python -m mgpu.data.prepare)"
+            )
+        if name == "":
+            raise UsageError(
+                f"{self.path}: its config records no data.tokenizer (saved before mgpu recorded "
+                "tokenizers), so its tokens cannot be decoded"
+            )
+        if name == BYTES:
+            return ByteTokenizer()
+        copy = self.path.parent.parent / RUN_TOKENIZER  # <run dir>/checkpoints/step-N
+        if not copy.is_file():
+            raise UsageError(
+                f"{copy}: missing; the run trained with data.tokenizer={name}: copy it there"
+            )
+        if sha256_file(copy) != data.tokenizer_sha256:
+            raise UsageError(
+                f"{copy}: not the tokenizer the checkpoint trained with (its sha256 is not "
+                f"data.tokenizer_sha256={data.tokenizer_sha256}); copy {name} there if that one "
+                "is unchanged"
+            )
+        return JsonTokenizer(copy)
 
 
 def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
@@ -143,6 +198,7 @@ def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
 # What the after-training commands report in one line: bad input, not a bug of theirs.
 EXPECTED = (
     UsageError,
+    TokenizerError,
     CheckpointError,
     CheckpointMismatch,
     ConfigError,

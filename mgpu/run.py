@@ -20,6 +20,7 @@ from mgpu.board import TensorBoard, describe
 from mgpu.checkpoint import checkpoint_root
 from mgpu.comm import MgpuDataParallel, wrap_model
 from mgpu.config import Config, Engine
+from mgpu.data.tokenizer import BYTES, copy_to_run
 from mgpu.dist import Runtime
 from mgpu.goodput import Goodput
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
@@ -92,6 +93,14 @@ def announce(
     )  # fmt: skip
 
 
+def keep_tokenizer(cfg: Config, run_dir: Path) -> None:
+    """A copy of the data's tokenizer.json in the run directory, which the after-training
+    commands decode with (config.yaml holds its sha256)."""
+    tokenizer = getattr(cfg.data, "tokenizer", BYTES)
+    if tokenizer not in (BYTES, ""):
+        copy_to_run(tokenizer, run_dir)
+
+
 @dataclass
 class Run:
     """A built run: fit() trains it to trainer.max_steps (from its checkpoint, if it resumed)."""
@@ -129,6 +138,7 @@ def build_run(
     loaded, token = resume_point(cfg.ckpt, root, rt)  # before anything is written
     if rt.is_primary:
         (run_dir / "config.yaml").write_text(config_text)
+        keep_tokenizer(cfg, run_dir)
     # Rank 0 keeps the run's goodput file; the others count in memory only.
     goodput = Goodput(run_dir / "goodput.json" if rt.is_primary else None, started_at=started_at)
     set_math_modes(cfg.trainer, rt.device)

@@ -231,14 +231,20 @@ def test_a_checkpoint_is_loaded_weights_only(gpt_run, tmp_path, capsys):
         ("missing", "no such file or directory"),
         ("file", "a file; pass the checkpoint directory that holds it"),
         ("empty dir", "neither a run directory"),
+        ("run dir, no checkpoints", "a run directory without checkpoints"),
+        ("run dir, empty checkpoints/", "no checkpoint yet"),
     ],
 )
 def test_bad_paths_get_one_line_that_says_what_to_pass(tmp_path, capsys, what, message):
     path = tmp_path / "x"
     if what == "file":
         path.write_text("not a checkpoint")
-    elif what == "empty dir":
+    elif what != "missing":
         path.mkdir()
+    if what.startswith("run dir"):
+        (path / "config.yaml").write_text("{}")  # train.py's rank 0 writes it first
+    if what == "run dir, empty checkpoints/":
+        (path / "checkpoints").mkdir()
     with pytest.raises(SystemExit) as stop:
         evaluate.main([str(path)])
     assert stop.value.code == 1

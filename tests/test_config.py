@@ -8,6 +8,7 @@ from conftest import ROOT, run_train
 from hydra import compose, initialize_config_dir
 
 from mgpu.config import ConfigError, GPTModelConfig, NgramDataConfig, to_config
+from mgpu.data.prepare import main as prepare_main
 
 
 def compose_config(*overrides):
@@ -22,23 +23,33 @@ def test_default_config_is_the_small_gpt_on_ngram_tokens():
     assert cfg.trainer.precision.value == "auto"
 
 
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> str:
+    """A byte-level token file with its metadata, as mgpu.data.prepare writes them."""
+    out = tmp_path_factory.mktemp("tokens")
+    (out / "in.txt").write_text("some text\n" * 2000)
+    prepare_main([str(out / "in.txt"), str(out / "train.bin")])
+    return str(out / "train.bin")
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["model=gpt2_small", "data=tokens", "data.path=train.bin", "data.vocab_size=50304"],
-        ["experiment=gpt2_small", "data.path=train.bin"],
+        ["model=gpt2_small", "data=tokens", "data.path={tokens}", "data.vocab_size=50304"],
+        ["experiment=gpt2_small", "data.path={tokens}"],
         ["experiment=resnet50"],
         ["model=resnet_tiny", "data=images"],
         ["model=mlp", "data=images", "optim=sgd"],
         ["model=custom", "model._target_=torch.nn.Linear", "+model.kwargs.in_features=4"],
     ],
 )
-def test_builtin_choices_compose_and_validate(overrides):
-    to_config(compose_config(*overrides))
+def test_builtin_choices_compose_and_validate(overrides, token_file):
+    to_config(compose_config(*(item.format(tokens=token_file) for item in overrides)))
 
 
 def test_gpt2_small_is_the_124m_shape():
-    m = to_config(compose_config("model=gpt2_small", "data.vocab_size=256")).model
+    # model.vocab_size=auto: GPT-2's 50257 tokens, rounded up to a multiple of 64
+    m = to_config(compose_config("model=gpt2_small", "data.vocab_size=50257")).model
     assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.vocab_size) == (12, 768, 12, 1024, 50304)
 
 
@@ -100,3 +111,12 @@ def test_bad_input_under_torchrun_stops_every_rank_without_a_process_group(tmp_p
 def test_ngram_entropy_is_what_the_readme_states():
     readme = (ROOT / "README.md").read_text()
     assert f"{math.log(4):.3f}" in readme
+
+
+def test_a_gpt_on_a_users_dataset_follows_its_vocab_size_kwarg_or_is_told_to_set_one():
+    custom = ["data=custom", "data._target_=tests.faults.FaultyTokens"]
+    cfg = to_config(compose_config(*custom, "+data.kwargs.vocab_size=300"))
+    assert cfg.model.vocab_size == 320  # rounded up to a multiple of 64
+    with pytest.raises(ConfigError, match=r"model\.vocab_size='auto'.*FaultyTokens"):
+        to_config(compose_config(*custom))
+    assert to_config(compose_config(*custom, "model.vocab_size=256")).model.vocab_size == 256

@@ -300,7 +300,8 @@ def test_prepare_command_round_trip(tmp_path):
     assert proc.returncode == 0, proc.stderr
     n = len(text.encode("utf-8"))
     assert str(n) in proc.stdout.replace(",", "")
-    assert f"data=tokens data.path={dst} data.vocab_size=256" in proc.stdout
+    assert f"data=tokens data.path={dst}" in proc.stdout
+    assert "byte-level, vocabulary 256" in proc.stdout
     assert np.fromfile(dst, dtype="<u2").tolist() == list(text.encode("utf-8"))
     assert not Path(str(dst) + ".tmp").exists()
     ds = TokenFile("eval", str(dst), seq_len=16, eval_samples=2, vocab_size=256)

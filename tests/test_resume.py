@@ -37,7 +37,7 @@ BATCH = 32  # data.batch_size's default
 # gpt_tiny cut to one narrow layer: a step costs a third, and bit-for-bit resumption does not
 # depend on the model's size. Its shape, for tests that give the same GPT as model=custom.
 GPT = {"vocab_size": 256, "block_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 32}
-MODEL = [f"model.{key}={GPT[key]}" for key in ("n_layer", "n_head", "n_embd")]
+MODEL = [f"model.{key}={GPT[key]}" for key in ("vocab_size", "n_layer", "n_head", "n_embd")]
 RUN = [
     "trainer.max_steps=20",
     "trainer.log_every=1",  # a loss per step: the record compares step by step

@@ -93,6 +93,13 @@ class TokenFile(Dataset):
         """Index in the whole file of this split's i-th window (tokens start at window*seq_len)."""
         return self._first + i
 
+    def target_tokens(self) -> np.ndarray:
+        """Every target of this split, in file order: its windows are consecutive, so their
+        targets are one stretch of the file (for counting the text they decode to)."""
+        start = self._first * self.seq_len + 1
+        data = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r", shape=(self.n_tokens,))
+        return np.array(data[start : start + self._len * self.seq_len])
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = int(i)
         if not 0 <= i < self._len:

@@ -1,0 +1,249 @@
+"""Text with a real tokenizer, as users run it: mgpu.data.prepare with --train-bpe or --tokenizer
+on Python's own sources, train.py with the model's vocabulary following the data, mgpu.sample
+and mgpu.evaluate decoding with the run's tokenizer. References: the `tokenizers` library used
+directly, and the checkpoint's model run here."""
+
+import hashlib
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import ROOT, run_train
+from hydra import compose, initialize_config_dir
+from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
+
+from mgpu.checkpoint import load
+from mgpu.config import ConfigError, resolved_yaml, to_config
+from mgpu.data.prepare import main as prepare_main
+from mgpu.models import GPT
+from mgpu.restore import Restored, UsageError, saved_config
+from mgpu.sample import DEFAULT_TOKENS, parse_args
+
+STEPS = 30
+TRAIN = [
+    "model=gpt_tiny",
+    "data=tokens",
+    "data.seq_len=64",
+    "data.batch_size=16",
+    "data.eval_samples=32",
+    "data.num_workers=0",
+    f"trainer.max_steps={STEPS}",
+    "trainer.eval_every=0",
+    "ckpt.every=0",
+]
+PROMPT = "def main("
+
+
+def stdlib_text(limit: int) -> str:
+    """About `limit` bytes of Python's own standard library sources: real text on any machine."""
+    parts, size = [], 0
+    for path in sorted(Path(os.path.dirname(os.__file__)).glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        parts.append(text)
+        size += len(text.encode("utf-8"))
+        if size >= limit:
+            return "".join(parts)
+    raise AssertionError(f"the standard library's sources hold less than {limit} bytes")
+
+
+def train(out: Path, token_file: Path, *extra: str) -> Path:
+    run_dir = out / "run"
+    args = [*TRAIN, f"data.path={token_file}", f"hydra.run.dir={run_dir}", *extra]
+    proc = run_train(args, cwd=out, nproc=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def sample(run_dir: Path, *args) -> bytes:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mgpu.sample", str(run_dir), "--prompt", PROMPT, *map(str, args)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def greedy_text(run_dir: Path, tokenizer: Tokenizer, tokens: int) -> bytes:
+    """The reference: the checkpoint's model, loaded here, continues the prompt with its most
+    likely token among the tokenizer's, `tokens` times; decoded by the library."""
+    (path,) = sorted((run_dir / "checkpoints").iterdir())
+    shared = load(path, rank=0).shared
+    arguments = yaml.safe_load(shared["config"])["model"]
+    model = GPT(**{k: v for k, v in arguments.items() if k != "_target_"}).eval()
+    model.load_state_dict(shared["model"])
+    vocab = tokenizer.get_vocab_size()
+    idx = torch.tensor([tokenizer.encode(PROMPT).ids])
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(idx[:, -model.block_size :])[:, -1, :vocab]
+            idx = torch.cat((idx, logits.argmax(-1, keepdim=True)), dim=1)
+    return tokenizer.decode(idx[0, -tokens:].tolist()).encode("utf-8")
+
+
+def saved(run_dir: Path) -> dict:
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory) -> Path:
+    """A byte-level BPE of 512 tokens trained by prepare on 1.2 MB of Python, and gpt_tiny
+    trained on its tokens with no vocabulary set."""
+    out = tmp_path_factory.mktemp("bpe")
+    (out / "text.txt").write_text(stdlib_text(1_200_000), encoding="utf-8")
+    prepare_main([str(out / "text.txt"), str(out / "text.bin"), "--train-bpe", "512"])
+    train(out, out / "text.bin")
+    return out
+
+
+def test_train_bpe_from_prepare_to_sampled_text(bpe_run):
+    text = (bpe_run / "text.txt").read_text(encoding="utf-8")
+    tok_file = bpe_run / "text.bin.tokenizer.json"
+    meta = json.loads((bpe_run / "text.bin.meta.json").read_text())
+    reference = Tokenizer.from_file(str(tok_file))
+    assert reference.get_vocab_size() == meta["vocab_size"] == 512
+    assert meta["tokenizer"] == tok_file.name and meta["tokenizer_sha256"] == sha256(tok_file)
+    tokens = np.fromfile(bpe_run / "text.bin", dtype="<u2")
+    assert meta["tokens"] == len(tokens) and tokens.max() < 512
+    assert len(tokens) < 0.6 * len(text.encode("utf-8"))  # merges, not bytes
+    assert reference.decode(tokens.tolist()) == text  # byte-level BPE: lossless
+    # The model's vocabulary followed the data's, and the run recorded it and the tokenizer.
+    run_dir = bpe_run / "run"
+    config = saved(run_dir)
+    assert config["model"]["vocab_size"] == config["data"]["vocab_size"] == 512
+    assert config["data"]["tokenizer_sha256"] == sha256(tok_file)
+    assert (run_dir / "tokenizer.json").read_bytes() == tok_file.read_bytes()
+    assert sample(run_dir, "--tokens", 50, "--temperature", 0) == greedy_text(
+        run_dir, reference, 50
+    )
+
+
+def test_evaluate_reports_bits_per_byte_of_the_decoded_eval_text(bpe_run):
+    run_dir = bpe_run / "run"
+    proc = run_train([str(run_dir)], cwd=bpe_run, nproc=None, program=("-m", "mgpu.evaluate"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"eval loss ([\d.]+), ([\d.]+) bits per byte of text over (\d+)", proc.stdout)
+    assert found, proc.stdout
+    loss, bits, targets = float(found[1]), float(found[2]), int(found[3])
+    # The eval split: the file's last 32 windows of 64+1 tokens; their targets, decoded.
+    tokens = np.fromfile(bpe_run / "text.bin", dtype="<u2")
+    first = (len(tokens) - 1) // 64 - 32
+    eval_targets = tokens[first * 64 + 1 : (first + 32) * 64 + 1]
+    assert targets == len(eval_targets) == 32 * 64
+    tokenizer = Tokenizer.from_file(str(bpe_run / "text.bin.tokenizer.json"))
+    text = tokenizer.decode(eval_targets.tolist()).encode("utf-8")
+    assert bits == pytest.approx(loss * targets / len(text) / math.log(2), abs=2e-4)
+
+
+def test_a_given_tokenizer_json_from_prepare_to_sampled_text(tmp_path):
+    """A tokenizer made elsewhere (the library's own ByteLevelBPETokenizer) of 300 tokens: the
+    model's vocabulary is 320, its padding rows never sampled."""
+    text = stdlib_text(500_000)  # under one piece: the tokens are the whole text's encoding
+    made = ByteLevelBPETokenizer()
+    made.train_from_iterator([text], vocab_size=300, show_progress=False)
+    made.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    args = [str(tmp_path / "text.txt"), str(tmp_path / "text.bin")]
+    prepare_main([*args, "--tokenizer", str(tmp_path / "tokenizer.json")])
+    reference = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert reference.get_vocab_size() == 300
+    tokens = np.fromfile(tmp_path / "text.bin", dtype="<u2")
+    assert tokens.tolist() == reference.encode(text).ids
+    meta = json.loads((tmp_path / "text.bin.meta.json").read_text())
+    assert meta["tokenizer_sha256"] == sha256(tmp_path / "tokenizer.json")
+    run_dir = train(tmp_path, tmp_path / "text.bin")
+    config = saved(run_dir)
+    assert (config["model"]["vocab_size"], config["data"]["vocab_size"]) == (320, 300)
+    got = sample(run_dir, "--tokens", 50, "--temperature", 0)
+    assert got == greedy_text(run_dir, reference, 50)
+
+
+def test_a_model_vocabulary_below_the_datas_stops_in_one_line(bpe_run, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, f"data.path={bpe_run / 'text.bin'}", "model.vocab_size=256"]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mgpu: config error: model.vocab_size=256: ")
+    assert "data.vocab_size (512)" in lines[0] and "model.vocab_size=auto" in lines[0]
+    assert not run_dir.exists()
+
+
+# ---------------------------------------------------------------- quick checks, no training
+
+
+def compose_config(*overrides):
+    """The real conf/ tree, data=tokens on gpt_tiny's context."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        args = ["data=tokens", "data.seq_len=64", *overrides]
+        return compose(config_name="config", overrides=args)
+
+
+def test_a_tokenizer_over_uint16_is_refused_in_one_line(tmp_path):
+    vocab = {f"w{i}": i for i in range(70_000)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "big.json"))
+    (tmp_path / "in.txt").write_text("w1 w2\n")
+    args = [str(tmp_path / "in.txt"), str(tmp_path / "o.bin"), "--tokenizer"]
+    with pytest.raises(SystemExit) as stop:
+        prepare_main([*args, str(tmp_path / "big.json")])
+    message = str(stop.value.code)
+    assert "70,000 tokens" in message and "65,536" in message and "\n" not in message
+    assert not (tmp_path / "o.bin").exists() and not (tmp_path / "o.bin.meta.json").exists()
+
+
+def test_a_token_file_without_metadata_needs_its_tokenizer_named(tmp_path):
+    path = tmp_path / "old.bin"
+    np.frombuffer(b"some bytes\n" * 100, dtype=np.uint8).astype("<u2").tofile(path)
+    with pytest.raises(ConfigError, match=r"data\.tokenizer='auto'.*old\.bin\.meta\.json"):
+        to_config(compose_config(f"data.path={path}"))
+    cfg = to_config(compose_config(f"data.path={path}", "data.tokenizer=bytes"))
+    assert (cfg.data.vocab_size, cfg.model.vocab_size) == (256, 256)
+
+
+def test_a_tokenizer_changed_since_prepare_is_refused(tmp_path):
+    (tmp_path / "in.txt").write_text(stdlib_text(20_000), encoding="utf-8")
+    prepare_main([str(tmp_path / "in.txt"), str(tmp_path / "t.bin"), "--train-bpe", "300"])
+    to_config(compose_config(f"data.path={tmp_path / 't.bin'}"))
+    tok_file = tmp_path / "t.bin.tokenizer.json"
+    tok_file.write_text(tok_file.read_text() + "\n")
+    with pytest.raises(ConfigError, match=r"data\.tokenizer=.*is not the tokenizer that made"):
+        to_config(compose_config(f"data.path={tmp_path / 't.bin'}"))
+
+
+@pytest.mark.parametrize("vocab, tokenizer", [(256, "bytes"), (50304, "")])
+def test_a_run_saved_before_tokenizers_were_recorded(tmp_path, vocab, tokenizer):
+    """Such a run of vocabulary 256 is byte-level (all mgpu.data.prepare wrote then); any other
+    recorded no tokenizer, and mgpu.sample says so."""
+    path = tmp_path / "t.bin"
+    np.zeros(5000, dtype="<u2").tofile(path)
+    args = [f"data.path={path}", "data.tokenizer=bytes", f"data.vocab_size={vocab}"]
+    composed = compose_config(*args)
+    to_config(composed)  # records what auto resolved to, as train.py does
+    old = yaml.safe_load(resolved_yaml(composed))
+    del old["data"]["tokenizer"], old["data"]["tokenizer_sha256"]
+    cfg = saved_config(yaml.safe_dump(old), [])
+    assert (cfg.data.tokenizer, cfg.data.vocab_size) == (tokenizer, vocab)
+    restored = Restored(tmp_path / "checkpoints" / "step-1", 1, cfg, model=None)
+    if tokenizer:
+        assert restored.tokenizer().decode([104, 105]) == b"hi"
+    else:
+        with pytest.raises(UsageError, match="records no data.tokenizer"):
+            restored.tokenizer()
+
+
+def test_sample_generates_200_tokens_unless_told():
+    assert parse_args(["run", "--prompt", "x"]).tokens == DEFAULT_TOKENS == 200
