@@ -26,14 +26,17 @@ def main(dcfg: DictConfig) -> None:
     cfg = to_config(dcfg)  # already validated before Hydra made the run directory
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s, cfg.dist.cpu_affinity) as rt:
-        text = resolved_yaml(dcfg)
-        check_same_config(text, rt, run_dir)  # before any work: stops every rank if they differ
-        quiet_other_ranks(rt)
-        # A stop (preemption, a hang, a bad checkpoint or config, a non-finite step) becomes
-        # one line on the console and the process's exit code (mgpu.dist.RunStopped).
-        with stopped(rt), Preemption(rt) as preemption:  # SIGTERM/SIGUSR1: save, then stop
-            run = build_run(cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT)
-            run.fit()
+        # A stop (preemption, a hang, a bad checkpoint or config, a non-finite step, a rank
+        # that never came) becomes one line and the process's exit code (mgpu.dist.RunStopped).
+        with stopped(rt):
+            text = resolved_yaml(dcfg)
+            check_same_config(text, rt, run_dir)  # before any work: stops every rank if differ
+            quiet_other_ranks(rt)
+            with Preemption(rt) as preemption:  # SIGTERM/SIGUSR1: save, then stop
+                run = build_run(
+                    cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT
+                )
+                run.fit()
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@
 PYTHON=${PYTHON:-python3}
 TRAIN="$MGPU_ROOT/train.py"
 
-# Restarted workers (torchrun --max-restarts) otherwise reuse the agent's old rendezvous store
-# and can dial the dead worker's address (a torch bug): every launcher starts torchrun with
-# the store not shared, so a restart resumes from its checkpoint instead of failing. Rank 0 then
-# hosts the workers' store, which mgpu binds to loopback in single_node.sh's runs; a shared
-# store would be one more that the agent binds on every interface.
+# The workers' store not shared with torchrun's agent: rank 0 hosts a new one for each restart
+# (torchrun --max-restarts). mgpu meets under per-restart keys in a shared store, but on several
+# nodes torchrun's restart counts can differ between them, and such a restart would stop
+# (mgpu.launch.restart_hazard). Rank 0's store is also the one mgpu binds to loopback in
+# single_node.sh's runs; a shared store would be one more that the agent binds on every interface.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 die() {

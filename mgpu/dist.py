@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -22,12 +23,14 @@ import torch.distributed as tdist
 from mgpu.launch import (  # noqa: F401 - re-exported: mgpu.dist was their home
     LaunchEnv,
     LaunchError,
+    attempt_prefix,
     check_launch,
     check_sweep_launch,
     describe_config_mismatch,
     launch_env,
     launch_run_name,
-    loopback_world,
+    launch_store,
+    loopback_store,
     parse_launch_env,
     pin_host_cpus,
     restart_hazard,
@@ -50,6 +53,39 @@ class RunStopped(Exception):
 
     def report(self) -> str:
         return str(self)
+
+
+class PeerTimeout(RuntimeError, RunStopped):
+    """A wait on the other ranks outside the training loop (joining the process group, the
+    first collective, agreeing on the checkpoint to resume from) ended without them. Said by
+    the rank that waited, whichever it is."""
+
+    every_rank = False
+
+
+def is_timeout(err: BaseException) -> bool:
+    # Backends raise DistBackendError (a RuntimeError) or plain RuntimeError, both saying so.
+    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+
+
+def first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+@contextmanager
+def waiting(rank: int, what: str) -> Iterator[None]:
+    """Around a wait on the other ranks: one that times out (dist.timeout_s bounds every
+    collective) becomes one line naming this rank and `what` it waited in."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, RunStopped) or not is_timeout(err):
+            raise
+        raise PeerTimeout(
+            f"rank {rank}: timed out (dist.timeout_s) waiting for the other ranks in {what}; "
+            f"a rank that is stuck or gone is why (its log says where). The backend said: "
+            f"{first_line(err)}"
+        ) from err
 
 
 @dataclass(frozen=True)
@@ -107,14 +143,11 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
         if env.under_torchrun:
             global _joined
             _joined = True
-            # device_id binds the NCCL communicator to this GPU eagerly, so barriers and the
-            # first collective cannot guess a device (which would touch GPU 0 from every rank).
-            tdist.init_process_group(
-                backend=backend,
-                timeout=timedelta(seconds=timeout_s),
-                device_id=device if backend == "nccl" else None,
-                **loopback_world(env, timeout_s),
-            )
+            try:
+                join_process_group(env, backend, timeout_s, device)
+            except RunStopped as err:  # before stopped() can say it: one line, no traceback
+                log.error("%s", err.report())
+                raise SystemExit(err.exit_code) from None
         hazard = restart_hazard(env)
         if hazard is not None and env.rank == 0:
             log.warning("%s", hazard)
@@ -133,6 +166,68 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
         finally:
             if tdist.is_initialized():
                 tdist.destroy_process_group()
+
+
+def join_process_group(
+    env: LaunchEnv, backend: str, timeout_s: float, device: torch.device
+) -> None:
+    """Meet the other ranks of this torchrun attempt under its own keys (attempt_prefix), then
+    start the process group there. Each wait is bounded by `timeout_s` and ends in one line
+    (PeerTimeout) naming this rank and what it waited for."""
+    what = f"the launch's store at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store = tdist.PrefixStore(attempt_prefix(env), launch_store(env, timeout_s))
+        _meet(store, env, timeout_s, what)
+    except RunStopped:
+        raise
+    except RuntimeError as err:  # unreachable, or gone in the middle of the join
+        raise PeerTimeout(
+            f"rank {env.rank}: lost or never reached {what} within dist.timeout_s "
+            f"({timeout_s:g} s), joining the process group: {first_line(err)}"
+        ) from err
+    # device_id binds the NCCL communicator to this GPU eagerly, so barriers and the first
+    # collective cannot guess a device (which would touch GPU 0 from every rank).
+    with waiting(env.rank, f"joining the process group ({backend} connecting every pair)"):
+        tdist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+
+
+def _meet(store: tdist.Store, env: LaunchEnv, timeout_s: float, what: str) -> None:
+    """Every rank of this attempt checks in under the attempt's keys and waits, at most
+    `timeout_s`, for the others. Stops with one line naming the ranks that did not come, or,
+    where this attempt's keys were used before, naming the launch's fix."""
+    arrivals = store.add("join/arrivals", 1)
+    store.set(f"join/{env.rank}", f"{socket.gethostname()} pid {os.getpid()}")
+    if arrivals > env.world_size:
+        # One process per rank and attempt: more arrivals than ranks are an earlier attempt's,
+        # whose restart count this node shares (restart_hazard says when that happens).
+        raise PeerTimeout(
+            f"rank {env.rank}: torchrun restart {env.restart_count} of this node finds an "
+            f"earlier attempt's process-group keys in {what} (the nodes count restarts "
+            "differently, pytorch#135712); start torchrun with --rdzv-backend=c10d and "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment, as launch/multi_node.sh does"
+        )
+    keys = [f"join/{rank}" for rank in range(env.world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        if "timeout" not in str(err).lower():  # "wait timeout after ...ms"; else: store gone
+            raise
+        missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return  # the last came as the wait ended
+        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        raise PeerTimeout(
+            f"rank {env.rank}: waited {timeout_s:g} s (dist.timeout_s) for rank {shown} to join "
+            f"the process group ({what}, torchrun restart {env.restart_count}): it did not "
+            "start, died before joining, or reached another store (its log says which)"
+        ) from err
 
 
 # One tensor gathered from every rank into one, and one summed (or averaged) across ranks and
@@ -193,7 +288,8 @@ def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> No
     device = rt.device if rt.backend == "nccl" else torch.device("cpu")
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
     digests = [torch.empty_like(mine) for _ in range(rt.world_size)]
-    tdist.all_gather(digests, mine)
+    with waiting(rt.rank, "the first collective (the check that every rank has one config)"):
+        tdist.all_gather(digests, mine)
     # A CPU-GPU sync point, once at start-up. All ranks see the same digests, so all of them
     # take the same branch: either every rank gathers the texts below, or none does.
     if len({int(d.item()) for d in digests}) == 1:

@@ -1,7 +1,8 @@
 """The launch, as this process finds it: torchrun's and SLURM's environment (read here and nowhere
 else), the run name every rank of one run agrees on, the checks that the launch can work as
-asked, a loopback-only store, this worker's share of the node's CPUs, and the one-line report of
-a config that differs between ranks. Joining the process group is mgpu.dist's.
+asked, the store and keys each torchrun attempt's process group meets in (kept on loopback where
+it can be), this worker's share of the node's CPUs, and the one-line report of a config that
+differs between ranks. Joining the process group is mgpu.dist's.
 """
 
 from __future__ import annotations
@@ -167,20 +168,21 @@ def check_sweep_launch(multirun: bool, env: LaunchEnv | None = None) -> None:
 
 
 def restart_hazard(env: LaunchEnv) -> str | None:
-    """Why torchrun's restarts may fail to reconnect in this launch, or None.
+    """Why a torchrun restart of this launch may stop instead of resuming, or None.
 
-    With --max-restarts and the agent's store shared with the workers (torch's default since
-    2.5), a restarted group finds the previous attempt's keys in that store: a worker may dial a
-    dead peer's address (gloo) or take an old NCCL id, and the restart fails (pytorch#135712;
-    seen with torch 2.13). Setting TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's own
-    environment gives every attempt a fresh store. The workers cannot fix it themselves: their
-    restart count is per node, so it cannot name an attempt across nodes.
+    A restarted group meets under keys of its own attempt (attempt_prefix), named by torchrun's
+    restart count. That count is each node's own: on several nodes sharing the agent's store it
+    can differ between them (an agent restarted for a new node, not a failure, does not count),
+    and the group then cannot meet; mgpu.dist stops it, saying so, rather than let it read an
+    earlier attempt's addresses (pytorch#135712). With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    and the c10d rendezvous (launch/multi_node.sh), rank 0 hosts a new store for every attempt.
     """
-    if env.max_restarts > 0 and env.shared_store:
+    if env.max_restarts > 0 and env.shared_store and env.num_nodes > 1:
         return (
-            "torchrun --max-restarts with its store shared with the workers: a restart may fail "
-            "to reconnect, reading the last attempt's addresses (pytorch#135712); start torchrun "
-            "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment"
+            "torchrun --max-restarts on several nodes with its store shared with the workers: a "
+            "restart may stop (the nodes can count restarts differently, pytorch#135712); start "
+            "torchrun with --rdzv-backend=c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+            "environment, as launch/multi_node.sh does"
         )
     return None
 
@@ -206,8 +208,48 @@ def check_launch(backend: str, env: LaunchEnv | None = None) -> str:
     return backend
 
 
-def loopback_world(env: LaunchEnv, timeout_s: float) -> dict[str, object]:
-    """init_process_group's store, rank and world size for a run kept on loopback, or {}.
+def attempt_prefix(env: LaunchEnv) -> str:
+    """The keys this torchrun attempt's process group meets under, in launch_store's store.
+
+    torchrun's agent keeps its store for the whole launch, across the restarts it makes, and
+    its workers meet in it too: always under the static rendezvous (plain torchrun, without
+    --standalone or --rdzv-backend), and under c10d unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1.
+    Under one fixed prefix a restarted group would read the attempt before's keys: gloo dials a
+    dead worker's address, or both sides of a pair wait for the other to call until
+    dist.timeout_s; NCCL takes an old unique id (pytorch#135712). So there each attempt meets
+    under a prefix of its own, named by torchrun's restart count (a count per node: see
+    restart_hazard). Rank 0's own store is new with every attempt and needs no such prefix."""
+    return f"mgpu/attempt-{env.restart_count}" if env.shared_store else "mgpu"
+
+
+def launch_store(env: LaunchEnv, timeout_s: float) -> tdist.Store:
+    """The key-value store the workers of this attempt meet in (MASTER_ADDR:MASTER_PORT).
+
+    The torchrun agent's own when it shares it (TORCHELASTIC_USE_AGENT_STORE, torch's default),
+    else one that rank 0 hosts: bound to MASTER_ADDR alone when that is a loopback address
+    (loopback_store), on every interface otherwise, as torch's env:// would. Nothing here waits
+    for the other ranks: joining does (mgpu.dist), for a bounded time, naming who did not come.
+    A rank that cannot reach the store fails after `timeout_s`."""
+    timeout = timedelta(seconds=timeout_s)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if env.shared_store:
+        return tdist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    store = loopback_store(env, timeout_s)
+    if store is not None:
+        return store
+    return tdist.TCPStore(
+        host,
+        port,
+        env.world_size,
+        is_master=env.rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+
+
+def loopback_store(env: LaunchEnv, timeout_s: float) -> tdist.TCPStore | None:
+    """Rank 0's store for a run kept on loopback (a client of it on the other ranks), or None.
 
     A loopback MASTER_ADDR (launch/single_node.sh asks for 127.0.0.1) puts every rank on this
     machine. Left to torch, rank 0's store would listen on every interface whatever MASTER_ADDR
@@ -223,7 +265,7 @@ def loopback_world(env: LaunchEnv, timeout_s: float) -> dict[str, object]:
     # With the torchrun agent's store shared (TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset), no
     # worker starts one: the agent has bound it already.
     if not env.under_torchrun or env.shared_store or not loopback:
-        return {}
+        return None
     names = {name for _, name in socket.if_nameindex()}
     lo = next((name for name in ("lo", "lo0") if name in names), None)
     if lo is not None:
@@ -237,15 +279,15 @@ def loopback_world(env: LaunchEnv, timeout_s: float) -> dict[str, object]:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((addr, port))
         listen_fd = sock.detach()  # the store's server owns it from here on
-    store = tdist.TCPStore(
+    return tdist.TCPStore(
         addr,
         port,
         env.world_size,
         is_master=env.rank == 0,
         timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
         master_listen_fd=listen_fd,
     )
-    return {"store": store, "rank": env.rank, "world_size": env.world_size}
 
 
 def _keyed_lines(text: str) -> list[str]:

@@ -34,7 +34,7 @@ from mgpu.checkpoint import (
     write_rank_files,
 )
 from mgpu.config import CheckpointConfig
-from mgpu.dist import Runtime, all_ok, broadcast_object
+from mgpu.dist import Runtime, all_ok, broadcast_object, waiting
 from mgpu.sampler import DataCursor, ShardedSampler
 from mgpu.state import CheckpointMismatch, capture_rng, restore_rng
 
@@ -66,7 +66,8 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
             decision = (token, str(path) if path else None, None)
         except CheckpointError as err:
             decision = (token, None, (str(err.file), err.check))
-    token, path, error = broadcast_object(decision, rt)
+    with waiting(rt.rank, "agreeing on the checkpoint to resume from"):
+        token, path, error = broadcast_object(decision, rt)
     if error is not None:
         raise CheckpointError(*error)
     if path is None:
@@ -76,7 +77,9 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
         loaded = load(Path(path), rank=rt.rank, map_location=rt.device)
     except CheckpointError as err:
         error = err
-    if not all_ok(error is None, rt):
+    with waiting(rt.rank, f"agreeing that every rank loaded {path}"):
+        loaded_everywhere = all_ok(error is None, rt)
+    if not loaded_everywhere:
         raise error or CheckpointError(path, "unreadable on another rank (its log says why)")
     return loaded, token
 

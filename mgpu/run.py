@@ -21,7 +21,7 @@ from mgpu.checkpoint import checkpoint_root
 from mgpu.comm import MgpuDataParallel, wrap_model
 from mgpu.config import Config, Engine
 from mgpu.data.tokenizer import BYTES, copy_to_run
-from mgpu.dist import Runtime
+from mgpu.dist import Runtime, waiting
 from mgpu.goodput import Goodput
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
 from mgpu.metrics import Recorder, mfu_inputs
@@ -158,7 +158,8 @@ def build_run(
     eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
     mfu = mfu_inputs(cfg, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
-    model = build_parallel_model(cfg, model, rt)
+    with waiting(rt.rank, "the broadcast of rank 0's parameters (dist.engine's start)"):
+        model = build_parallel_model(cfg, model, rt)
     if isinstance(model, MgpuDataParallel) and model.reducer.shards is not None:
         # dist.shard_optimizer: the optimizer steps this rank's shards of the reducer's buckets
         optimizer = ShardedOptimizer(optimizer, model.reducer.shards)

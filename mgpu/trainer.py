@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from mgpu import watchdog
 from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import TrainerConfig
-from mgpu.dist import Runtime, all_reduce_sum_
+from mgpu.dist import Runtime, all_reduce_sum_, is_timeout
 from mgpu.goodput import Goodput
 from mgpu.graphs import GraphedLoss, ModelLoss, use_graphs
 from mgpu.guard import NonFiniteGuard, fused
@@ -356,7 +356,7 @@ class Trainer:
             rec.publish_pending()
             rec.finish(cfg.max_steps)
         except Exception as err:
-            if watchdog.is_timeout(err):
+            if is_timeout(err):
                 raise self.watch.timed_out(err) from err
             raise
         finally:

@@ -20,7 +20,7 @@ import time
 
 import torch.distributed as tdist
 
-from mgpu.dist import RunStopped, Runtime, store_client
+from mgpu.dist import RunStopped, Runtime, first_line, store_client
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +163,3 @@ class Watchdog:
             f"rank {self.rt.rank}: a collective timed out (dist.timeout_s) in step {self.step}, "
             f"{self.phase}. {self.where_ranks_are()}. The backend said: {first_line(err)}"
         )
-
-
-def first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-def is_timeout(err: BaseException) -> bool:
-    # Backends raise DistBackendError (a RuntimeError) or plain RuntimeError, both saying so.
-    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()

@@ -34,12 +34,14 @@ def run_train(
     timeout: float = 240,
     torchrun_args: tuple[str, ...] = (),
     program: tuple[str, ...] = (str(TRAIN),),
+    rendezvous: tuple[str, ...] = ("--standalone",),
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node=N train.py args` (or plain `python train.py` for nproc=None);
-    `program` runs another script or module instead, e.g. ("-m", "mgpu.evaluate")."""
+    `program` runs another script or module instead, e.g. ("-m", "mgpu.evaluate");
+    `rendezvous`: torchrun's flags for it, e.g. ("--master-port=PORT",) for its static one."""
     launcher = [sys.executable]
     if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        launcher += ["-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}"]
         launcher += torchrun_args
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
@@ -153,14 +155,18 @@ def _run_then_exit(rank: int, worker, *args) -> None:
 
 
 @contextmanager
-def gloo_runtime(rank: int, port: int, world: int = 2) -> Iterator:
-    """A spawned worker's CPU process group (gloo) and its Runtime, torn down on the way out."""
+def gloo_runtime(rank: int, port: int, world: int = 2, timeout_s: float | None = None) -> Iterator:
+    """A spawned worker's CPU process group (gloo) and its Runtime, torn down on the way out;
+    `timeout_s` bounds its collectives (torch's default: 30 minutes)."""
+    from datetime import timedelta
+
     import torch.distributed as tdist
 
     from mgpu.dist import Runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         yield Runtime(rank, rank, world, "gloo", torch.device("cpu"), has_process_group=True)
     finally:

@@ -23,7 +23,7 @@ from mgpu.dist import (
     check_sweep_launch,
     describe_config_mismatch,
     launch_run_name,
-    loopback_world,
+    loopback_store,
     parse_launch_env,
 )
 
@@ -427,22 +427,21 @@ def test_only_a_loopback_master_addr_keeps_the_store_on_loopback(monkeypatch):
     one = parse_launch_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     for host in ("node0", "10.0.0.5", "localhost"):  # names may stand for any interface
         monkeypatch.setenv("MASTER_ADDR", host)
-        assert loopback_world(one, 10) == {}
+        assert loopback_store(one, 10) is None
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     shared = parse_launch_env(
         {"RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     )
-    assert loopback_world(shared, 10) == {}  # the agent's store: not the worker's to bind
-    assert loopback_world(parse_launch_env({}), 10) == {}  # no torchrun, no process group
+    assert loopback_store(shared, 10) is None  # the agent's store: not the worker's to bind
+    assert loopback_store(parse_launch_env({}), 10) is None  # no torchrun, no process group
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # restored after the test
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth0")
-    kept = loopback_world(one, 10)
-    assert (kept["rank"], kept["world_size"]) == (0, 1)
+    kept = loopback_store(one, 10)
     port = int(os.environ["MASTER_PORT"])
     assert ("127.0.0.1", port) in {(a, p) for _, a, p in listening_sockets([os.getpid()])}
     assert (os.environ["GLOO_SOCKET_IFNAME"], os.environ["NCCL_SOCKET_IFNAME"]) == ("lo", "=lo")
-    kept["store"].set("k", "v")
-    assert kept["store"].get("k") == b"v"
+    kept.set("k", "v")
+    assert kept.get("k") == b"v"
 
 
 @pytest.mark.parametrize(

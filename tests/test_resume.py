@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mgpu.board import TensorBoard
 from mgpu.checkpoint import CheckpointError, find_latest_valid, load, step_dir
 from mgpu.config import NonFinite, OptimConfig, Precision, TrainerConfig
-from mgpu.dist import Runtime, parse_launch_env, restart_hazard
+from mgpu.dist import Runtime, attempt_prefix, parse_launch_env, restart_hazard
 from mgpu.guard import LAG, NonFiniteGuard
 from mgpu.metrics import Recorder
 from mgpu.models import MLP
@@ -89,14 +89,31 @@ def assert_same_run(run_dir, reference) -> None:
     assert loss_record(run_dir) == loss_record(reference)
 
 
-def run_restartable(args: list[str], cwd: Path):
-    """train.py on 2 processes under torchrun allowed one restart (the kill tests' launch)."""
+SHARE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# How torchrun gives its workers a store to meet in (mgpu.launch.attempt_prefix): its agent's
+# own, kept across its restarts, or rank 0's, new with each attempt. Plain torchrun (the static
+# rendezvous) always shares the agent's, whatever the variable says; --standalone (c10d) shares
+# it unless the variable is 1. name: (--standalone?, torchrun's environment)
+LAUNCHES = {
+    "plain": (False, {SHARE: "0"}),
+    "plain-variable-set": (False, {SHARE: "1"}),
+    "standalone": (True, {SHARE: "0"}),
+    "standalone-variable-set": (True, {SHARE: "1"}),
+}
+
+
+def run_restartable(args: list[str], cwd: Path, launch="standalone", restarts: int = 1):
+    """train.py on 2 processes under torchrun allowed `restarts` restarts (the kill tests'
+    launch), started as LAUNCHES[launch] says."""
+    standalone, env = LAUNCHES[launch]
+    rendezvous = ("--standalone",) if standalone else (f"--master-port={free_port()}",)
     return run_train(
         args,
         cwd=cwd,
         nproc=2,
-        torchrun_args=("--max-restarts=1",),
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # mgpu.dist.restart_hazard
+        torchrun_args=(f"--max-restarts={restarts}",),
+        env=env,
+        rendezvous=rendezvous,
     )
 
 
@@ -116,9 +133,14 @@ def reference(tmp_path_factory):
     return uninterrupted_run(tmp_path_factory.mktemp("reference"), RUN)
 
 
-def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, reference):
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_a_killed_worker_restarts_and_ends_like_an_uninterrupted_run(tmp_path, reference, launch):
+    # Restarted under torchrun's agent's store, the group once read the attempt before's
+    # addresses: it failed to connect, or hung without a word until dist.timeout_s (here
+    # 60 s, so that a hang ends within the test's limit and fails it).
     marker = tmp_path / "killed"
-    proc = run_restartable([*RUN, *faulty("kill", rank=1, step=13, marker=marker)], tmp_path)
+    args = [*RUN, *faulty("kill", rank=1, step=13, marker=marker), "dist.timeout_s=60"]
+    proc = run_restartable(args, tmp_path, launch, restarts=2)
     assert proc.returncode == 0, output(proc)[-3000:]
     assert marker.exists()  # rank 1 did die, at step 13
     # The default run directory (the agent's start time) is the same after the restart.
@@ -376,20 +398,25 @@ def test_every_rank_stops_after_the_same_step_whichever_rank_got_the_signal(tmp_
     assert [r["signum"] for r in results] == [None, int(signal.SIGUSR1)]
 
 
-def test_restarts_over_the_agents_shared_store_are_flagged():
+def test_restarts_over_the_agents_shared_store_are_flagged_on_several_nodes_only():
     env = {
         "RANK": "0",
-        "WORLD_SIZE": "2",
+        "WORLD_SIZE": "4",
+        "GROUP_WORLD_SIZE": "2",
         "TORCHELASTIC_RESTART_COUNT": "1",
         "TORCHELASTIC_MAX_RESTARTS": "2",
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
     launch = parse_launch_env(env)
     assert (launch.restart_count, launch.max_restarts, launch.shared_store) == (1, 2, True)
+    # Each node counts its own restarts: the nodes' counts may differ, and the keys with them.
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_hazard(launch)
-    assert (
-        restart_hazard(parse_launch_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})) is None
-    )
+    assert attempt_prefix(launch) == "mgpu/attempt-1"
+    # One node: one count, which names every attempt (tests/test_rendezvous.py)
+    assert restart_hazard(parse_launch_env({**env, "GROUP_WORLD_SIZE": "1"})) is None
+    own = parse_launch_env({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert restart_hazard(own) is None
+    assert attempt_prefix(own) == "mgpu"  # rank 0's store, new with every attempt
     assert restart_hazard(parse_launch_env({**env, "TORCHELASTIC_MAX_RESTARTS": "0"})) is None
     assert parse_launch_env({}).restart_count == 0
 

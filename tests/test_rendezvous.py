@@ -1,0 +1,108 @@
+"""Joining the process group (mgpu.dist.join_process_group): each torchrun attempt meets under
+keys of its own in a store that outlives it, as torchrun's agent's store does; a rank that never
+comes is named after a bounded wait; and a start-up collective that times out (the first one,
+agreeing on the checkpoint to resume from) ends in one line naming the rank and what it waited
+in. Real stores and gloo process groups; the end-to-end restarts are in test_resume.py."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+from conftest import free_port, gloo_runtime, spawn
+
+from mgpu.config import CheckpointConfig
+from mgpu.dist import PeerTimeout, check_same_config, join_process_group, parse_launch_env
+from mgpu.resume import resume_point
+
+CPU = torch.device("cpu")
+
+
+def attempt(restart: int = 0, *, world: int = 1, shared: bool = True):
+    """Rank 0's launch environment in torchrun attempt `restart` on one node."""
+    return parse_launch_env(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(world),
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": "3",
+            "TORCHELASTIC_USE_AGENT_STORE": str(shared),
+        }
+    )
+
+
+@pytest.fixture
+def agent_store(monkeypatch):
+    """A store that outlives the attempts, as torchrun's agent's does, at MASTER_ADDR:PORT."""
+    store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    return store
+
+
+def test_each_restart_meets_under_keys_of_its_own(agent_store):
+    for restart in (0, 1, 2):
+        join_process_group(attempt(restart), "gloo", 10, CPU)
+        try:
+            total = torch.ones(1)
+            tdist.all_reduce(total)  # the group works
+            assert total.item() == 1
+        finally:
+            tdist.destroy_process_group()
+        assert agent_store.check([f"mgpu/attempt-{restart}/join/0"])
+    # The keys of an attempt that ran already (what a node whose restart count lags behind
+    # another's would find): one line naming the fix, not an earlier attempt's addresses.
+    with pytest.raises(PeerTimeout) as stop:
+        join_process_group(attempt(1), "gloo", 10, CPU)
+    assert not tdist.is_initialized()
+    assert str(stop.value).startswith("rank 0: torchrun restart 1 of this node finds an earlier")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(stop.value)
+    assert "\n" not in str(stop.value)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["agent-store", "rank-0-store"])
+def test_a_rank_that_never_joins_is_named_after_a_bounded_wait(monkeypatch, shared):
+    if shared:
+        agent = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        port = agent.port
+    else:  # rank 0 hosts the store, bound to loopback (mgpu.launch.loopback_store)
+        port = free_port()
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            monkeypatch.setenv(name, "lo")  # loopback_store sets them; restored after the test
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(PeerTimeout) as stop:
+        join_process_group(attempt(world=2, shared=shared), "gloo", 2, CPU)
+    assert not tdist.is_initialized()
+    message = str(stop.value)
+    assert message.startswith("rank 0: waited 2 s (dist.timeout_s) for rank 1 to join the ")
+    assert f"(the launch's store at 127.0.0.1:{port}, torchrun restart 0)" in message
+    assert "\n" not in message
+
+
+def _one_rank_waits(rank: int, port: int, what: str, root: str) -> None:
+    """Rank 0 waits in `what`; rank 1 never comes, but stays until rank 0 has timed out."""
+    with gloo_runtime(rank, port, timeout_s=3) as rt:
+        if rank == 1:
+            time.sleep(8)  # past rank 0's 3 s: a peer that is there but never calls
+            return
+        with pytest.raises(PeerTimeout) as stop:
+            if what == "config":
+                check_same_config("trainer:\n  seed: 0\n", rt)
+            else:
+                resume_point(CheckpointConfig(), root, rt)
+        message = str(stop.value)
+        waited = {
+            "config": "the first collective (the check that every rank has one config)",
+            "resume": "agreeing on the checkpoint to resume from",
+        }[what]
+        assert message.startswith(
+            f"rank 0: timed out (dist.timeout_s) waiting for the other ranks in {waited}; "
+        ), message
+        assert "\n" not in message
+
+
+@pytest.mark.parametrize("what", ["config", "resume"])
+def test_a_start_up_collective_that_times_out_names_the_rank_and_the_wait(tmp_path, what):
+    spawn(_one_rank_waits, free_port(), what, str(tmp_path / "checkpoints"))
