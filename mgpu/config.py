@@ -36,6 +36,7 @@ from mgpu.config_data import (  # noqa: F401 - re-exported: the data group's sch
     Decode,
     ImageDataConfig,
     ImageFolderDataConfig,
+    ImageShardsDataConfig,
     NgramDataConfig,
     TokenFileDataConfig,
 )
@@ -442,6 +443,7 @@ def register() -> None:
         ("data", "images_schema", ImageDataConfig),
         ("data", "tokens_schema", TokenFileDataConfig),
         ("data", "image_folder_schema", ImageFolderDataConfig),
+        ("data", "image_shards_schema", ImageShardsDataConfig),
         ("data", "custom_schema", CustomDataConfig),
     ]:
         cs.store(group=group, name=name, node=node)

@@ -19,6 +19,7 @@ from mgpu.config_checks import (
 )
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
+from mgpu.data.image_shards import load_index
 from mgpu.data.tokenizer import (
     BYTES,
     TokenizerError,
@@ -310,3 +311,36 @@ class CustomDataConfig(DataConfig):
 
     def dataset_kwargs(self) -> dict[str, Any]:
         return dict(self.kwargs)
+
+
+@dataclass
+class ImageShardsDataConfig(ImageFolderDataConfig):
+    """A prepared image set: `data=image_shards data.path=DST`, written once from an image folder
+    by `python -m mgpu.data.prepare_images SRC DST --max-side N`. Every other key is
+    data=image_folder's and means the same."""
+
+    _target_: str = "mgpu.data.ImageShards"
+    # prepare_images' DST: index.json and shard-NNNNNN.tar files. data.eval_path, if set, is
+    # another prepared set (e.g. of the validation folder).
+    path: str = MISSING
+
+    def _check_folders(self) -> None:
+        """The index of each set, its shard files, and the class list against it: before any
+        process group exists. Empty classes: the index's (SRC's class folders, sorted)."""
+        try:
+            index = load_index("data.path", self.path)
+            self.classes = self.classes or list(index.classes)
+            index.labels_for("data.path", self.classes)
+            if self.eval_path:
+                evals = load_index("data.eval_path", self.eval_path)
+                evals.labels_for("data.eval_path", self.classes)
+                extra = sorted(set(evals.classes) - set(self.classes))
+                _require(
+                    not extra,
+                    "data.eval_path",
+                    self.eval_path,
+                    f"has classes {extra} that are not among the classes; prepare it without "
+                    "them or add them to data.path",
+                )
+        except FolderError as err:
+            raise ConfigError(err.key, err.value, err.why) from None

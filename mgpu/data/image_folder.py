@@ -113,6 +113,20 @@ def holdout(n: int, eval_samples: int) -> list[int]:
     return sorted({int((k + 0.5) * n / eval_samples) for k in range(eval_samples)})
 
 
+def split_indices(n: int, eval_samples: int, train: bool) -> list[int]:
+    """Which of `n` sorted images of data.path a split takes when there is no data.eval_path:
+    the `holdout` for eval, the rest for training."""
+    if eval_samples >= n:
+        raise ConfigError(
+            "data.eval_samples",
+            eval_samples,
+            f"data.path holds only {n} images, and some must be left to train on; "
+            "lower it or set data.eval_path",
+        )
+    held = holdout(n, eval_samples)
+    return sorted(set(range(n)) - set(held)) if train else held
+
+
 # ---- crops ----
 
 
@@ -319,15 +333,7 @@ class ImageFolder(Dataset):
         files, labels = list_images(path, self.classes)
         if eval_path:
             return files, labels
-        if eval_samples >= len(files):
-            raise ConfigError(
-                "data.eval_samples",
-                eval_samples,
-                f"data.path holds only {len(files)} images, and some must be left to train on; "
-                "lower it or set data.eval_path",
-            )
-        held = holdout(len(files), eval_samples)
-        keep = held if not self.train else sorted(set(range(len(files))) - set(held))
+        keep = split_indices(len(files), eval_samples, self.train)
         return [files[i] for i in keep], [labels[i] for i in keep]
 
     def __len__(self) -> int:

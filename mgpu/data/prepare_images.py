@@ -1,0 +1,324 @@
+"""Command that writes an image folder once as a prepared set for data=image_shards: every image
+at most --max-side on its shorter side, as a JPEG both Pillow and nvJPEG decode, in WebDataset-
+layout tar shards (<key>.jpg, <key>.cls) with an index of each JPEG's offset in its shard.
+
+python -m mgpu.data.prepare_images SRC DST --max-side N [--shard-mb M] [--workers K] [--quality Q]
+
+Atomic: a shard is written under a temporary name and renamed once complete, and the index,
+without which training refuses DST, is written last; an interrupted run leaves no index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import sys
+import tarfile
+import time
+from functools import partial
+from multiprocessing import Pool
+
+from PIL import Image
+
+from mgpu.data.image_folder import (
+    UNREADABLE,
+    FolderError,
+    check_layout,
+    class_folders,
+    list_images,
+)
+from mgpu.data.image_shards import FORMAT, INDEX_NAME, SAMPLE_FIELDS, VERSION, shard_name
+
+PROG = "python -m mgpu.data.prepare_images"
+# What a run writes into DST, finished or not: removed before a run writes anew (--overwrite,
+# or what an interrupted run left), and nothing else in DST is touched.
+OURS = re.compile(r"(shard-\d{6}\.tar|\.shard-\d{6}\.tar\.tmp|\.index\.json\.tmp)")
+
+
+class PrepareError(Exception):
+    """Why the command stops: one line, naming what to change."""
+
+
+def target_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """The size stored: the shorter side brought down to max_side, the aspect ratio kept (to
+    the nearest pixel); an image whose shorter side is within max_side keeps its size."""
+    short = min(width, height)
+    if short <= max_side:
+        return width, height
+    if width <= height:
+        return max_side, max(1, round(height * max_side / width))
+    return max(1, round(width * max_side / height)), max_side
+
+
+def encode(path: str, max_side: int, quality: int) -> tuple[bytes, bool] | str:
+    """(the JPEG to store for `path`, whether it is the file's own bytes), or why the file is
+    not a readable image. A baseline YCbCr or grayscale JPEG that needs no resize is kept as
+    it is; anything else (resized, progressive, CMYK, PNG, palette, alpha) is converted to RGB
+    (grayscale stays grayscale), as data=image_folder converts it, and encoded as a baseline
+    JPEG: what nvJPEG's batched decode takes, as Pillow does."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        image = Image.open(io.BytesIO(data))
+        image.load()  # the whole file decoded: one cut short fails here, not in training
+        size = target_size(*image.size, max_side)
+        baseline = image.format == "JPEG" and not image.info.get("progressive")
+        if size == image.size and baseline and image.mode in ("RGB", "L"):
+            return data, True
+        image = image.convert("L" if image.mode == "L" else "RGB")
+        if size != image.size:
+            image = image.resize(size, Image.Resampling.LANCZOS)
+        out = io.BytesIO()
+        image.save(out, format="JPEG", quality=quality)  # baseline: Pillow's default
+        return out.getvalue(), False
+    except UNREADABLE as err:
+        return f"{path} ({err})"
+
+
+class ShardWriter:
+    """Samples appended in order to shard-NNNNNN.tar files in `dst` of about `limit` bytes:
+    each written as .shard-NNNNNN.tar.tmp and renamed when complete, its JPEGs' offsets read
+    back from the closed file with tarfile (the offsets the index records)."""
+
+    def __init__(self, dst: str, limit: int):
+        self.dst, self.limit = dst, limit
+        self.shards: list[dict] = []  # name, bytes and samples of each finished shard
+        self.rows: list[list] = []  # the index's sample rows, of the finished shards
+        self._tar: tarfile.TarFile | None = None  # the shard being written
+        self._pending: list[tuple[str, int, str]] = []  # its samples: key, label, path
+        self._size = 0  # its bytes so far, with the end-of-archive blocks
+
+    def add(self, jpeg: bytes, label: int, path: str) -> str | None:
+        """Append one sample; the name of a shard this completed, if any."""
+        # Two 512-byte headers, the JPEG padded to 512-byte blocks, one block for the label.
+        member = 512 + -(-len(jpeg) // 512) * 512 + 2 * 512
+        done = self.finish() if self._tar and self._size + member > self.limit else None
+        if self._tar is None:
+            self._tar = tarfile.open(self._temp(len(self.shards)), "w", format=tarfile.USTAR_FORMAT)
+            self._size, self._pending = 1024, []  # the two end-of-archive blocks
+        key = f"{len(self.rows) + len(self._pending):09d}"
+        for suffix, payload in ((".jpg", jpeg), (".cls", str(label).encode())):
+            # TarInfo's defaults (mtime 0, mode 0o644, no owner) keep the bytes the same run
+            # to run.
+            info = tarfile.TarInfo(key + suffix)
+            info.size = len(payload)
+            self._tar.addfile(info, io.BytesIO(payload))
+        self._pending.append((key, label, path))
+        self._size += member
+        return done
+
+    def finish(self) -> str | None:
+        """Close the open shard, make it durable, give it its final name, record its rows."""
+        if self._tar is None:
+            return None
+        self._tar.close()
+        self._tar = None
+        number = len(self.shards)
+        temp, name = self._temp(number), shard_name(number)
+        with open(temp, "rb+") as f:
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        with tarfile.open(temp) as tar:
+            where = {m.name: (m.offset_data, m.size) for m in tar}
+        for key, label, path in self._pending:
+            self.rows.append([number, *where[key + ".jpg"], label, path])
+        final = os.path.join(self.dst, name)
+        os.replace(temp, final)
+        self.shards.append(
+            {"name": name, "bytes": os.path.getsize(final), "samples": len(self._pending)}
+        )
+        return name
+
+    def abort(self) -> None:
+        """Stop and remove every file written so far, finished shards too. (A process killed
+        outright leaves them, without an index: the next run into DST removes them.)"""
+        if self._tar is not None:
+            self._tar.close()
+            self._tar = None
+            os.remove(self._temp(len(self.shards)))
+        for shard in self.shards:
+            os.remove(os.path.join(self.dst, shard["name"]))
+        self.shards, self.rows = [], []
+
+    def _temp(self, number: int) -> str:
+        return os.path.join(self.dst, f".{shard_name(number)}.tmp")
+
+
+def write_index(dst: str, header: dict, shards: list[dict], rows: list[list]) -> None:
+    """index.json, atomically: a shard or a sample a line, so that it reads as a table."""
+    lines = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in header.items()]
+    for name, items in (("shards", shards), ("samples", rows)):
+        body = ",\n".join(f"  {json.dumps(item)}" for item in items)
+        lines.append(f' "{name}": [\n{body}\n ]')
+    text = "{\n" + ",\n".join(lines) + "\n}\n"
+    temp = os.path.join(dst, f".{INDEX_NAME}.tmp")
+    with open(temp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, os.path.join(dst, INDEX_NAME))
+
+
+def clear(dst: str, overwrite: bool) -> None:
+    """Make DST ready: refuse a prepared set unless overwriting; remove what an earlier run
+    wrote (the index first, so that no moment has an index over missing shards)."""
+    index = os.path.join(dst, INDEX_NAME)
+    if os.path.exists(index):
+        if not overwrite:
+            raise PrepareError(
+                f"DST={dst!r} already holds a prepared image set ({INDEX_NAME}); pass "
+                "--overwrite to replace it, or choose another folder"
+            )
+        os.remove(index)
+    for name in sorted(os.listdir(dst)):
+        if OURS.fullmatch(name):
+            os.remove(os.path.join(dst, name))
+
+
+def encoded(files: list[str], args: argparse.Namespace):
+    """Each file's encode() result, in file order, from --workers processes."""
+    work = partial(encode, max_side=args.max_side, quality=args.quality)
+    if args.workers == 1:
+        yield from map(work, files)
+        return
+    with Pool(args.workers) as pool:
+        yield from pool.imap(work, files, chunksize=16)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    src, dst = args.src, args.dst
+    try:
+        classes = class_folders(src) if os.path.isdir(src) else []
+        check_layout("SRC", src, classes)
+    except FolderError as err:
+        raise PrepareError(str(err)) from None
+    inside = os.path.realpath(dst) + os.sep
+    if inside.startswith(os.path.realpath(src) + os.sep):
+        raise PrepareError(f"DST={dst!r} is inside SRC={src!r}; write it somewhere else")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise PrepareError(f"DST={dst!r} is a file; name a folder (created if missing)")
+    os.makedirs(dst, exist_ok=True)
+    clear(dst, args.overwrite)
+    files, labels = list_images(src, classes)
+    print(f"{PROG}: {len(files):,} images of {len(classes)} classes in {src}", flush=True)
+    writer = ShardWriter(dst, int(args.shard_mb * 2**20))
+    bad, kept, start = [], 0, time.monotonic()
+
+    def progress(shard: str | None, k: int) -> None:  # a line a shard: modest at any size
+        if shard:
+            took = time.monotonic() - start
+            print(f"  {shard}: {k + 1:,}/{len(files):,} images, {took:.0f} s", flush=True)
+
+    try:
+        for k, result in enumerate(encoded(files, args)):
+            if isinstance(result, str):
+                bad.append((os.path.relpath(files[k], src), result))
+                if args.bad_files == "error":
+                    writer.abort()  # and go on, writing nothing, only to name every bad file
+                continue
+            if bad and args.bad_files == "error":
+                continue
+            kept += result[1]
+            # a shard that adding sample k completed holds the samples before it
+            progress(writer.add(result[0], labels[k], os.path.relpath(files[k], src)), k - 1)
+        if bad and args.bad_files == "error":
+            raise PrepareError(
+                f"{len(bad)} unreadable image(s), nothing written: "
+                + "; ".join(why for _, why in bad)
+                + "; remove them, or pass --bad-files skip to leave them out"
+            )
+        progress(writer.finish(), len(files) - 1)
+    except BaseException:  # a bad file under error, Ctrl-C, a full disk: nothing left behind
+        writer.abort()
+        raise
+    if not writer.rows:
+        raise PrepareError(f"SRC={src!r}: none of its {len(files)} images can be read")
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "source": src,
+        "max_side": args.max_side,
+        "quality": args.quality,
+        "classes": classes,
+        "skipped": [path for path, _ in bad],
+        "fields": SAMPLE_FIELDS,
+    }
+    write_index(dst, header, writer.shards, writer.rows)
+    if bad:
+        print(f"skipped {len(bad)} unreadable image(s) (--bad-files skip):")
+        print("\n".join(f"  {why}" for _, why in bad))
+    n = len(writer.rows)
+    size = sum(s["bytes"] for s in writer.shards) / 2**20
+    print(
+        f"wrote {n:,} images ({kept:,} kept as they were, {n - kept:,} re-encoded) in "
+        f"{len(writer.shards)} shard(s), {size:,.1f} MiB, and {os.path.join(dst, INDEX_NAME)}"
+    )
+    print(f"train on it with: data=image_shards data.path={dst}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Write an image folder (ImageNet's layout: SRC/<class>/<image>.jpg|.jpeg|"
+        ".png) once as JPEGs of at most --max-side on the shorter side, in tar shards with an "
+        "index, for data=image_shards data.path=DST. The default training path stays the "
+        "original folder (data=image_folder, every pixel); training on DST trades the pixels "
+        "beyond --max-side for less to read and decode.",
+    )
+    parser.add_argument("src", help="the image folder, one subfolder of images per class")
+    parser.add_argument("dst", help="the folder to write (created if missing)")
+    parser.add_argument(
+        "--max-side",
+        type=int,
+        required=True,
+        help="shrink images whose SHORTER side is larger to this (aspect kept; smaller ones "
+        "stay as they are). Training crops then come from these pixels: 256 suits 224-pixel "
+        "training, at a fraction of the bytes to read and decode; higher keeps more detail.",
+    )
+    parser.add_argument(
+        "--shard-mb", type=float, default=256, help="about this many MiB a shard (default 256)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="encoding processes (default: every CPU)",
+    )
+    parser.add_argument(
+        "--quality",
+        type=int,
+        default=90,
+        help="JPEG quality of re-encoded images, 1-95 (default 90)",
+    )
+    parser.add_argument(
+        "--bad-files",
+        choices=["error", "skip"],
+        default="error",
+        help="an unreadable image: error (default) names every one and writes nothing; skip "
+        "leaves them out and lists them",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a prepared set in DST")
+    args = parser.parse_args(argv)
+    for name, ok, fix in [
+        ("--max-side", args.max_side > 0, "a positive number of pixels, e.g. 256"),
+        ("--shard-mb", args.shard_mb > 0, "a positive size, e.g. 256"),
+        ("--workers", args.workers > 0, "a positive number of processes"),
+        ("--quality", 1 <= args.quality <= 95, "between 1 and 95, e.g. 90"),
+    ]:
+        if not ok:
+            parser.error(f"{name}={getattr(args, name[2:].replace('-', '_'))}: must be {fix}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        prepare(args)
+    except PrepareError as err:
+        sys.exit(f"{PROG}: {err}")
+
+
+if __name__ == "__main__":
+    main()
