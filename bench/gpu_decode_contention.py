@@ -1,0 +1,178 @@
+"""What the GPU JPEG decode step (data.decode=gpu) does beside a busy GPU: the measurement to run
+first when taking up the real-images gap (bench/README.md, "Real images"). GPU only.
+
+    python bench/gpu_decode_contention.py [--folder DIR] [--batch 128]
+
+On one H100 the step decoded 9,000-17,000 images/s alone but 1,300-2,600 beside a loop of
+convolutions and ~0 beside a loop of large matrix products, whatever the priority of its
+stream. Two explanations predict different things, and this script tells them apart:
+
+- **queue drain**: the decode (torchvision's nvJPEG with the JPEG engines) waits until the GPU
+  has run everything queued before it. Then one decode's latency grows by the queued work's
+  time (--queued matrix products ahead of it), and a training loop that syncs once a step
+  (so its queue empties each step) lets the decode overlap the next step.
+- **SM starvation**: the decode's small kernels wait for SMs. Then its latency stays near its
+  solo time however much is queued, as long as the SMs have room between kernels.
+
+Writes bench/results/gpu_decode_contention-<device>-<time>.json: the decode alone, one decode's
+latency after 0..N queued products, and the decode's rate beside a convolution loop that syncs
+every K iterations (K = 1, 4, never).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.engines import versions  # noqa: E402
+from bench.make_image_folder import write_folder  # noqa: E402
+from mgpu.data import ImageFolder  # noqa: E402
+from mgpu.data.image_folder import collate_encoded  # noqa: E402
+from mgpu.sampler import SampleKey  # noqa: E402
+
+
+def batches(folder: Path, batch: int, count: int, device: torch.device):
+    dataset = ImageFolder("train", str(folder), decode="gpu", eval_samples=64)
+    step = dataset.device_decoder(device)
+    work = []
+    for b in range(count):
+        keys = [SampleKey((b * batch + i) % len(dataset), 0, 0) for i in range(batch)]
+        work.append(collate_encoded([dataset[k] for k in keys]).pin_memory())
+    return step, work
+
+
+def alone(step, work, stream) -> float:
+    with torch.cuda.stream(stream):
+        step(work[0])
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for encoded in work:
+            step(encoded)
+        torch.cuda.synchronize()
+    return len(work) * len(work[0].labels) / (time.perf_counter() - start)
+
+
+def latency_after_queue(step, work, stream, queued: int, a: torch.Tensor) -> float:
+    """ms from calling the decode step to its result, with `queued` products queued ahead of
+    it on the default stream (host-side: the step's own host waits included)."""
+    times = []
+    for encoded in work[:6]:
+        torch.cuda.synchronize()
+        for _ in range(queued):
+            a @ a
+        start = time.perf_counter()
+        with torch.cuda.stream(stream):
+            step(encoded)
+            stream.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def beside_conv(step, work, stream, sync_every: int | None, seconds: float) -> dict:
+    """The decode on a thread beside a convolution loop on this one that syncs every
+    `sync_every` iterations (None: never); decode img/s and the loop's ms per iteration."""
+    device = stream.device
+    x = torch.randn(128, 256, 56, 56, device=device, dtype=torch.bfloat16)
+    x = x.to(memory_format=torch.channels_last)
+    conv = torch.nn.Conv2d(256, 256, 3, padding=1).to(device, torch.bfloat16)
+    conv = conv.to(memory_format=torch.channels_last)
+
+    def loop(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(n):
+            conv(x)
+            if sync_every and (i + 1) % sync_every == 0:
+                torch.cuda.current_stream().synchronize()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / n * 1e3
+
+    per = loop(20)
+    n = max(50, int(seconds * 1e3 / per))
+    solo_ms = loop(n)
+    stop, done = threading.Event(), []
+
+    def decode() -> None:
+        k = 0
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            while not stop.is_set():
+                step(work[k % len(work)])
+                stream.synchronize()
+                done.append(time.perf_counter())
+                k += 1
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    busy_ms = loop(n)
+    end = time.perf_counter()
+    stop.set()
+    thread.join()
+    images = sum(start <= t <= end for t in done) * len(work[0].labels)
+    return {
+        "conv_ms_alone": solo_ms,
+        "conv_ms_beside": busy_ms,
+        "decode_img_per_s_beside": images / (end - start),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--folder", type=Path)
+    p.add_argument("--images", type=int, default=2400)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--queued", type=int, nargs="+", default=[0, 5, 20, 50])
+    p.add_argument("--seconds", type=float, default=1.5)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU: it measures the GPU decode beside GPU work")
+    folder = args.folder
+    if folder is None:
+        folder = Path(tempfile.mkdtemp()) / "images"
+        write_folder(folder, args.images, 100, mix="realistic")
+    device = torch.device("cuda", torch.cuda.current_device())
+    step, work = batches(folder, args.batch, 12, device)
+    stream = torch.cuda.Stream(device)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    product_ms = (time.perf_counter() - start) / 20 * 1e3
+    record = {
+        "decode_img_per_s_alone": alone(step, work, stream),
+        "one_product_ms": product_ms,
+        "decode_ms_after_queued": {
+            q: latency_after_queue(step, work, stream, q, a) for q in args.queued
+        },
+        "beside_conv": {
+            str(k): beside_conv(step, work, stream, k, args.seconds) for k in (1, 4, None)
+        },
+    }
+    print(json.dumps(record, indent=1))
+    meta = versions()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    record.update(meta, argv=sys.argv, time=stamp)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"gpu_decode_contention-{meta['device'].replace(' ', '_')}-{stamp}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
