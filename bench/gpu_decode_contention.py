@@ -42,7 +42,9 @@ from mgpu.data.image_folder import collate_encoded  # noqa: E402
 from mgpu.sampler import SampleKey  # noqa: E402
 
 
-def batches(folder: Path, batch: int, count: int, device: torch.device):
+def encoded_batches(folder: Path, batch: int, count: int, device: torch.device):
+    """data.decode=gpu's batch step on `device` and `count` pinned batches of the folder's
+    training images, as the workers hand them over."""
     dataset = ImageFolder("train", str(folder), decode="gpu", eval_samples=64)
     step = dataset.device_decoder(device)
     work = []
@@ -145,7 +147,7 @@ def main() -> None:
         folder = Path(tempfile.mkdtemp()) / "images"
         write_folder(folder, args.images, 100, mix="realistic")
     device = torch.device("cuda", torch.cuda.current_device())
-    step, work = batches(folder, args.batch, 12, device)
+    step, work = encoded_batches(folder, args.batch, 12, device)
     stream = torch.cuda.Stream(device)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     torch.cuda.synchronize()

@@ -114,28 +114,14 @@ def cpu_decode_rate(folder: Path, n: int) -> float:
 
 
 def gpu_decode_rate(folder: Path, batch: int, batches: int) -> dict:
-    """Images a second data.decode=gpu's batch step decodes and crops (host bytes in, uint8
-    crops out), the workers' part done beforehand."""
-    from mgpu.data import ImageFolder
-    from mgpu.data.image_folder import collate_encoded
-    from mgpu.sampler import SampleKey
+    """Images a second data.decode=gpu's batch step decodes and crops (pinned host bytes in,
+    uint8 crops out), the workers' part done beforehand."""
+    from bench.gpu_decode_contention import alone, encoded_batches
 
-    dataset = ImageFolder("train", str(folder), decode="gpu", eval_samples=64)
-    step = dataset.device_decoder(torch.device("cuda", torch.cuda.current_device()))
-    work = [
-        collate_encoded(
-            [dataset[SampleKey((b * batch + i) % len(dataset), 0, 0)] for i in range(batch)]
-        )
-        for b in range(batches)
-    ]
-    step(work[0])
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for encoded in work:
-        step(encoded)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return {"img_per_s": batch * batches / seconds, "jpegs_per_batch": len(work[0].lengths)}
+    device = torch.device("cuda", torch.cuda.current_device())
+    step, work = encoded_batches(folder, batch, batches, device)
+    rate = alone(step, work, torch.cuda.Stream(device))
+    return {"img_per_s": rate, "jpegs_per_batch": len(work[0].lengths)}
 
 
 def main() -> None:
