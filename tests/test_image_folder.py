@@ -71,15 +71,39 @@ def reference_crop(width, height, seed, epoch, index, scale=(0.08, 1.0), ratio=(
     return (*box, bool(gen.random() < 0.5))
 
 
-def reference_pixels(path, box, flip, size=SIZE) -> torch.Tensor:
-    """Decode with Pillow, cut the box with numpy, resize with Pillow, mirror with numpy."""
+def reference_pixels(path, box, flip, size=SIZE, resize="torch") -> torch.Tensor:
+    """Decode with Pillow, cut the box with numpy, resize with torch's antialiased bilinear on
+    uint8 (or Pillow's, resize="pillow"), mirror with numpy."""
     pixels = np.asarray(Image.open(path).convert("RGB"))
     left, top, w, h = box
-    cut = Image.fromarray(np.ascontiguousarray(pixels[top : top + h, left : left + w]))
-    out = np.asarray(cut.resize((size, size), Image.Resampling.BILINEAR))
+    cut = np.array(pixels[top : top + h, left : left + w])  # writable, contiguous
+    if resize == "pillow":
+        out = np.asarray(Image.fromarray(cut).resize((size, size), Image.Resampling.BILINEAR))
+    else:
+        chw = torch.from_numpy(cut).permute(2, 0, 1)[None]
+        scaled = torch.nn.functional.interpolate(
+            chw, size=(size, size), mode="bilinear", antialias=True
+        )
+        out = scaled[0].permute(1, 2, 0).numpy()
     if flip:
         out = out[:, ::-1]
     return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1)))
+
+
+def test_torch_resize_stays_within_two_levels_of_pillows(tmp_path):
+    """The workers resize with torch (2.4x Pillow's speed on a core); the filter is Pillow's,
+    rounding aside: every crop of the tree within 2 levels, 0.1 on average."""
+    files = write_tree(tmp_path / "train", per_class=4, sizes=((375, 500), (90, 60), (40, 64)))
+    rng = np.random.default_rng(0)
+    for path, _ in files:
+        width, height = Image.open(path).size
+        for size in (SIZE, 224):
+            *box, flip = reference_crop(width, height, 0, int(rng.integers(9)), 0)
+            ours, pillows = (
+                reference_pixels(path, box, flip, size, how) for how in ("torch", "pillow")
+            )
+            diff = (ours.int() - pillows.int()).abs()
+            assert diff.max() <= 2 and diff.float().mean() < 0.1, (path, box, diff.max())
 
 
 def reference_train(files, key: SampleKey) -> tuple[torch.Tensor, int]:

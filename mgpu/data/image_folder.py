@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset, get_worker_info
@@ -167,13 +168,16 @@ def center_crop(width: int, height: int, fraction: float) -> tuple[int, int, int
 def crop_resize(image: Image.Image, box: tuple, flip: bool, size: int) -> Tensor:
     """The box cut out, resized to size x size (bilinear, antialiased when shrinking) and
     mirrored if `flip`: a [3, size, size] uint8 tensor. Crop, then resize: the GPU path
-    (gpu_decode) does the same, so both filter only pixels inside the box."""
+    (gpu_decode) does the same, so both filter only pixels inside the box.
+
+    The resize is torch's uint8 antialiased bilinear on the crop as a channels-last view (its
+    vectorised CPU kernel): 2.4x Pillow's resize on one core, within two levels of it
+    (Pillow's filter and weights, other rounding; bench/README.md, real images)."""
     left, top, w, h = box
-    out = image.crop((left, top, left + w, top + h))
-    out = out.resize((size, size), Image.Resampling.BILINEAR)
-    if flip:
-        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return torch.from_numpy(np.asarray(out).transpose(2, 0, 1).copy())
+    pixels = torch.from_numpy(np.array(image))  # [H, W, 3]; a writable copy out of Pillow
+    crop = pixels[top : top + h, left : left + w].permute(2, 0, 1)[None]
+    out = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)[0]
+    return (out.flip(-1) if flip else out).contiguous()
 
 
 # JPEG's DCT scaling: libjpeg decodes at 1/2, 1/4 or 1/8 of the size for little more than the
