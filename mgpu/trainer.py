@@ -105,7 +105,9 @@ class Trainer:
         loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
         wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
         compiled = cfg.compiles(rt.device.type)
-        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped)
+        # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
+        checkpointed = getattr(unwrap(model), "checkpointed", 0)
+        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed)
         # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
         # graphs (mgpu.graphs).
         self.forward_loss = (
