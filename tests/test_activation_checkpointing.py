@@ -243,3 +243,23 @@ def test_the_setting_composes_and_bad_values_name_the_keys():
     mlp = ["model=mlp", "data=images", "+model.activation_checkpointing=blocks"]
     with pytest.raises(ConfigError, match=r"model\.activation_checkpointing"):
         compose_config(*mlp)
+
+
+def test_recomputed_blocks_draw_the_same_dropout_masks():
+    """The recompute restores the RNG state the block's forward saw: with dropout on, a
+    checkpointed model's gradients are the uncheckpointed model's, bit for bit."""
+    idx = torch.randint(0, SHAPE["vocab_size"], (2, SHAPE["block_size"]))
+    grads = {}
+    for checkpointing in ("none", "blocks"):
+        torch.manual_seed(0)
+        model = GPT(**SHAPE, dropout=0.2, activation_checkpointing=checkpointing)
+        torch.manual_seed(1)  # the same masks' draws for both
+        model(idx, idx).backward()
+        grads[checkpointing] = [p.grad for p in model.parameters()]
+    for plain, checkpointed in zip(grads["none"], grads["blocks"], strict=True):
+        assert torch.equal(plain, checkpointed)
+    torch.manual_seed(0)  # the control: the same model, other masks, other gradients
+    model = GPT(**SHAPE, dropout=0.2)
+    torch.manual_seed(2)
+    model(idx, idx).backward()
+    assert not torch.equal(model.wte.weight.grad, grads["none"][0])
