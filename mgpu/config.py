@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from hydra.utils import get_object
@@ -58,6 +59,7 @@ class Precision(Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     fp32 = "fp32"
+    fp8 = "fp8"  # linear layers' matrix multiplies in fp8 (torchao, mgpu.fp8), bf16 elsewhere
 
 
 class Engine(Enum):
@@ -94,7 +96,9 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagrap
 class TrainerConfig:
     max_steps: int = 300  # optimizer steps to train for
     grad_accum_steps: int = 1  # micro-batches per optimizer step; gradients sync on the last only
-    precision: Precision = Precision.auto  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: the linear layers' matrix multiplies in
+    # fp8 through torchao's float8 training, bf16 elsewhere (Ada/Hopper GPUs only; mgpu.fp8)
+    precision: Precision = Precision.auto
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
     log_every: int = 10  # steps between TensorBoard/console records
     eval_every: int = 100  # steps between evaluations (also one at the end); 0: only at the end
@@ -419,6 +423,12 @@ class ValidateOnRunStart(Callback):
         try:
             cfg = to_config(config)
             dist.check_launch(cfg.dist.backend.value)
+            if cfg.trainer.precision is Precision.fp8:
+                from mgpu.fp8 import check_fp8  # the device this rank will train on
+
+                local = dist.launch_env().local_rank
+                on_cuda = torch.cuda.is_available()
+                check_fp8(torch.device("cuda", local) if on_cuda else torch.device("cpu"))
             dist.check_sweep_launch(multirun=config.hydra.mode.name == "MULTIRUN")
         except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
             # SystemExit passes through Hydra's error handler untouched, so the user sees

@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from mgpu.config_checks import _auto_or_positive_int, _positive, _require
+from mgpu.config_checks import ConfigError, _auto_or_positive_int, _positive, _require
 
 VOCAB_MULTIPLE = 64  # model.vocab_size=auto rounds the data's vocabulary up to a multiple of this
 
@@ -40,9 +40,15 @@ class GPTModelConfig(ModelConfig):
     # keeps the logits, a value per token and vocabulary entry), logits (through them, as
     # F.cross_entropy takes them), auto (fused on a GPU).
     head_loss: str = "auto"
+    # Activation checkpointing of transformer blocks: none, blocks (every block), or a number N
+    # (the first N blocks). A checkpointed block keeps only its input and runs its forward
+    # again in backward: less activation memory (a bigger batch fits) for about a third more
+    # compute in those blocks.
+    activation_checkpointing: Any = "none"
 
     def __post_init__(self) -> None:
-        from mgpu.models.gpt import ATTENTION, HEAD_LOSS  # the choices live with the model
+        # the choices live with the model
+        from mgpu.models.gpt import ATTENTION, HEAD_LOSS, checkpointed_blocks
 
         _require(
             self.head_loss in HEAD_LOSS,
@@ -66,6 +72,15 @@ class GPTModelConfig(ModelConfig):
             f"must be divisible by model.n_head ({self.n_head})",
         )
         _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+        try:
+            checkpointed_blocks(self.activation_checkpointing, self.n_layer)
+        except ValueError:
+            raise ConfigError(
+                "model.activation_checkpointing",
+                self.activation_checkpointing,
+                f"must be none, blocks (all model.n_layer={self.n_layer} blocks) or a number "
+                f"of blocks from 0 to {self.n_layer}",
+            ) from None
 
     def follow_data(self, data_vocab: int | None, data_name: str) -> None:
         """Resolve vocab_size=auto from the data's vocabulary (None: the data gives none), and
@@ -102,8 +117,23 @@ class ResNetModelConfig(ModelConfig):
     width: int = 16  # channels of the first stage
     in_channels: int = 3
     stem: str = "cifar"  # cifar (3x3, no pool, for small images) | imagenet (7x7 + pool)
+    # none only: activation checkpointing is GPT's (its transformer blocks); a key here so that
+    # asking a ResNet for it says so, rather than that the key is unknown.
+    activation_checkpointing: Any = "none"
+
+    def model_kwargs(self) -> dict[str, Any]:
+        kwargs = super().model_kwargs()
+        del kwargs["activation_checkpointing"]
+        return kwargs
 
     def __post_init__(self) -> None:
+        _require(
+            self.activation_checkpointing in ("none", 0),
+            "model.activation_checkpointing",
+            self.activation_checkpointing,
+            "is implemented for GPT's transformer blocks only, not for ResNet's residual "
+            "stages; set model.activation_checkpointing=none",
+        )
         _positive("model.num_classes", self.num_classes, "10")
         _positive("model.width", self.width, "64")
         _require(

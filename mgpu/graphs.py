@@ -43,12 +43,29 @@ class CaptureError(RuntimeError, RunStopped):
     every_rank = False
 
 
-def use_graphs(setting: bool | str, device: torch.device, compiled: bool, wrapped: bool) -> bool:
+def use_graphs(
+    setting: bool | str,
+    device: torch.device,
+    compiled: bool,
+    wrapped: bool,
+    checkpointed: int = 0,
+) -> bool:
     """Whether the run replays its uncompiled model as CUDA graphs. auto: on a GPU, for a model
     neither compiled (a compiled model's graphs are trainer.compile_mode's) nor wrapped for data
     parallelism (whose buckets are reduced while backward runs: a replayed backward hands every
-    gradient over at its end). true where that does not hold is an error that says why."""
+    gradient over at its end), nor with `checkpointed` blocks (model.activation_checkpointing:
+    torch.utils.checkpoint takes the CUDA generator's state on the host in forward and sets it
+    back before it recomputes, so that dropout draws the same masks; a capture records neither,
+    and torch refuses to set a generator's state while capturing). true where that does not
+    hold is an error that says why."""
     if setting == "auto":
+        if device.type == "cuda" and not compiled and not wrapped and checkpointed:
+            log.info(
+                "trainer.cuda_graphs=auto: off, since model.activation_checkpointing "
+                "recomputes %d block(s) in backward, which a CUDA graph replay cannot repeat",
+                checkpointed,
+            )
+            return False
         return device.type == "cuda" and not compiled and not wrapped
     if not setting:
         return False
@@ -69,6 +86,14 @@ def use_graphs(setting: bool | str, device: torch.device, compiled: bool, wrappe
             setting,
             "a replayed backward hands every gradient over at its end, so data parallelism "
             "could not reduce gradient buckets while backward runs; use auto (off here) or false",
+        )
+    if checkpointed:
+        raise ConfigError(
+            key,
+            setting,
+            f"cannot replay model.activation_checkpointing's recompute of {checkpointed} "
+            "block(s) (it sets the CUDA generator's state from the host, which a capture does "
+            "not record); set model.activation_checkpointing=none or trainer.cuda_graphs=auto",
         )
     return True
 

@@ -13,12 +13,14 @@ from mgpu.config import Precision, TrainerConfig
 
 
 def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for `trainer.precision`, or None for plain fp32."""
+    """The autocast dtype for `trainer.precision`, or None for plain fp32. fp8 is bf16 autocast
+    around the linear layers that mgpu.fp8 converted (they cast to fp8 themselves)."""
     if precision is Precision.auto:
         if device.type != "cuda":
             return None
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {Precision.bf16: torch.bfloat16, Precision.fp16: torch.float16}.get(precision)
+    bf16 = torch.bfloat16
+    return {Precision.bf16: bf16, Precision.fp8: bf16, Precision.fp16: torch.float16}.get(precision)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"):

@@ -17,7 +17,8 @@ Stream rules (CUDA), in the order they happen in one optimizer step:
 
 Not supported: reentrant activation checkpointing (torch.utils.checkpoint with
 use_reentrant=True) runs an inner backward whose end the reducer would take for the end of the
-step; use use_reentrant=False.
+step; use use_reentrant=False, as GPT's model.activation_checkpointing does (its recompute feeds
+the one backward, and each parameter's hook fires once, as without checkpointing).
 
 Buffers (BatchNorm statistics) follow rank 0's: see buckets.FlatBuffers.
 """

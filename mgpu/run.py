@@ -16,10 +16,11 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.utils.data import Dataset
 
+from mgpu import fp8
 from mgpu.board import TensorBoard, describe
 from mgpu.checkpoint import checkpoint_root
 from mgpu.comm import MgpuDataParallel, wrap_model
-from mgpu.config import Config, Engine
+from mgpu.config import Config, Engine, Precision
 from mgpu.data.tokenizer import BYTES, copy_to_run
 from mgpu.dist import Runtime, waiting
 from mgpu.goodput import Goodput
@@ -144,6 +145,9 @@ def build_run(
     set_math_modes(cfg.trainer, rt.device)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
+    if cfg.trainer.precision is Precision.fp8:
+        fp8.check_fp8(rt.device)
+        model = fp8.convert(model)  # its linear layers; names and shapes unchanged
     # The model's layout, decided here once for the model and its inputs: convolutions run
     # faster in NHWC on a GPU.
     layout = None

@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader
 
 from mgpu import watchdog
 from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
-from mgpu.config import TrainerConfig
+from mgpu.config import Precision, TrainerConfig
 from mgpu.dist import Runtime, all_reduce_sum_, is_timeout
+from mgpu.fp8 import check_fp8
 from mgpu.goodput import Goodput
 from mgpu.graphs import GraphedLoss, ModelLoss, use_graphs
 from mgpu.guard import NonFiniteGuard, fused
@@ -90,6 +91,8 @@ class Trainer:
         # Applied on the device to the inputs of a plain DataLoader given to fit/evaluate. A
         # DeviceLoader (what build_loader returns) applies its own, per data.device_transform.
         self.input_transform = input_transform
+        if cfg.precision is Precision.fp8:
+            check_fp8(rt.device)  # train.py checked before starting; a Trainer built in Python
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
         # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
         ddp = isinstance(model, DistributedDataParallel)
@@ -105,7 +108,9 @@ class Trainer:
         loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
         wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
         compiled = cfg.compiles(rt.device.type)
-        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped)
+        # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
+        checkpointed = getattr(unwrap(model), "checkpointed", 0)
+        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed)
         # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
         # graphs (mgpu.graphs).
         self.forward_loss = (

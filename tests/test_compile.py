@@ -2,7 +2,8 @@
 ModuleList, as GPT's transformer blocks) and the Trainer compiles the loss as a region of its own,
 so that gradients still come out block by block and buckets still launch while backward runs, and
 training matches the eager model over 20 steps (clipped, so clipping inside the fused update is
-covered too). Two gloo processes;
+covered too); GPT's blocks under model.activation_checkpointing too, each compiled checkpointed
+block one region. Two gloo processes;
 the `aot_eager` backend compiles through the same graph capture as inductor without a C++
 toolchain, so CI can run it."""
 
@@ -81,8 +82,19 @@ def stack_as_sequential() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), *(Block(16) for _ in range(N_BLOCKS)), nn.Linear(16, 5))
 
 
-def batch(step: int):
+def checkpointed_gpt() -> GPT:
+    """A GPT of N_BLOCKS blocks, every one checkpointed (model.activation_checkpointing=blocks)."""
+    return GPT(**GPT_SHAPE, activation_checkpointing="blocks")
+
+
+GPT_SHAPE = {"vocab_size": 32, "block_size": 8, "n_layer": N_BLOCKS, "n_head": 2, "n_embd": 16}
+
+
+def batch(step: int, tokens: bool = False):
     g = torch.Generator().manual_seed(step)
+    if tokens:  # GPT's: inputs and the next tokens
+        seq = torch.randint(0, 32, (WORLD * 4, 9), generator=g)
+        return seq[:, :-1], seq[:, 1:]
     return torch.randn(WORLD * 4, 8, generator=g), torch.randint(0, 5, (WORLD * 4,), generator=g)
 
 
@@ -107,7 +119,7 @@ def train(rt, compiled: bool, overrides: dict, make=Stack, backend: str = "aot_e
     watch_compiled_backward(model, model.reducer, seen)
     trainer = Trainer(tcfg, model, optimizer, schedule, rt)
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = batch(step, tokens=isinstance(model.module, GPT))
         trainer.train_step(iter([(x[rt.rank :: WORLD], y[rt.rank :: WORLD])]))
     params = {k: v.detach().cpu().clone() for k, v in model.module.state_dict().items()}
     return {"params": params, "launched_at_compiled_backward": seen}
@@ -121,6 +133,9 @@ CASES = {  # name: (compiled, dist overrides[, model])
     # one graph for the whole model: the sharding's forward pre-hook, which waits for the
     # all-gathers of the updated parameters, runs where the compiled forward starts
     "whole_sharded": (True, {"bucket_cap_mb": 1e-6, "shard_optimizer": True}, stack_as_sequential),
+    # GPT's blocks, each checkpointed and compiled, against the eager model without checkpoints
+    "gpt_eager": (False, {"bucket_cap_mb": 1e-6}, lambda: GPT(**GPT_SHAPE)),
+    "gpt_checkpointed": (True, {"bucket_cap_mb": 1e-6}, checkpointed_gpt),
 }
 
 
@@ -187,6 +202,21 @@ def test_buckets_of_compiled_blocks_launch_while_backward_runs(results):
         control = results["compiled_one_bucket", rank]["launched_at_compiled_backward"]
         assert control == [[0] * N_BLOCKS] * STEPS, control
         assert results["eager", rank]["launched_at_compiled_backward"] == [[]] * STEPS
+
+
+def test_checkpointed_compiled_blocks_stay_one_region_and_buckets_launch_between_them(results):
+    # GPT: its ln_f (1 parameter) follows the blocks, 6 parameters each; the tied wte/lm_head
+    # and wpe wait for the embeddings. Each checkpointed block is still one compiled backward
+    # (its recompute inside it): a graph break would show more nodes and other counts.
+    per_step = [1 + 6 * k for k in range(N_BLOCKS)]
+    for rank in range(WORLD):
+        checkpointed = results["gpt_checkpointed", rank]
+        assert checkpointed["launched_at_compiled_backward"] == [per_step] * STEPS
+        eager = results["gpt_eager", rank]["params"]
+        for key, value in eager.items():
+            torch.testing.assert_close(
+                checkpointed["params"][key], value, rtol=1e-6, atol=1e-6, msg=key
+            )
 
 
 def test_repeated_blocks_are_the_elements_of_module_lists():

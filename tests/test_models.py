@@ -149,3 +149,53 @@ def test_gpt_attention_choices_agree_on_the_cpu_and_bad_ones_are_refused():
     torch.testing.assert_close(outs["torch"], outs["math"], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="attention='fast': must be one of auto, torch, cudnn"):
         GPT(**TINY_GPT, attention="fast")
+
+
+@pytest.mark.parametrize(
+    "name, n_layer, n_embd, n_head",
+    [
+        ("gpt2_small", 12, 768, 12),
+        ("gpt2_medium", 24, 1024, 16),
+        ("gpt2_large", 36, 1280, 20),
+        ("gpt2_xl", 48, 1600, 25),
+    ],
+)
+def test_gpt2_configs_have_the_papers_shapes_and_parameter_counts(name, n_layer, n_embd, n_head):
+    """model=gpt2_*: GPT-2's shapes, 50257 tokens padded to 50304 rows, built on the meta device
+    (no memory) and counted against the count from the shapes: tied embedding, positions, and
+    per block two LayerNorm scales and 12 d^2 of attention and MLP weights (no biases)."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from mgpu.config import to_config
+    from mgpu.models import build_model
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = to_config(compose("config", [f"model={name}", "data.vocab_size=50257"])).model
+    shape = (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size, cfg.vocab_size)
+    assert shape == (n_layer, n_embd, n_head, 1024, 50304)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    d, vocab = n_embd, 50304
+    expected = vocab * d + 1024 * d + n_layer * (12 * d * d + 2 * d) + d
+    assert model.num_params() == expected
+
+
+def test_the_gpt2_xl_experiment_composes(tmp_path):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from mgpu.config import Precision, to_config
+    from mgpu.data.prepare import main as prepare_main
+
+    (tmp_path / "in.txt").write_text("some text\n" * 2000)
+    prepare_main([str(tmp_path / "in.txt"), str(tmp_path / "train.bin")])
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        overrides = ["experiment=gpt2_xl", f"data.path={tmp_path / 'train.bin'}"]
+        cfg = to_config(compose("config", overrides))
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.data.seq_len) == (48, 1600, 1024)
+    assert cfg.trainer.precision is Precision.bf16 and cfg.data.batch_size == 8

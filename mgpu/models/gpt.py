@@ -1,7 +1,9 @@
 """Decoder-only GPT transformer (pre-LayerNorm, causal SDPA attention, tied lm_head).
 
 Also owns which attention kernel it asks for (model.attention), how its head's loss is taken
-(model.head_loss), and its analytic training-FLOP count, the PaLM / nanoGPT MFU formula.
+(model.head_loss), which blocks recompute their activations in backward
+(model.activation_checkpointing), and its analytic training-FLOP count, the PaLM / nanoGPT MFU
+formula.
 """
 
 import math
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from mgpu.models.fused_loss import linear_cross_entropy
 from mgpu.numerics import cross_entropy
@@ -41,6 +44,21 @@ ATTENTION = {
 # logits: through the logits, as F.cross_entropy takes them; auto: fused on a GPU, logits
 # elsewhere (on a CPU the fused step has no kernel of its own to gain from).
 HEAD_LOSS = ("auto", "fused", "logits")
+
+
+def checkpointed_blocks(setting: str | int, n_layer: int) -> int:
+    """How many blocks, from the first, model.activation_checkpointing recomputes: none (0),
+    blocks (all of them) or a number from 0 to n_layer."""
+    if setting == "none":
+        return 0
+    if setting == "blocks":
+        return n_layer
+    if isinstance(setting, int) and not isinstance(setting, bool) and 0 <= setting <= n_layer:
+        return setting
+    raise ValueError(
+        f"activation_checkpointing={setting!r}: must be none, blocks, or a number of blocks "
+        f"from 0 to n_layer ({n_layer})"
+    )
 
 
 class CausalSelfAttention(nn.Module):
@@ -81,14 +99,36 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, attention: str):
+    def __init__(
+        self,
+        n_embd: int,
+        n_head: int,
+        dropout: float,
+        bias: bool,
+        attention: str,
+        checkpointed: bool = False,
+    ):
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd, bias=bias)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, bias, attention)
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = FeedForward(n_embd, dropout, bias)
+        self.checkpointed = checkpointed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            # Keeps only the block's input; backward runs its forward again for the rest.
+            # Non-reentrant: the recomputed forward feeds the one backward pass, so each
+            # parameter's gradient is accumulated (and mgpu's reducer hook fires) once, as
+            # without checkpointing; the reentrant kind runs a backward of its own, whose end
+            # the reducer would take for the step's (mgpu.reducer). Dropout masks are drawn
+            # again from the RNG state saved here (preserve_rng_state), so the recomputed
+            # activations are the first ones, bit for bit. Inside forward, so that a compiled
+            # block traces the checkpoint with it and stays one compiled region.
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -105,6 +145,7 @@ class GPT(nn.Module):
         bias: bool = False,
         attention: str = "auto",
         head_loss: str = "auto",
+        activation_checkpointing: str | int = "none",
     ):
         super().__init__()
         if n_embd % n_head != 0:
@@ -117,6 +158,8 @@ class GPT(nn.Module):
         if head_loss not in HEAD_LOSS:
             raise ValueError(f"head_loss={head_loss!r}: must be one of {', '.join(HEAD_LOSS)}")
         self.head_loss = head_loss
+        # The first `checkpointed` blocks keep only their input for backward (Block.forward).
+        self.checkpointed = checkpointed_blocks(activation_checkpointing, n_layer)
         self.block_size = block_size
         self.n_layer = n_layer
         self.n_embd = n_embd
@@ -124,7 +167,8 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(
-            Block(n_embd, n_head, dropout, bias, attention) for _ in range(n_layer)
+            Block(n_embd, n_head, dropout, bias, attention, checkpointed=i < self.checkpointed)
+            for i in range(n_layer)
         )
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
@@ -174,7 +218,9 @@ class GPT(nn.Module):
 
         PaLM appendix B / nanoGPT: 6*N per token for the weight matmuls plus 12*L*d*T per
         token for attention scores and values. N excludes wpe (a lookup, no matmul); the
-        tied wte counts once, as lm_head. LayerNorm/softmax/GELU are ignored.
+        tied wte counts once, as lm_head. LayerNorm/softmax/GELU are ignored, and so are the
+        forwards that activation checkpointing runs again (MFU counts the model's FLOPs, not
+        the hardware's).
         """
         T = sample_shape[0]
         n = self.num_params() - self.wpe.weight.numel()

@@ -1,0 +1,71 @@
+"""trainer.precision=fp8: refused in one line, before the run starts, where it cannot run (here:
+the CPU); where torchao is installed, its float8 conversion of a GPT (mgpu.fp8.convert) trains
+forward and backward on the CPU near the unconverted model, with the same checkpoint keys."""
+
+import pytest
+import torch
+from conftest import run_train
+
+from mgpu.config import ConfigError, OptimConfig, Precision, TrainerConfig
+from mgpu.dist import Runtime
+from mgpu.fp8 import check_fp8, convert
+from mgpu.models import GPT
+from mgpu.optim import build_optimizer, build_schedule
+from mgpu.trainer import Trainer
+
+SHAPE = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
+
+
+def test_fp8_on_a_cpu_stops_before_the_run_with_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        ["trainer.precision=fp8", f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("mgpu: config error")]
+    assert "trainer.precision='fp8'" in line and "device is cpu" in line
+    assert "trainer.precision=bf16" in line  # the fix
+    assert not run_dir.exists()  # before Hydra made the run directory
+
+
+def test_a_trainer_built_in_python_refuses_fp8_on_a_cpu():
+    with pytest.raises(ConfigError, match=r"trainer\.precision='fp8'.*cpu"):
+        check_fp8(torch.device("cpu"))
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    model = GPT(**SHAPE)
+    optimizer = build_optimizer(OptimConfig(), model, rt.device)
+    schedule = build_schedule(OptimConfig(), optimizer, max_steps=1)
+    with pytest.raises(ConfigError, match=r"trainer\.precision='fp8'"):
+        Trainer(TrainerConfig(precision=Precision.fp8), model, optimizer, schedule, rt)
+
+
+def test_torchaos_float8_gpt_trains_on_the_cpu_with_the_same_checkpoint_keys():
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    reference = GPT(**SHAPE)
+    model = GPT(**SHAPE)
+    model.load_state_dict(reference.state_dict())
+    convert(model)
+    converted = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    # every linear layer of every block (attention in and out, MLP in and out), not the tied head
+    assert len(converted) == 4 * SHAPE["n_layer"] and "lm_head" not in converted
+    assert model.lm_head.weight is model.wte.weight
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    idx = torch.randint(0, SHAPE["vocab_size"], (4, SHAPE["block_size"]))
+    losses = {}
+    for name, net in (("fp8", model), ("bf16", reference)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = net(idx, idx)
+        losses[name].backward()
+    assert abs(losses["fp8"].item() - losses["bf16"].item()) < 0.05, losses
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        # fp8's rounding shows in the gradients (1-7 % of their norm here), within 25 % of bf16's
+        assert (p.grad - q.grad).norm() <= 0.25 * q.grad.norm(), name
+    c_attn = model.blocks[0].attn.c_attn.weight.grad, reference.blocks[0].attn.c_attn.weight.grad
+    assert (c_attn[0] - c_attn[1]).norm() > 1e-3 * c_attn[1].norm()  # fp8 did run
+    # a checkpoint saved under fp8 loads into the model trained under bf16, and back
+    reference.load_state_dict(model.state_dict())
+    model.load_state_dict(reference.state_dict())
