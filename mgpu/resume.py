@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from mgpu.checkpoint import (
     CheckpointError,
@@ -33,7 +34,7 @@ from mgpu.checkpoint import (
     verify,
     write_rank_files,
 )
-from mgpu.config import CheckpointConfig
+from mgpu.config import CheckpointConfig, OptimConfig
 from mgpu.dist import Runtime, all_ok, broadcast_object, waiting
 from mgpu.sampler import DataCursor, ShardedSampler
 from mgpu.state import CheckpointMismatch, capture_rng, restore_rng
@@ -137,6 +138,47 @@ def check_same_data(loaded: Loaded, sampler: ShardedSampler) -> None:
             f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
             f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
             f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
+        )
+
+
+# The settings a resumed run takes from its own config over the checkpoint's (mgpu.optim's
+# keep_hyperparameters), by optimizer: those it reads, and those of the schedule.
+_SETTINGS = {
+    "adamw": ("lr", "weight_decay", "betas", "eps"),
+    "sgd": ("lr", "weight_decay", "momentum"),
+}
+_SCHEDULE = ("warmup_steps", "min_lr_ratio")
+
+
+def check_settings(loaded: Loaded, optim: OptimConfig, max_steps: int, *, say: bool) -> None:
+    """A resumed run's optimizer and schedule settings against the config its checkpoint saved:
+    another optimizer type is refused (its moments mean nothing to this one); each other
+    setting that changed is logged once (`say`: rank 0), old -> new, and takes the new value."""
+    text = loaded.shared.get("config")
+    if not text:
+        return  # a state without its config (Trainer.state_dict): nothing to compare with
+    saved = OmegaConf.to_container(OmegaConf.create(text))
+    old = saved.get("optim", {})
+    name = optim.name.value
+    if old.get("name", name) != name:
+        raise CheckpointMismatch(
+            f"optim.name={name}: {loaded.path} was trained with optim.name={old['name']}, whose "
+            f"state {name} cannot continue from. Resume with optim.name={old['name']}, or start "
+            "this run in another run directory (hydra.run.dir=...)"
+        )
+    changes = [
+        (f"optim.{key}", old[key], getattr(optim, key))
+        for key in (*_SETTINGS[name], *_SCHEDULE)
+        if key in old and old[key] != getattr(optim, key)
+    ]
+    old_max = saved.get("trainer", {}).get("max_steps", max_steps)
+    if old_max != max_steps:
+        changes.append(("trainer.max_steps", old_max, max_steps))
+    if say and changes:
+        log.info(
+            "resuming with settings changed from %s: %s",
+            loaded.path,
+            ", ".join(f"{key} {was} -> {now}" for key, was, now in changes),
         )
 
 

@@ -27,7 +27,7 @@ from mgpu.dist import Runtime, attempt_prefix, parse_launch_env, restart_hazard
 from mgpu.guard import LAG, NonFiniteGuard
 from mgpu.metrics import Recorder
 from mgpu.models import MLP
-from mgpu.optim import build_optimizer, build_schedule
+from mgpu.optim import build_optimizer, build_schedule, lr_factor
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
 from mgpu.resume import Checkpointer, CheckpointPlan
 from mgpu.sampler import ShardedSampler, epoch_order
@@ -248,6 +248,35 @@ def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference):
     assert_same_run(run_dir, reference)  # step 20 again, this time intact
 
 
+def test_a_resume_trains_with_the_optimizer_settings_of_its_command_line(tmp_path, reference):
+    """A stopped run continued with a lower optim.lr (the non-finite stop's advice), another
+    weight decay and warmup: from the first resumed step the run trains with them, from the
+    checkpoint's moments and step counts; the log names each change once."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(step_dir(reference / "checkpoints", 10), step_dir(run_dir / "checkpoints", 10))
+    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
+    new = ["optim.lr=5e-4", "optim.weight_decay=0.05", "optim.warmup_steps=4"]
+    proc = run_train([*RUN, *never, *new, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    said = f"resuming with settings changed from {step_dir(run_dir / 'checkpoints', 10)}: "
+    said += "optim.lr 0.001 -> 0.0005, optim.weight_decay 0.1 -> 0.05, optim.warmup_steps 20 -> 4"
+    assert output(proc).count(said) == 1, output(proc)[-3000:]  # once, by rank 0
+    # The rate each resumed step logs is the new schedule's (linear warmup over 4 steps, then
+    # cosine to 0.1 of 5e-4 at step 20), unlike the reference's at every one of those steps.
+    logged = dict(read_scalars(run_dir)["train/lr"])
+    old = dict(read_scalars(reference)["train/lr"])
+    assert sorted(logged) == list(range(11, 21))
+    for step, rate in logged.items():
+        assert rate == pytest.approx(5e-4 * lr_factor(step - 1, 4, 20, 0.1), rel=1e-6), step
+        assert rate != pytest.approx(old[step], rel=1e-3), step
+    state = final_state(run_dir)["optimizer"]
+    decayed, flat = state["param_groups"]
+    assert (decayed["initial_lr"], decayed["weight_decay"], flat["weight_decay"]) == (5e-4, 0.05, 0)
+    assert decayed["lr"] == pytest.approx(5e-4 * lr_factor(20, 4, 20, 0.1))
+    # The moments went on from the checkpoint's: 10 updates there, 10 here.
+    assert {int(s["step"]) for s in state["state"].values()} == {20}
+
+
 def test_resume_on_another_world_size_sees_each_sample_once(tmp_path):
     """2 processes x 8 for 6 steps, then 1 process x 16 to the end of the epoch: 200 samples,
     12 steps of 16 per epoch, the last 8 dropped."""
@@ -307,8 +336,12 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
             ["data.num_samples=5000", "ckpt.resume={ref}/checkpoints/step-00000020"],
             "trained on 100000 samples shuffled with trainer.seed=0; this run has 5000",
         ),
+        (
+            ["optim=sgd", "ckpt.resume={ref}/checkpoints/step-00000015"],
+            "optim.name=sgd: {ref}/checkpoints/step-00000015 was trained with optim.name=adamw",
+        ),
     ],
-    ids=["shape", "never-over-newer", "other-data"],
+    ids=["shape", "never-over-newer", "other-data", "other-optimizer"],
 )
 def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
     tmp_path, reference, args, message
