@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import free_port, gloo_runtime, read_scalars, run_train, spawn
 from faults import first_sample_of_step, recorded
-from test_checkpoint import bitflip, no_space
+from test_checkpoint import Shell, bitflip, no_space, reseal
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.board import TensorBoard
@@ -234,18 +234,35 @@ def test_sigterm_to_a_world_of_one_exits_with_the_preempted_code(tmp_path):
     assert (run_dir / "checkpoints" / "step-00000003" / "manifest.json").is_file()
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference):
+def pickled(path):
+    """state.pt with a shell command inside, and a manifest that matches it (a forged file)."""
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "payload": Shell()}, path)
+    reseal(path.parent)
+
+
+@pytest.mark.parametrize(
+    "damage, check",
+    [(bitflip, "checksum mismatch"), (pickled, "refused by torch.load(weights_only=True)")],
+    ids=["bitflip", "pickled"],
+)
+def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference, damage, check):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    bitflip(step_dir(run_dir / "checkpoints", 20) / "state.pt")
+    bad = step_dir(run_dir / "checkpoints", 20) / "state.pt"
+    damage(bad)
+    damaged = bad.read_bytes()
     never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
     proc = run_train([*RUN, *never, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     assert proc.returncode == 0, output(proc)[-3000:]
-    bad = step_dir(run_dir / "checkpoints", 20) / "state.pt"
-    assert f"skipping invalid checkpoint: {bad}: checksum mismatch" in output(proc)
+    assert f"skipping invalid checkpoint: {bad}: {check}" in output(proc)
+    assert "weights_only=False" not in output(proc) and "set to `False`" not in output(proc)
     assert "resuming from an OLDER checkpoint" in output(proc)
     assert "step 15, epoch 0" in output(proc)
     assert_same_run(run_dir, reference)  # step 20 again, this time intact
+    if damage is bitflip:  # invalid: saved over, it stays out of the way as evidence
+        (evidence,) = (run_dir / "checkpoints").glob("step-00000020.invalid-*")
+        assert (evidence / "state.pt").read_bytes() == damaged
 
 
 def test_a_resume_trains_with_the_optimizer_settings_of_its_command_line(tmp_path, reference):
@@ -467,6 +484,12 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     data = TensorDataset(torch.randn(40, 8), torch.randint(0, 5, (40,)))
     sampler = ShardedSampler(40, 0, 1, shuffle=True, seed=0, even=True)
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    no_space(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="mgpu.resume"):
+        assert trainer.save(2, loader, required=False) is None  # before any checkpoint
+    assert f"training goes on; no checkpoint in {root} yet" in caplog.text
+    monkeypatch.undo()
+    caplog.clear()
     assert trainer.save(3, loader, required=False) == step_dir(root, 3)
     # 3 steps x 2 micro-batches x 4 samples: 24 of epoch 0's 40; the config text rides along
     shared = load(step_dir(root, 3), rank=0).shared
@@ -475,7 +498,8 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     with caplog.at_level(logging.INFO, logger="mgpu.trainer"):
         assert trainer.save(4, loader, required=False) is None
     assert "checkpoint at step 4 failed on rank 0" in caplog.text
-    assert "No space left on device" in caplog.text and "training goes on" in caplog.text
+    assert "No space left on device" in caplog.text
+    assert f"training goes on; {step_dir(root, 3)} stays the newest checkpoint" in caplog.text
     with pytest.raises(CheckpointError, match="step-00000005: not saved"):
         trainer.save(5, loader, required=True)  # final or preemption: stops the run
     assert find_latest_valid(root) == (step_dir(root, 3), [])
