@@ -12,6 +12,8 @@ Layout (the run directory must be on a filesystem that every rank sees):
                                        rank-<r>.pt     rank r: its RNG states
                                        manifest.json   written last: size + sha256 of every file
     <run dir>/checkpoints/step-00000400.tmp-<token>/   a save in progress (or a crashed one)
+    <run dir>/checkpoints/step-00000200.invalid-<token>/  an invalid checkpoint whose step was
+                                                       saved again: kept as evidence
 
 A directory without a valid manifest does not exist for resume. Saving, in this order:
 every rank `write_rank_files`; barrier; rank 0 `finalize`; barrier; rank 0 `prune`.
@@ -68,6 +70,14 @@ def staging_dir(root: Path, step: int, token: str) -> Path:
     """Where a save is assembled; `token` must be the same on every rank of one launch and differ
     between launches, so a crashed attempt's leftovers are never mixed into a new save."""
     return root / f"step-{step:08d}.tmp-{token}"
+
+
+def step_number(path: Path) -> int:
+    """The step of checkpoint directory `path` (step-NNNNNNNN), from its name."""
+    match = _STEP.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path}: not named step-NNNNNNNN")
+    return int(match.group(1))
 
 
 def rank_file(rank: int) -> str:
@@ -150,9 +160,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def newest_kept(root: Path) -> Path | None:
+    """The newest checkpoint under `root` whose manifest and file sizes check (no hashing), for
+    messages about a failed save: what a restart would resume from."""
+    for _, path in _dirs(Path(root), _STEP):
+        try:
+            verify(path, checksums=False)
+            return path
+        except CheckpointError:
+            continue
+    return None
+
+
 def _save_failed(root: Path, file: Path, err: BaseException) -> CheckpointError:
-    previous = [p.name for _, p in _dirs(root, _STEP) if (p / MANIFEST).is_file()]
-    kept = f"previous checkpoint {root / previous[0]} is intact" if previous else "none before it"
+    previous = newest_kept(root)
+    kept = f"previous checkpoint {previous} is intact" if previous else "none before it"
     return CheckpointError(file, f"save failed ({type(err).__name__}: {err}); {kept}")
 
 
@@ -218,12 +240,19 @@ def _publish(staging: Path, final: Path, token: str) -> None:
     """Rename the staging directory to its final name (atomic), then verify it there.
 
     A same-step checkpoint already in place (an earlier attempt's) moves aside, since os.replace
-    cannot replace a non-empty directory, and is deleted only once the new one verified; on
-    failure the new one goes back to its staging name and the old one back into place.
+    cannot replace a non-empty directory: a valid one is deleted once the new one verified; an
+    invalid one is kept as evidence, as prune keeps them, renamed step-N.invalid-<token> (out
+    of resume's and prune's sight). On failure the new one goes back to its staging name and
+    the old one back into place.
     """
     aside = final.with_name(f"{final.name}.old-{token}")
     if final.exists():
-        log.warning("%s exists (an earlier attempt at this step); replacing it", final)
+        try:
+            verify(final)
+            log.warning("%s exists (an earlier attempt at this step); replacing it", final)
+        except CheckpointError as err:
+            aside = final.with_name(f"{final.name}.invalid-{token}")
+            log.warning("%s; kept as evidence in %s", err, aside.name)
         os.replace(final, aside)
     try:
         os.replace(staging, final)
@@ -236,7 +265,8 @@ def _publish(staging: Path, final: Path, token: str) -> None:
         if aside.exists():
             os.replace(aside, final)
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    if _SCRATCH.match(aside.name):
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _remove_dir(path: Path, token: str) -> None:
@@ -318,17 +348,36 @@ def verify(path: Path, *, checksums: bool = True) -> dict:
     return manifest
 
 
+# torch's advice around its reasons: to load unsafely (weights_only=False), to allowlist what
+# the file names, to file an issue, to read the docs. None of it is for a checkpoint, which mgpu
+# writes with weights_only-loadable types only; following the first would run the file's code.
+_ADVICE = re.compile(
+    r"set to `?False|weights_only=False|default value of the `weights_only`|trusted source|"
+    r"two options|Alternatively|safe_globals|file an issue|Check the documentation|"
+    r"Weights only load failed",
+    re.I,
+)
+
+
+def _without_advice(message: str) -> str:
+    """torch's reason on one line, with every sentence of its advice left out."""
+    plain = " ".join(re.sub(r"\033\[[0-9;]*m", "", message).split())
+    kept = [s for s in re.split(r"(?<=\.)\s+", plain) if s and not _ADVICE.search(s)]
+    return " ".join(kept) or "the file holds what weights_only loading does not allow"
+
+
 def _load_torch(path: Path, map_location: Any) -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        # No fallback to full unpickling: that would run whatever code the file names. Keep
-        # torch's reason, drop its advice to retry with weights_only=False.
-        lines = [ln for ln in str(err).splitlines() if "WeightsUnpickler error:" in ln]
-        why = lines[0].split("error:", 1)[1].split(". Please")[0].strip() if lines else str(err)
+        # No fallback to full unpickling: that would run whatever code the file names. torch
+        # raises its own message `from None`, with the unpickler's plain reason as the context.
+        inner = err.__context__
+        reason = str(inner if isinstance(inner, pickle.UnpicklingError) else err)
+        why = _without_advice(reason)
         raise CheckpointError(path, f"refused by torch.load(weights_only=True): {why}") from err
     except Exception as err:
-        what = f"unreadable by torch.load ({type(err).__name__}: {err})"
+        what = f"unreadable by torch.load ({type(err).__name__}: {_without_advice(str(err))})"
         raise CheckpointError(path, what) from err
 
 
@@ -366,11 +415,14 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return _dirs(Path(root), _STEP)
 
 
-def find_latest_valid(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint under `root` that verifies fully, and one line per newer checkpoint
-    that did not (file and failed check). Staging directories are not checkpoints."""
+def find_latest_valid(root: Path, below: int | None = None) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under `root` (older than step `below`, when given) that verifies
+    fully, and one line per newer checkpoint that did not (file and failed check). Staging
+    directories are not checkpoints."""
     problems = []
-    for _, path in _dirs(Path(root), _STEP):
+    for step, path in _dirs(Path(root), _STEP):
+        if below is not None and step >= below:
+            continue
         try:
             verify(path)
             return path, problems
@@ -386,8 +438,10 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     Validity here is the manifest and the file sizes (no hashing): the newest was fully verified
     by finalize a moment ago, and each older one was when it was written. Invalid checkpoints are
     never deleted: a failed check may be a transient read error, and they are the evidence of
-    what went wrong; resume skips them. Scratch directories at or below the newest valid step
-    are leftovers of a crashed writer (a live save always writes a newer step), whatever pid.
+    what went wrong; resume skips them, and a save at the same step moves one to
+    step-N.invalid-<token> (finalize), where it stays. Scratch directories at or below the newest
+    valid step are leftovers of a crashed writer (a live save always writes a newer step),
+    whatever pid.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1 (the newest is always kept)")

@@ -33,8 +33,9 @@ LAG = 2
 
 
 class NonFiniteStep(RuntimeError, RunStopped):
-    """Every rank raises it at the same step: the run stops with no checkpoint saved after the
-    last good one."""
+    """Every rank raises it at the same step. Under trainer.nonfinite=stop no checkpoint was
+    saved after the last good step; under skip, a checkpoint saved during the streak of skipped
+    steps holds the parameters of the last good one (a skipped step changes none)."""
 
 
 @dataclass
@@ -179,11 +180,13 @@ class NonFiniteGuard:
         if self.on_skip is not None:
             self.on_skip(verdict.step, self.skipped)
         if self.consecutive > self.max_consecutive:
+            good = verdict.step - self.consecutive  # the last step whose update was applied
             raise NonFiniteStep(
                 f"step {verdict.step}: {what}, {self.consecutive} non-finite steps in a row "
-                f"(trainer.max_consecutive_skips={self.max_consecutive}): stopping; no checkpoint "
-                "saved after the last good step. Resume from the last checkpoint with a lower "
-                "optim.lr or trainer.grad_clip"
+                f"(trainer.max_consecutive_skips={self.max_consecutive}): stopping. Steps "
+                f"{good + 1}-{verdict.step} were skipped, so a checkpoint saved since step {good} "
+                f"holds the parameters of step {good}. Resume from the last checkpoint with a "
+                "lower optim.lr or trainer.grad_clip"
             )
         if self.rt.is_primary or not self.distributed:  # an agreed verdict: said once
             log.warning(

@@ -1,5 +1,6 @@
 """Optimizer and learning-rate schedule from `optim.*`: AdamW or SGD, decoupled weight decay on
-matrices only, linear warmup then cosine decay, stepped once per optimizer step.
+matrices only, linear warmup then cosine decay, stepped once per optimizer step; and a resumed
+run's optimizer and schedule, which keep this run's hyperparameters over the checkpoint's.
 """
 
 from __future__ import annotations
@@ -29,13 +30,19 @@ def build_optimizer(cfg: OptimConfig, model: nn.Module, device: torch.device):
     if cfg.name is OptimizerName.adamw:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
     optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=True)
-    if cfg.momentum:
-        # The fused kernel fills the momentum buffers it creates on the first step only if that
-        # step is not skipped; a skipped first step would leave them uninitialised. Zeros give
-        # the same first update (dampening 0: buffer = gradient).
-        for p in (p for g in groups for p in g["params"]):
-            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    _zero_momentum(optimizer)
     return optimizer
+
+
+def _zero_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """SGD with momentum: a zero buffer for every parameter that has none. The fused kernel
+    fills the buffers it creates on the first step only if that step is not skipped; a skipped
+    first step would leave them uninitialised. Zeros give the same first update (dampening 0:
+    buffer = gradient)."""
+    for group in optimizer.param_groups:
+        if group.get("momentum"):
+            for p in group["params"]:
+                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
@@ -51,3 +58,29 @@ def build_schedule(cfg: OptimConfig, optimizer: torch.optim.Optimizer, max_steps
     return LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
     )
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings, everything but its parameters: taken from the optimizer
+    as built from this run's config, before a checkpoint's state is loaded into it."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def keep_hyperparameters(
+    optimizer: torch.optim.Optimizer, schedule: LambdaLR, built: list[dict]
+) -> None:
+    """After a checkpoint's optimizer and schedule state were loaded: this run's settings
+    (`built`, hyperparameters() before the load) replace the checkpoint's, and the next step's
+    rate is the schedule's at the checkpoint's step from this run's optim.lr. The checkpoint
+    keeps the moments, the step counts and the schedule's step; the schedule's shape (warmup,
+    decay, min lr, trainer.max_steps) was this run's already. With unchanged settings every
+    value equals the one loaded, bit for bit (the same product LambdaLR computes)."""
+    for group, own in zip(optimizer.param_groups, built, strict=True):
+        group.update(own)
+    base = [group["initial_lr"] for group in optimizer.param_groups]
+    rates = [b * f(schedule.last_epoch) for b, f in zip(base, schedule.lr_lambdas, strict=True)]
+    # Through the schedule's own state format: get_last_lr() is what the next step logs.
+    schedule.load_state_dict({**schedule.state_dict(), "base_lrs": base, "_last_lr": rates})
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    _zero_momentum(optimizer)  # optim.momentum turned on: its buffers start at zero

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from mgpu.checkpoint import (
     CheckpointError,
@@ -27,13 +28,15 @@ from mgpu.checkpoint import (
     finalize,
     find_latest_valid,
     load,
+    newest_kept,
     prune,
     step_dir,
     step_dirs,
+    step_number,
     verify,
     write_rank_files,
 )
-from mgpu.config import CheckpointConfig
+from mgpu.config import CheckpointConfig, OptimConfig
 from mgpu.dist import Runtime, all_ok, broadcast_object, waiting
 from mgpu.sampler import DataCursor, ShardedSampler
 from mgpu.state import CheckpointMismatch, capture_rng, restore_rng
@@ -57,31 +60,45 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
 
     Rank 0 resolves ckpt.resume (after a torchrun restart, the newest valid checkpoint in the run
     directory comes first) and makes the token, new for every launch and restart; every rank
-    then loads its part of that one checkpoint. A collective: an error stops every rank."""
+    then loads its part of that one checkpoint. One that a rank cannot load (torch.load with
+    weights_only refuses it) is, when chosen as the run directory's newest, skipped like one
+    that fails its checksums: every rank goes on to the next older valid one. A collective: an
+    error stops every rank."""
     decision = None
     if rt.is_primary:
         token = f"{os.getpid()}-{secrets.token_hex(4)}"  # secrets: leaves the seeded RNGs alone
+        restarted = rt.restart_count > 0
         try:
-            path = resolve_resume(cfg.resume, root, restarted=rt.restart_count > 0)
-            decision = (token, str(path) if path else None, None)
+            path = resolve_resume(cfg.resume, root, restarted=restarted)
+            newest = path is not None and (cfg.resume == "auto" or restarted)
+            fallback = newest and path.parent.resolve() == Path(root).resolve()
+            decision = (token, str(path) if path else None, fallback, None)
         except CheckpointError as err:
-            decision = (token, None, (str(err.file), err.check))
+            decision = (token, None, False, (str(err.file), err.check))
     with waiting(rt.rank, "agreeing on the checkpoint to resume from"):
-        token, path, error = broadcast_object(decision, rt)
+        token, path, fallback, error = broadcast_object(decision, rt)
     if error is not None:
         raise CheckpointError(*error)
-    if path is None:
-        return None, token
-    loaded, error = None, None
-    try:
-        loaded = load(Path(path), rank=rt.rank, map_location=rt.device)
-    except CheckpointError as err:
-        error = err
-    with waiting(rt.rank, f"agreeing that every rank loaded {path}"):
-        loaded_everywhere = all_ok(error is None, rt)
-    if not loaded_everywhere:
-        raise error or CheckpointError(path, "unreadable on another rank (its log says why)")
-    return loaded, token
+    while path is not None:
+        loaded, error = None, None
+        try:
+            loaded = load(Path(path), rank=rt.rank, map_location=rt.device)
+        except CheckpointError as err:
+            error = err
+        with waiting(rt.rank, f"agreeing that every rank loaded {path}"):
+            loaded_everywhere = all_ok(error is None, rt)
+        if loaded_everywhere:
+            return loaded, token
+        if not fallback:
+            raise error or CheckpointError(path, "unreadable on another rank (its log says why)")
+        why = error or f"{path}: unreadable on another rank (its log says why)"
+        log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", why)
+        older = None
+        if rt.is_primary:
+            older = _newest_valid(Path(root), below=step_number(Path(path)))
+        with waiting(rt.rank, "agreeing on an older checkpoint to resume from"):
+            path = broadcast_object(str(older) if older else None, rt)
+    return None, token
 
 
 def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path | None:
@@ -106,7 +123,7 @@ def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path
         try:
             verify(other)
         except CheckpointError:
-            continue  # not a checkpoint: resume skips it, and a save at its step replaces it
+            continue  # not a checkpoint: resume skips it; a save at its step moves it aside
         what = "a fresh start (ckpt.resume=never)" if start is None else f"resuming from {start}"
         raise CheckpointError(
             other,
@@ -117,14 +134,17 @@ def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path
     return start
 
 
-def _newest_valid(root: Path) -> Path | None:
-    path, problems = find_latest_valid(root)
+def _newest_valid(root: Path, below: int | None = None) -> Path | None:
+    """The newest valid checkpoint under root (older than step `below`, when given: the newer
+    one could not be loaded), warning about each newer invalid one."""
+    path, problems = find_latest_valid(root, below=below)
     for problem in problems:
         log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", problem)
+    skipped = problems or below is not None
     if path is None:
-        level = logging.WARNING if problems else logging.INFO
+        level = logging.WARNING if skipped else logging.INFO
         log.log(level, "ckpt.resume=auto: no valid checkpoint under %s", root)
-    elif problems:
+    elif skipped:
         log.warning("ckpt.resume=auto: resuming from an OLDER checkpoint, %s", path)
     return path
 
@@ -137,6 +157,47 @@ def check_same_data(loaded: Loaded, sampler: ShardedSampler) -> None:
             f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
             f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
             f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
+        )
+
+
+# The settings a resumed run takes from its own config over the checkpoint's (mgpu.optim's
+# keep_hyperparameters), by optimizer: those it reads, and those of the schedule.
+_SETTINGS = {
+    "adamw": ("lr", "weight_decay", "betas", "eps"),
+    "sgd": ("lr", "weight_decay", "momentum"),
+}
+_SCHEDULE = ("warmup_steps", "min_lr_ratio")
+
+
+def check_settings(loaded: Loaded, optim: OptimConfig, max_steps: int, *, say: bool) -> None:
+    """A resumed run's optimizer and schedule settings against the config its checkpoint saved:
+    another optimizer type is refused (its moments mean nothing to this one); each other
+    setting that changed is logged once (`say`: rank 0), old -> new, and takes the new value."""
+    text = loaded.shared.get("config")
+    if not text:
+        return  # a state without its config (Trainer.state_dict): nothing to compare with
+    saved = OmegaConf.to_container(OmegaConf.create(text))
+    old = saved.get("optim", {})
+    name = optim.name.value
+    if old.get("name", name) != name:
+        raise CheckpointMismatch(
+            f"optim.name={name}: {loaded.path} was trained with optim.name={old['name']}, whose "
+            f"state {name} cannot continue from. Resume with optim.name={old['name']}, or start "
+            "this run in another run directory (hydra.run.dir=...)"
+        )
+    changes = [
+        (f"optim.{key}", old[key], getattr(optim, key))
+        for key in (*_SETTINGS[name], *_SCHEDULE)
+        if key in old and old[key] != getattr(optim, key)
+    ]
+    old_max = saved.get("trainer", {}).get("max_steps", max_steps)
+    if old_max != max_steps:
+        changes.append(("trainer.max_steps", old_max, max_steps))
+    if say and changes:
+        log.info(
+            "resuming with settings changed from %s: %s",
+            loaded.path,
+            ", ".join(f"{key} {was} -> {now}" for key, was, now in changes),
         )
 
 
@@ -216,7 +277,11 @@ class Checkpointer:
             log.error("checkpoint at step %d failed on another rank (its log says why)", step)
         if required:
             raise CheckpointError(step_dir(plan.root, step), "not saved (errors above)")
-        log.warning("training goes on; the previous checkpoint stays the newest")
+        kept = newest_kept(plan.root)
+        if kept is not None:
+            log.warning("training goes on; %s stays the newest checkpoint", kept)
+        else:
+            log.warning("training goes on; no checkpoint in %s yet", plan.root)
         return None
 
     def restore_rng(self, generators: Generators) -> None:

@@ -31,7 +31,7 @@ from mgpu.numerics import set_math_modes
 from mgpu.optim import build_optimizer, build_schedule
 from mgpu.preempt import Preemption
 from mgpu.profiling import StepProfiler
-from mgpu.resume import Checkpointer, CheckpointPlan, check_same_data, resume_point
+from mgpu.resume import Checkpointer, CheckpointPlan, check_same_data, check_settings, resume_point
 from mgpu.shard import ShardedOptimizer
 from mgpu.trainer import Trainer
 
@@ -189,6 +189,7 @@ def build_run(
     )
     if loaded is not None:
         check_same_data(loaded, train_loader.sampler)
+        check_settings(loaded, cfg.optim, tc.max_steps, say=rt.is_primary)
         trainer.load_state_dict(loaded.shared, source=str(loaded.path))
         del loaded  # its tensors are in the model and optimizer now
     announce(cfg, rt, run_dir, model, board, config_text)

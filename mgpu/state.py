@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mgpu.dist import RunStopped
+from mgpu.optim import hyperparameters, keep_hyperparameters
 from mgpu.sampler import DataCursor
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,14 @@ def training_state(
 def restore_training_state(
     state: dict, *, model: nn.Module, optimizer, schedule, scaler, source: str = "checkpoint"
 ) -> tuple[int, DataCursor]:
-    """Load training_state's output into live objects; returns (step, data cursor)."""
+    """Load training_state's output into live objects; returns (step, data cursor). The
+    optimizer and schedule keep the hyperparameters they were built with (this run's config:
+    a new optim.lr on resume takes effect), and take the checkpoint's moments and step counts."""
     restore_model(model, state["model"], source=source)
+    built = hyperparameters(optimizer)
     restore_optimizer(optimizer, state["optimizer"], model=model, source=source)
     schedule.load_state_dict(state["schedule"])
+    keep_hyperparameters(optimizer, schedule, built)
     if scaler.is_enabled() and not state["scaler"]:
         log.warning("%s was saved without loss scaling; the fp16 scaler starts afresh", source)
     else:

@@ -76,8 +76,15 @@ def test_skip_stops_after_max_consecutive_skips(tmp_path):
     assert proc.returncode == 1, output(proc)[-3000:]
     assert "step 7: the loss is NaN/inf on rank 0, 3 non-finite steps in a row" in output(proc)
     assert no_worker_traceback(proc), output(proc)[-3000:]
-    # Step 5 was skipped, so its checkpoint holds the parameters after step 4: still good.
+    # Step 5 was skipped, so its checkpoint holds the parameters after step 4: still good, and
+    # the stop says so.
     assert checkpoints(run_dir) == ["step-00000005"]
+    said = (
+        "Steps 5-7 were skipped, so a checkpoint saved since step 4 holds the parameters of step 4"
+    )
+    assert said in output(proc), output(proc)[-3000:]
+    state = torch.load(step_dir(run_dir / "checkpoints", 5) / "state.pt", weights_only=True)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {4}
 
 
 def test_ranks_that_train_apart_decide_alone(tmp_path):

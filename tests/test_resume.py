@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import free_port, gloo_runtime, read_scalars, run_train, spawn
 from faults import first_sample_of_step, recorded
-from test_checkpoint import bitflip, no_space
+from test_checkpoint import Shell, bitflip, no_space, reseal
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.board import TensorBoard
@@ -27,7 +27,7 @@ from mgpu.dist import Runtime, attempt_prefix, parse_launch_env, restart_hazard
 from mgpu.guard import LAG, NonFiniteGuard
 from mgpu.metrics import Recorder
 from mgpu.models import MLP
-from mgpu.optim import build_optimizer, build_schedule
+from mgpu.optim import build_optimizer, build_schedule, lr_factor
 from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
 from mgpu.resume import Checkpointer, CheckpointPlan
 from mgpu.sampler import ShardedSampler, epoch_order
@@ -234,18 +234,64 @@ def test_sigterm_to_a_world_of_one_exits_with_the_preempted_code(tmp_path):
     assert (run_dir / "checkpoints" / "step-00000003" / "manifest.json").is_file()
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference):
+def pickled(path):
+    """state.pt with a shell command inside, and a manifest that matches it (a forged file)."""
+    state = torch.load(path, weights_only=True)
+    torch.save({**state, "payload": Shell()}, path)
+    reseal(path.parent)
+
+
+@pytest.mark.parametrize(
+    "damage, check",
+    [(bitflip, "checksum mismatch"), (pickled, "refused by torch.load(weights_only=True)")],
+    ids=["bitflip", "pickled"],
+)
+def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference, damage, check):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
-    bitflip(step_dir(run_dir / "checkpoints", 20) / "state.pt")
+    bad = step_dir(run_dir / "checkpoints", 20) / "state.pt"
+    damage(bad)
+    damaged = bad.read_bytes()
     never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
     proc = run_train([*RUN, *never, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     assert proc.returncode == 0, output(proc)[-3000:]
-    bad = step_dir(run_dir / "checkpoints", 20) / "state.pt"
-    assert f"skipping invalid checkpoint: {bad}: checksum mismatch" in output(proc)
+    assert f"skipping invalid checkpoint: {bad}: {check}" in output(proc)
+    assert "weights_only=False" not in output(proc) and "set to `False`" not in output(proc)
     assert "resuming from an OLDER checkpoint" in output(proc)
     assert "step 15, epoch 0" in output(proc)
     assert_same_run(run_dir, reference)  # step 20 again, this time intact
+    if damage is bitflip:  # invalid: saved over, it stays out of the way as evidence
+        (evidence,) = (run_dir / "checkpoints").glob("step-00000020.invalid-*")
+        assert (evidence / "state.pt").read_bytes() == damaged
+
+
+def test_a_resume_trains_with_the_optimizer_settings_of_its_command_line(tmp_path, reference):
+    """A stopped run continued with a lower optim.lr (the non-finite stop's advice), another
+    weight decay and warmup: from the first resumed step the run trains with them, from the
+    checkpoint's moments and step counts; the log names each change once."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(step_dir(reference / "checkpoints", 10), step_dir(run_dir / "checkpoints", 10))
+    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
+    new = ["optim.lr=5e-4", "optim.weight_decay=0.05", "optim.warmup_steps=4"]
+    proc = run_train([*RUN, *never, *new, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    assert proc.returncode == 0, output(proc)[-3000:]
+    said = f"resuming with settings changed from {step_dir(run_dir / 'checkpoints', 10)}: "
+    said += "optim.lr 0.001 -> 0.0005, optim.weight_decay 0.1 -> 0.05, optim.warmup_steps 20 -> 4"
+    assert output(proc).count(said) == 1, output(proc)[-3000:]  # once, by rank 0
+    # The rate each resumed step logs is the new schedule's (linear warmup over 4 steps, then
+    # cosine to 0.1 of 5e-4 at step 20), unlike the reference's at every one of those steps.
+    logged = dict(read_scalars(run_dir)["train/lr"])
+    old = dict(read_scalars(reference)["train/lr"])
+    assert sorted(logged) == list(range(11, 21))
+    for step, rate in logged.items():
+        assert rate == pytest.approx(5e-4 * lr_factor(step - 1, 4, 20, 0.1), rel=1e-6), step
+        assert rate != pytest.approx(old[step], rel=1e-3), step
+    state = final_state(run_dir)["optimizer"]
+    decayed, flat = state["param_groups"]
+    assert (decayed["initial_lr"], decayed["weight_decay"], flat["weight_decay"]) == (5e-4, 0.05, 0)
+    assert decayed["lr"] == pytest.approx(5e-4 * lr_factor(20, 4, 20, 0.1))
+    # The moments went on from the checkpoint's: 10 updates there, 10 here.
+    assert {int(s["step"]) for s in state["state"].values()} == {20}
 
 
 def test_resume_on_another_world_size_sees_each_sample_once(tmp_path):
@@ -307,8 +353,12 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
             ["data.num_samples=5000", "ckpt.resume={ref}/checkpoints/step-00000020"],
             "trained on 100000 samples shuffled with trainer.seed=0; this run has 5000",
         ),
+        (
+            ["optim=sgd", "ckpt.resume={ref}/checkpoints/step-00000015"],
+            "optim.name=sgd: {ref}/checkpoints/step-00000015 was trained with optim.name=adamw",
+        ),
     ],
-    ids=["shape", "never-over-newer", "other-data"],
+    ids=["shape", "never-over-newer", "other-data", "other-optimizer"],
 )
 def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
     tmp_path, reference, args, message
@@ -434,6 +484,12 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     data = TensorDataset(torch.randn(40, 8), torch.randint(0, 5, (40,)))
     sampler = ShardedSampler(40, 0, 1, shuffle=True, seed=0, even=True)
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
+    no_space(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="mgpu.resume"):
+        assert trainer.save(2, loader, required=False) is None  # before any checkpoint
+    assert f"training goes on; no checkpoint in {root} yet" in caplog.text
+    monkeypatch.undo()
+    caplog.clear()
     assert trainer.save(3, loader, required=False) == step_dir(root, 3)
     # 3 steps x 2 micro-batches x 4 samples: 24 of epoch 0's 40; the config text rides along
     shared = load(step_dir(root, 3), rank=0).shared
@@ -442,7 +498,8 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     with caplog.at_level(logging.INFO, logger="mgpu.trainer"):
         assert trainer.save(4, loader, required=False) is None
     assert "checkpoint at step 4 failed on rank 0" in caplog.text
-    assert "No space left on device" in caplog.text and "training goes on" in caplog.text
+    assert "No space left on device" in caplog.text
+    assert f"training goes on; {step_dir(root, 3)} stays the newest checkpoint" in caplog.text
     with pytest.raises(CheckpointError, match="step-00000005: not saved"):
         trainer.save(5, loader, required=True)  # final or preemption: stops the run
     assert find_latest_valid(root) == (step_dir(root, 3), [])
