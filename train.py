@@ -1,14 +1,20 @@
-"""mgpu's entry point: config -> typed objects -> process group -> build -> fit -> teardown.
+"""mgpu's entry point: command line -> config -> typed objects -> process group -> build -> fit ->
+teardown.
 
 torchrun --nproc_per_node=2 train.py [key=value ...]
 """
 
 # ruff: noqa: E402 - the start time is taken before the imports, which take seconds
 
+import signal
 import time
 
 STARTED_AT = time.time()  # goodput's start-up counts from here
+# Held back until the command line is checked (mgpu.config_cli.stop_on_bad_command_line says why)
+HELD_SIGTERMS: list[int] = []
+signal.signal(signal.SIGTERM, lambda signum, _frame: HELD_SIGTERMS.append(signum))
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -16,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mgpu.config import resolved_yaml, to_config
+from mgpu.config_cli import stop_on_bad_command_line
 from mgpu.dist import check_same_config, distributed, exit_process, quiet_other_ranks, stopped
 from mgpu.preempt import Preemption
 from mgpu.run import build_run
@@ -40,4 +47,6 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # One line and exit 2 for a command line that cannot work, before Hydra makes anything
+    stop_on_bad_command_line(sys.argv[1:], HELD_SIGTERMS)
     exit_process(main)  # with mgpu.dist's teardown rule
