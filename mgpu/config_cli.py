@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import os
 import signal
 import sys
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -148,17 +149,22 @@ def stop_on_bad_command_line(args: list[str], held_sigterms: list[int]) -> None:
     try:
         check_command_line(args)
     except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
-        say_config_error(err)
-        sys.exit(2)
+        stop_with_config_error(err)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if held_sigterms:
         signal.raise_signal(signal.SIGTERM)
 
 
-def say_config_error(err: Exception) -> None:
-    """The one line of a config error, on local rank 0's console; the other ranks stay quiet."""
+def stop_with_config_error(err: Exception) -> NoReturn:
+    """The one line of a config error, on local rank 0's console (the other ranks stay quiet),
+    and exit code 2. os._exit, not sys.exit: Python's own shutdown puts SIGTERM's default
+    action back, and torchrun's SIGTERM, sent as the first rank exits, would then end a rank
+    that is exiting on its own with -15 instead of 2."""
     if dist.launch_env().local_rank == 0:
         print(f"mgpu: config error: {describe_error(err)}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 class ValidateOnRunStart(Callback):
@@ -169,9 +175,7 @@ class ValidateOnRunStart(Callback):
         try:
             check_config(config, multirun=config.hydra.mode.name == "MULTIRUN")
         except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
-            # SystemExit passes through Hydra's error handler untouched: one line, no traceback.
-            say_config_error(err)
-            sys.exit(2)
+            stop_with_config_error(err)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.on_run_start(config)
