@@ -2,10 +2,9 @@
 with one clear line before any process group or run directory exists."""
 
 import math
-import re
 
 import pytest
-from conftest import ROOT, run_train
+from conftest import ROOT, one_line_under_torchrun, run_train
 from hydra import compose, initialize_config_dir
 
 from mgpu.config import ConfigError, GPTModelConfig, NgramDataConfig, to_config
@@ -92,21 +91,6 @@ def test_bad_input_exits_before_any_run_directory(tmp_path, override, expected):
         assert word in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
-
-
-def one_line_under_torchrun(proc, run_dir, prefix: str = "mgpu: config error: ") -> str:
-    """What bad input must give under torchrun: one line of mgpu's, said once (not once per
-    rank), every worker's exit code 2, no traceback but torchrun's own summary (its
-    ChildFailedError for any worker that did not exit 0, which mgpu cannot avoid), and no run
-    directory if `run_dir` is given. Returns the line."""
-    lines = [line for line in proc.stderr.splitlines() if prefix in line]
-    assert len(lines) == 1, proc.stderr
-    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, proc.stderr  # torchrun's
-    assert proc.stderr.count("Traceback") == 1, proc.stderr  # torchrun's own only
-    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr))
-    assert codes == {"2"}, proc.stderr
-    assert run_dir is None or not run_dir.exists()
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
