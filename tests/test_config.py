@@ -9,6 +9,7 @@ from hydra import compose, initialize_config_dir
 
 from mgpu.config import ConfigError, GPTModelConfig, NgramDataConfig, to_config
 from mgpu.data.prepare import main as prepare_main
+from mgpu.run import unused_vocabulary
 
 
 def compose_config(*overrides):
@@ -152,6 +153,11 @@ def test_gpt2_small_on_byte_tokens_has_a_byte_vocabulary():
     # model.vocab_size=auto follows the data: no 50,048 rows the data never uses
     cfg = to_config(compose_config("model=gpt2_small", "data.vocab_size=256"))
     assert cfg.model.vocab_size == 256
+    assert unused_vocabulary(cfg) is None
+    cfg = to_config(
+        compose_config("model=gpt2_small", "model.vocab_size=50304", "data.vocab_size=256")
+    )
+    assert "50048 embedding rows" in unused_vocabulary(cfg)  # said once at the start of the run
 
 
 def test_ngram_entropy_is_what_the_readme_states():
