@@ -72,10 +72,11 @@ def check_command_line(args: list[str], conf_dir: Path = CONF_DIR) -> None:
         return
     try:
         overrides = OverridesParser.create().parse_overrides(args)
-    except HydraException as err:
-        line = str(err).splitlines()
-        why = f"{line[1]}; write key=value"
-        raise ConfigError("override", line[0].split("'")[1], why) from None
+    except HydraException as err:  # "Error parsing override 'X'", then the parser's words
+        lines = str(err).splitlines()
+        bad = next((arg for arg in args if f"'{arg}'" in lines[0]), " ".join(args))
+        why = f"{lines[-1] if len(lines) < 3 else lines[1]}; write key=value"
+        raise ConfigError("override", bad, why) from None
     if any(o.is_sweep_override() for o in overrides):
         return
     for override in overrides:
