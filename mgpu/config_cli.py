@@ -139,20 +139,22 @@ def _default(schema: Any, name: str) -> Any:
     return None
 
 
-def stop_on_bad_command_line(args: list[str], held_sigterms: list[int]) -> None:
+def stop_on_bad_command_line(args: list[str]) -> None:
     """train.py's first step: a bad command line ends this process with one line, said by local
-    rank 0 only (once per node, not once per rank), and exit code 2.
-
-    torchrun stops the other workers as soon as one exits with an error, and would kill the one
-    that says it (local rank 0) before it could: train.py holds SIGTERM back from its first line
-    (`held_sigterms` are those that came); here the default comes back, and a held one is
-    delivered, once the command line passed."""
+    rank 0 only (once per node, not once per rank), and exit code 2."""
     try:
         check_command_line(args)
     except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
         stop_with_config_error(err)
+
+
+def release_sigterm(held: list[int]) -> None:
+    """SIGTERM's default action back, once the config checks passed, and any SIGTERM that came
+    meanwhile (`held`) delivered. torchrun stops the other workers as soon as one exits with an
+    error, and would kill the one that says it (local rank 0) before it could: train.py holds
+    SIGTERM back from its first line until its checks and Hydra's (ValidateOnRunStart) ran."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if held_sigterms:
+    if held:
         signal.raise_signal(signal.SIGTERM)
 
 
