@@ -138,12 +138,12 @@ class TokenFileDataConfig(DataConfig):
         for key in ("seq_len", "eval_samples"):
             _positive(f"data.{key}", getattr(self, key), "a positive integer")
         _auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
+        self._resolve_tokenizer()
         if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
             try:
                 check_token_file(self.path, self.seq_len, self.eval_samples)
             except ValueError as err:
                 raise ConfigError("data.path", self.path, str(err)) from None
-        self._resolve_tokenizer()
 
     def _resolve_tokenizer(self) -> None:
         """auto from the file's metadata, a tokenizer.json given by path hashed, and the

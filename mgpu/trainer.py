@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from mgpu import watchdog
 from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import TrainerConfig
-from mgpu.dist import RunStopped, Runtime, all_ok, all_reduce_sum_, is_timeout, waiting
+from mgpu.dist import BAD_INPUT, RunStopped, Runtime, all_ok, all_reduce_sum_, is_timeout, waiting
 from mgpu.goodput import Goodput
 from mgpu.graphs import GraphedLoss, ModelLoss, use_graphs
 from mgpu.guard import NonFiniteGuard, fused
@@ -75,7 +75,7 @@ class PeerInputError(RunStopped):
     """Another rank found bad input before the first step: it says so; this rank stops with
     it, quietly (in its log) and with the same exit code."""
 
-    exit_code = 2
+    exit_code = BAD_INPUT
     level = logging.INFO
 
 

@@ -549,7 +549,8 @@ def test_advance_from_a_cursor_left_by_another_world():
 
 def test_checkpoint_config_validates(tmp_path):
     assert CheckpointConfig().resume == "auto"
-    CheckpointConfig(every=0, keep_last=1, resume=str(tmp_path))
+    (tmp_path / "checkpoints").mkdir()
+    CheckpointConfig(every=0, keep_last=1, resume=str(tmp_path))  # a run directory
     for kwargs, key in [
         ({"every": -1}, "ckpt.every"),
         ({"keep_last": 0}, "ckpt.keep_last"),

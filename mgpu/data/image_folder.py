@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from mgpu.config_checks import ConfigError
 from mgpu.data.images import normalize_uint8
-from mgpu.dist import RunStopped
+from mgpu.dist import BAD_INPUT, RunStopped
 from mgpu.sampler import SampleKey
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class BadImageFile(ValueError, RunStopped):
     exception is rebuilt in the training process from its message (with the worker's traceback
     before it, which report() leaves out). Bad input: exit 2, said by the rank that read it."""
 
-    exit_code = 2
+    exit_code = BAD_INPUT
     every_rank = False
 
     def report(self) -> str:
