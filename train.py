@@ -1,14 +1,20 @@
-"""mgpu's entry point: config -> typed objects -> process group -> build -> fit -> teardown.
+"""mgpu's entry point: command line -> config -> typed objects -> process group -> build -> fit ->
+teardown.
 
 torchrun --nproc_per_node=2 train.py [key=value ...]
 """
 
 # ruff: noqa: E402 - the start time is taken before the imports, which take seconds
 
+import signal
 import time
 
 STARTED_AT = time.time()  # goodput's start-up counts from here
+# Held back until the config is checked (mgpu.config_cli.release_sigterm says why)
+HELD_SIGTERMS: list[int] = []
+signal.signal(signal.SIGTERM, lambda signum, _frame: HELD_SIGTERMS.append(signum))
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -16,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from mgpu.config import resolved_yaml, to_config
+from mgpu.config_cli import release_sigterm, stop_on_bad_command_line
 from mgpu.dist import check_same_config, distributed, exit_process, quiet_other_ranks, stopped
 from mgpu.preempt import Preemption
 from mgpu.run import build_run
@@ -23,6 +30,7 @@ from mgpu.run import build_run
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
+    release_sigterm(HELD_SIGTERMS)  # the checks passed (Hydra's callback ran before this)
     cfg = to_config(dcfg)  # already validated before Hydra made the run directory
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s, cfg.dist.cpu_affinity) as rt:
@@ -40,4 +48,6 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # One line and exit 2 for a command line that cannot work, before Hydra makes anything
+    stop_on_bad_command_line(sys.argv[1:])
     exit_process(main)  # with mgpu.dist's teardown rule

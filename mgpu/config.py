@@ -8,16 +8,15 @@ process group or run directory exists, with one line naming the key, the value a
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
-import sys
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
-import torch
 from hydra.core.config_store import ConfigStore
-from hydra.experimental.callback import Callback
 from hydra.utils import get_object
 from omegaconf import MISSING, DictConfig, OmegaConf, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -252,7 +251,8 @@ class OptimConfig:
 class CheckpointConfig:
     every: int = 100  # steps between checkpoints; 0: only the final one at the end of training
     keep_last: int = 3  # newest valid checkpoints kept in <run dir>/checkpoints/; older deleted
-    # auto: the newest valid one in the run dir, if any; never: start at step 0; or a step dir.
+    # auto: the newest valid one in the run dir, if any; never: start at step 0; or a run
+    # directory (its newest valid checkpoint), or one checkpoint (<run dir>/checkpoints/step-N).
     # After a torchrun restart the newest valid one in the run dir comes first, whatever this is.
     resume: str = "auto"
 
@@ -260,8 +260,19 @@ class CheckpointConfig:
         _non_negative("ckpt.every", self.every, "100 (0: only the final checkpoint)")
         _positive("ckpt.keep_last", self.keep_last, "3")
         ok = self.resume in ("auto", "never") or os.path.isdir(self.resume)
-        why = "must be auto, never, or an existing <run dir>/checkpoints/step-NNNNNNNN directory"
+        why = (
+            "must be auto, never, a run directory (its newest valid checkpoint) or one of its "
+            "checkpoints, <run dir>/checkpoints/step-NNNNNNNN"
+        )
         _require(ok, "ckpt.resume", self.resume, why)
+        path = Path(self.resume)
+        if ok and self.resume not in ("auto", "never") and not path.name.startswith("step-"):
+            has = (path / "checkpoints").is_dir() or path.name == "checkpoints"
+            why = (
+                "is a directory with no checkpoints/ (it is not a run directory, or its run "
+                "saved none yet); name a run directory or <run dir>/checkpoints/step-NNNNNNNN"
+            )
+            _require(has or (path / "manifest.json").is_file(), "ckpt.resume", self.resume, why)
 
 
 @dataclass
@@ -397,12 +408,10 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
         schema = OmegaConf.get_type(cfg[group])
         known = {f.name for f in fields(schema)}
         for key in cfg[group].keys():
-            _require(
-                key in known,
-                f"{group}.{key}",
-                cfg[group][key],
-                f"is not a key of {group} ({schema.__name__}); known: {sorted(known)}",
-            )
+            close = difflib.get_close_matches(str(key), known, n=1)
+            fix = f"did you mean {group}.{close[0]}?" if close else f"known: {sorted(known)}"
+            why = f"is not a key of {group} ({schema.__name__}); {fix}"
+            _require(key in known, f"{group}.{key}", cfg[group][key], why)
 
 
 def describe_error(err: Exception) -> str:
@@ -414,30 +423,6 @@ def describe_error(err: Exception) -> str:
             return f"{key} is required and has no value: set it on the command line, {key}=..."
         return f"{key}: {first}" if key else first
     return str(err)
-
-
-class ValidateOnRunStart(Callback):
-    """Hydra calls this after composing the config and before it creates the run directory."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            cfg = to_config(config)
-            dist.check_launch(cfg.dist.backend.value)
-            if cfg.trainer.precision is Precision.fp8:
-                from mgpu.fp8 import check_fp8  # the device this rank will train on
-
-                local = dist.launch_env().local_rank
-                on_cuda = torch.cuda.is_available()
-                check_fp8(torch.device("cuda", local) if on_cuda else torch.device("cpu"))
-            dist.check_sweep_launch(multirun=config.hydra.mode.name == "MULTIRUN")
-        except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
-            # SystemExit passes through Hydra's error handler untouched, so the user sees
-            # exactly one line and no traceback.
-            print(f"mgpu: config error: {describe_error(err)}", file=sys.stderr)
-            sys.exit(2)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.on_run_start(config)
 
 
 def register() -> None:

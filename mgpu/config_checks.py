@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mgpu.dist import RunStopped
+from mgpu.dist import BAD_INPUT, RunStopped
 
 
 class ConfigError(ValueError, RunStopped):
     """A config value that cannot work; the message names the key, the value and the fix."""
+
+    exit_code = BAD_INPUT
 
     def __init__(self, key: str, value: Any, why: str):
         super().__init__(f"{key}={value!r}: {why}")

@@ -20,6 +20,7 @@ from mgpu.config_checks import (
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
 from mgpu.data.image_shards import load_index
+from mgpu.data.token_file import check_token_file
 from mgpu.data.tokenizer import (
     BYTES,
     TokenizerError,
@@ -138,6 +139,11 @@ class TokenFileDataConfig(DataConfig):
             _positive(f"data.{key}", getattr(self, key), "a positive integer")
         _auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
         self._resolve_tokenizer()
+        if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
+            try:
+                check_token_file(self.path, self.seq_len, self.eval_samples)
+            except ValueError as err:
+                raise ConfigError("data.path", self.path, str(err)) from None
 
     def _resolve_tokenizer(self) -> None:
         """auto from the file's metadata, a tokenizer.json given by path hashed, and the

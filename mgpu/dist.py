@@ -9,8 +9,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 
 # Whether this process joined a process group (the teardown rule in exit_process).
 _joined = False
+
+
+BAD_INPUT = 2  # the exit code of a stop for input that cannot work (a config, a data file)
 
 
 class RunStopped(Exception):
@@ -336,6 +341,10 @@ def stopped(rt: Runtime) -> Iterator[None]:
     try:
         yield
     except RunStopped as err:
+        if err.exit_code == BAD_INPUT and threading.current_thread() is threading.main_thread():
+            # Every rank stops on its own, with this code: torchrun's SIGTERM, sent as the
+            # first of them exits, would turn the others' into -15 on their way out.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         loud = rt.is_primary or not err.every_rank  # an agreed stop is said once
         logging.getLogger("mgpu").log(err.level if loud else logging.INFO, "%s", err.report())
         raise SystemExit(err.exit_code) from None

@@ -138,8 +138,10 @@ class Recorder:
     ):
         self.rt, self.board, self.clock = rt, board, Clock(rt.device)
         # Host counters published with every record, as they stand (the training set's own,
-        # e.g. image_folder's data/bad_files_replaced): this rank's, like data wait.
+        # e.g. image_folder's data/bad_files_replaced): summed over ranks, riding the rank
+        # spread's exchange (so written a log interval later, at the step they were read).
         self.counters = counters
+        self._counter_names: list[str] = []
         # Takes the reducer's (backward end, communication end) marks since the last call
         # (GradReducer.take_exposed): rank 0's own, like data wait.
         self.comm_marks = comm_marks
@@ -249,11 +251,12 @@ class Recorder:
         if iv.data_wait is not None:
             values["time/data_host_wait_ms"] = iv.data_wait.host_s * 1e3 / iv.steps
         values.update(memory_scalars(self.rt.device))
-        values.update(iv.counters)
         wait_ms = values.get("time/data_wait_ms", 0.0)
-        self.spread.exchange(iv.step, [step_ms, wait_ms, values.get("time/compute_ms", 0.0)])
+        mine = [step_ms, wait_ms, values.get("time/compute_ms", 0.0)]
+        self._counter_names = list(iv.counters)  # the same names, in order, on every rank
+        self.spread.exchange(iv.step, mine + list(iv.counters.values()))
         for step, table in self.spread.take():
-            self.board.scalars(step, spread_scalars(table, SPREAD))
+            self._write_spread(step, table)
         if self.goodput is not None:
             self.goodput.move_to_stall(wait_ms * iv.steps / 1e3)
             values.update(self.goodput.scalars())
@@ -308,10 +311,17 @@ class Recorder:
         """At the end of training, on every rank: the rank spread still in flight (a
         collective's result, read now), and goodput including the final eval and save."""
         for at, table in self.spread.take(everything=True):
-            self.board.scalars(at, spread_scalars(table, SPREAD))
+            self._write_spread(at, table)
         if self.goodput is not None:
             self.board.scalars(step, self.goodput.scalars())
         self.save_goodput()
+
+    def _write_spread(self, step: int, table: list[list[float]]) -> None:
+        """An exchange's rank spread, and its counters summed over ranks."""
+        values = spread_scalars(table, SPREAD)
+        for k, name in enumerate(self._counter_names, start=len(SPREAD)):
+            values[name] = sum(row[k] for row in table)
+        self.board.scalars(step, values)
 
     def save_goodput(self) -> None:
         if self.goodput is not None:

@@ -22,9 +22,11 @@ import torch
 from omegaconf import OmegaConf
 
 from mgpu.checkpoint import (
+    MANIFEST,
     CheckpointError,
     Loaded,
     abort,
+    checkpoint_root,
     finalize,
     find_latest_valid,
     load,
@@ -115,7 +117,7 @@ def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path
         path = _newest_valid(Path(root))
         if path is not None or setting == "auto":
             return path
-    start = None if setting == "never" else Path(setting)
+    start = None if setting == "never" else _checkpoint_in(Path(setting))
     step = 0 if start is None else verify(start)["step"]
     for other_step, other in step_dirs(root):
         if other_step <= step or (start is not None and other.resolve() == start.resolve()):
@@ -132,6 +134,19 @@ def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path
             "continue that run with ckpt.resume=auto",
         )
     return start
+
+
+def _checkpoint_in(path: Path) -> Path:
+    """ckpt.resume=PATH: a checkpoint directory itself; a run directory (or its checkpoints/),
+    its newest valid checkpoint, as mgpu.evaluate, sample and export read one."""
+    if path.name.startswith("step-") or (path / MANIFEST).exists():
+        return path  # verify says which check it fails, if any
+    root = path if path.name == "checkpoints" else checkpoint_root(path)
+    newest = _newest_valid(root)
+    if newest is None:
+        why = "no valid checkpoint to resume from (ckpt.resume names this run's checkpoints)"
+        raise CheckpointError(root, f"{why}; name another run, or use ckpt.resume=never")
+    return newest
 
 
 def _newest_valid(root: Path, below: int | None = None) -> Path | None:

@@ -21,6 +21,7 @@ from mgpu.board import TensorBoard, describe
 from mgpu.checkpoint import checkpoint_root
 from mgpu.comm import MgpuDataParallel, wrap_model
 from mgpu.config import Config, Engine, Precision
+from mgpu.config_model import VOCAB_MULTIPLE
 from mgpu.data.tokenizer import BYTES, copy_to_run
 from mgpu.dist import Runtime, waiting
 from mgpu.goodput import Goodput
@@ -81,6 +82,22 @@ def build_recorder(
     )
 
 
+def unused_vocabulary(cfg: Config) -> str | None:
+    """One line where model.vocab_size was set above what the data's vocabulary needs: rows the
+    data never uses, trained and saved for nothing (model.vocab_size=auto follows the data)."""
+    rows = getattr(cfg.model, "vocab_size", None)
+    tokens = getattr(cfg.data, "vocab_size", None)
+    if not (isinstance(rows, int) and isinstance(tokens, int)):
+        return None
+    padded = -(-tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # what model.vocab_size=auto takes
+    if rows <= padded:
+        return None
+    return (
+        f"model.vocab_size={rows} is above data.vocab_size={tokens}: {rows - tokens} embedding "
+        f"rows no token of the data uses; model.vocab_size=auto follows the data ({padded})"
+    )
+
+
 def announce(
     cfg: Config, rt: Runtime, run_dir: Path, model: nn.Module, board: TensorBoard, text: str
 ) -> None:
@@ -92,6 +109,9 @@ def announce(
         "run dir %s | %d process(es), backend %s, device %s | %s, %.2fM parameters",
         run_dir, rt.world_size, rt.backend, rt.device, cfg.model._target_, params / 1e6,
     )  # fmt: skip
+    unused = unused_vocabulary(cfg)
+    if unused is not None and rt.is_primary:
+        log.warning("%s", unused)
 
 
 def keep_tokenizer(cfg: Config, run_dir: Path) -> None:

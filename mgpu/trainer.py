@@ -14,7 +14,7 @@ the exception: saving reads everything back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from mgpu import watchdog
 from mgpu.comm import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.config import Precision, TrainerConfig
-from mgpu.dist import Runtime, all_reduce_sum_, is_timeout
+from mgpu.dist import BAD_INPUT, RunStopped, Runtime, all_ok, all_reduce_sum_, is_timeout, waiting
 from mgpu.fp8 import check_fp8
 from mgpu.goodput import Goodput
 from mgpu.graphs import GraphedLoss, ModelLoss, use_graphs
@@ -61,6 +61,23 @@ def generators(data: DataLoader) -> dict[str, torch.Generator]:
 
 # clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
 CLIP_EPS = 1e-6
+
+
+def _prepended(first: list[Any], batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
+    """`first`, then `batches`, which closing this closes (fit's end closes its batches)."""
+    try:
+        yield from first
+        yield from batches
+    finally:
+        batches.close()
+
+
+class PeerInputError(RunStopped):
+    """Another rank found bad input before the first step: it says so; this rank stops with
+    it, quietly (in its log) and with the same exit code."""
+
+    exit_code = BAD_INPUT
+    level = logging.INFO
 
 
 class Trainer:
@@ -336,6 +353,7 @@ class Trainer:
         batches = self._begin(train)
         try:
             self.watch.start()  # the stall clock and progress reports, until the end
+            batches = self._first_batch_everywhere(batches)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
                 lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
                 loss, bad = self._step(batches, step)  # data, forward/backward, agree, update
@@ -404,6 +422,26 @@ class Trainer:
             self.checkpointer.restore_rng(self._generators)  # the last thing before the first step
         self.recorder.begin()
         return batches
+
+    def _first_batch_everywhere(self, batches: Generator[Any, None, None]) -> Iterator[Any]:
+        """The batches, the first one read before the first step and agreed on: bad input found
+        there (an unreadable image under data.bad_files=error) stops every rank, the one that
+        read it with its one line and the others quietly, all with exit code 2; not that rank
+        alone, leaving the others to fail in the step's collectives with tracebacks."""
+        error = None
+        try:
+            first = [next(batches)]
+        except StopIteration:
+            first = []
+        except RunStopped as err:
+            error = err
+        with waiting(self.rt.rank, "agreeing that every rank read its first batch"):
+            everywhere = all_ok(error is None, self.rt)
+        if error is not None:
+            raise error
+        if not everywhere:
+            raise PeerInputError("another rank could not read its first batch (it says why)")
+        return _prepended(first, batches)
 
     def _evaluate_and_save(
         self, step: int, eval_loader: Iterable | None, save: bool, required: bool

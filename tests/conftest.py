@@ -2,6 +2,7 @@
 what it wrote."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,6 +55,22 @@ def run_train(
         text=True,
         timeout=timeout,
     )
+
+
+def one_line_under_torchrun(proc, run_dir, prefix: str = "mgpu: config error: ") -> str:
+    """What bad input must give under torchrun: one line of mgpu's, said once (not once per
+    rank), every worker's exit code 2, no traceback but torchrun's own summary (its
+    ChildFailedError for any worker that did not exit 0, which mgpu cannot avoid), and no run
+    directory if `run_dir` is given. Returns the line, found by `prefix`."""
+    output = proc.stdout + proc.stderr  # mgpu's log lines are on stdout (Hydra's console)
+    lines = [line for line in output.splitlines() if prefix in line]
+    assert len(lines) == 1, output
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, output  # torchrun's
+    assert output.count("Traceback") == 1, output  # torchrun's own only
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr))
+    assert codes == {"2"}, proc.stderr
+    assert run_dir is None or not run_dir.exists()
+    return lines[0]
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

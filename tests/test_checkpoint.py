@@ -255,6 +255,24 @@ def test_auto_resumes_from_the_newest_valid_checkpoint_and_warns(tmp_path, caplo
     assert resolve_resume("auto", tmp_path / "nothing") is None
 
 
+def test_resume_from_a_run_directory_takes_its_newest_valid_checkpoint(tmp_path):
+    """ckpt.resume=RUN_DIR, as the after-training commands take a run directory."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        small(run / "checkpoints", step)
+    bitflip(step_dir(run / "checkpoints", 2) / "state.pt")
+    here = tmp_path / "new" / "checkpoints"
+    for setting in (run, run / "checkpoints"):
+        assert resolve_resume(str(setting), here) == step_dir(run / "checkpoints", 1)
+    bitflip(step_dir(run / "checkpoints", 1) / "state.pt")
+    with pytest.raises(CheckpointError, match="no valid checkpoint to resume from"):
+        resolve_resume(str(run), here)
+    CheckpointConfig(resume=str(run))  # a run directory is a valid setting
+    (tmp_path / "new").mkdir()
+    with pytest.raises(ConfigError, match="no checkpoints/"):
+        CheckpointConfig(resume=str(tmp_path / "new"))  # holds no checkpoints/ yet
+
+
 def test_a_start_below_a_valid_newer_checkpoint_is_refused_unless_restarted(tmp_path):
     """A fresh start, or a path older than what the run directory holds, would mix two
     histories; after a torchrun restart the newest one there is this launch's own."""
@@ -618,7 +636,8 @@ def test_advance_from_a_cursor_left_by_another_world():
 
 def test_checkpoint_config_validates(tmp_path):
     assert CheckpointConfig().resume == "auto"
-    CheckpointConfig(every=0, keep_last=1, resume=str(tmp_path))
+    (tmp_path / "checkpoints").mkdir()
+    CheckpointConfig(every=0, keep_last=1, resume=str(tmp_path))  # a run directory
     for kwargs, key in [
         ({"every": -1}, "ckpt.every"),
         ({"keep_last": 0}, "ckpt.keep_last"),

@@ -4,11 +4,12 @@ with one clear line before any process group or run directory exists."""
 import math
 
 import pytest
-from conftest import ROOT, run_train
+from conftest import ROOT, one_line_under_torchrun, run_train
 from hydra import compose, initialize_config_dir
 
 from mgpu.config import ConfigError, GPTModelConfig, NgramDataConfig, to_config
 from mgpu.data.prepare import main as prepare_main
+from mgpu.run import unused_vocabulary
 
 
 def compose_config(*overrides):
@@ -27,7 +28,7 @@ def test_default_config_is_the_small_gpt_on_ngram_tokens():
 def token_file(tmp_path_factory) -> str:
     """A byte-level token file with its metadata, as mgpu.data.prepare writes them."""
     out = tmp_path_factory.mktemp("tokens")
-    (out / "in.txt").write_text("some text\n" * 2000)
+    (out / "in.txt").write_text("some text\n" * 27_000)  # enough for GPT-2's 1024 x 257 windows
     prepare_main([str(out / "in.txt"), str(out / "train.bin")])
     return str(out / "train.bin")
 
@@ -85,27 +86,78 @@ BAD_INPUT = [
 def test_bad_input_exits_before_any_run_directory(tmp_path, override, expected):
     run_dir = tmp_path / "run"
     proc = run_train([override, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     for word in expected:
         assert word in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
 
 
-def test_bad_input_under_torchrun_stops_every_rank_without_a_process_group(tmp_path):
+@pytest.fixture(scope="module")
+def bad_token_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("odd") / "odd.bin"
+    path.write_bytes(b"\0" * 2001)
+    return str(path)
+
+
+NEWCOMER_MISTAKES = [
+    (["optim.lrr=1e-3"], ["optim.lrr='1e-3'", "did you mean optim.lr=1e-3"]),
+    (["optim.lr=fast"], ["optim.lr='fast'", "Float", "e.g. optim.lr=0.001"]),
+    (["model=gpt2"], ["model='gpt2'", "did you mean model=gpt2_small", "'gpt_tiny'"]),
+    (["optim.lr=-1"], ["optim.lr=-1.0", "must be > 0"]),
+    (["data=tokens", "data.path=nope.bin"], ["data.path='nope.bin'", "mgpu.data.prepare"]),
+    (
+        ["data._target_=mypkg.data.MyDataset"],
+        ["data._target_='mypkg.data.MyDataset'", "No module named 'mypkg'"],
+    ),
+    (["ckpt.resume={empty}"], ["ckpt.resume=", "no checkpoints/"]),
+    (
+        ["data=tokens", "data.path={odd}", "data.tokenizer=bytes"],
+        ["odd.bin", "2001 bytes, not a multiple of 2"],
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", NEWCOMER_MISTAKES)
+def test_newcomer_mistakes_are_one_line_once_exit_2_before_any_run_directory(
+    tmp_path, bad_token_file, overrides, expected
+):
     run_dir = tmp_path / "run"
-    # torchrun stops the other ranks as soon as it sees one exit with an error; it first looks
-    # monitor-interval seconds after the start, by when both ranks have validated and left on
-    # their own (with the 0.1 s default, the slower rank was sometimes stopped before it spoke).
-    proc = run_train(
-        ["optim.lr=-1", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        nproc=2,
-        torchrun_args=("--monitor-interval", "20"),
+    (tmp_path / "empty").mkdir()
+    args = [arg.format(empty=tmp_path / "empty", odd=bad_token_file) for arg in overrides]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    line = one_line_under_torchrun(proc, run_dir)
+    for word in expected:
+        assert word in line, line
+    assert "schema" not in line
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda path: path.write_bytes(b""), "is empty, too few"),
+        (lambda path: path.write_bytes(b"\0" * 4000), "has 2000 tokens, too few"),
+    ],
+)
+def test_a_token_file_too_short_is_a_config_error(tmp_path, make, needle):
+    make(tmp_path / "t.bin")
+    with pytest.raises(ConfigError, match=needle):
+        to_config(
+            compose_config("data=tokens", f"data.path={tmp_path / 't.bin'}", "data.tokenizer=bytes")
+        )
+
+
+def test_gpt2_small_on_byte_tokens_has_a_byte_vocabulary():
+    # model.vocab_size=auto follows the data: no 50,048 rows the data never uses
+    cfg = to_config(compose_config("model=gpt2_small", "data.vocab_size=256"))
+    assert cfg.model.vocab_size == 256
+    assert unused_vocabulary(cfg) is None
+    cfg = to_config(
+        compose_config("model=gpt2_small", "model.vocab_size=50304", "data.vocab_size=256")
     )
-    assert proc.returncode != 0
-    assert proc.stderr.count("mgpu: config error: optim.lr=-1.0") == 2, proc.stderr
-    assert not run_dir.exists()
+    assert "50048 embedding rows" in unused_vocabulary(cfg)  # said once at the start of the run
 
 
 def test_ngram_entropy_is_what_the_readme_states():

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import gloo_runtime, read_scalars, run_train, spawn
+from conftest import gloo_runtime, one_line_under_torchrun, read_scalars, run_train, spawn
 from PIL import Image
 
 from mgpu.config import ConfigError, ImageFolderDataConfig
@@ -226,14 +226,31 @@ def test_corrupt_file_fails_naming_it(tmp_path):
         loader.close()  # its persistent worker
 
 
-def test_corrupt_file_ends_a_training_run(tmp_path):
-    write_tree(tmp_path / "train")
+def test_every_unreadable_file_of_a_batch_is_named(tmp_path):
+    files = write_tree(tmp_path / "train")
+    for path in (files[1][0], files[6][0]):
+        Path(path).write_bytes(b"garbage")
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train", eval_root=tmp_path / "train"))
+    dataset = ImageFolder("eval", **cfg.dataset_kwargs())  # every file, in write_tree's order
+    assert dataset.files == [f for f, _ in files]
+    assert len(dataset.__getitems__([0, 2])) == 2
+    with pytest.raises(BadImageFile, match=r"2 unreadable images in one batch") as info:
+        dataset.__getitems__([0, 1, 2, 6])
+    text = str(info.value)
+    assert files[1][0] in text and files[6][0] in text and "data.bad_files=skip" in text
+
+
+def test_corrupt_file_before_the_first_step_is_one_line_exit_2_from_every_rank(tmp_path):
+    write_tree(tmp_path / "train", per_class=6)  # 18 images, 2 held out
     (tmp_path / "train" / "ant" / "img00.jpg").write_bytes(b"garbage")
     args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.eval_samples=2"]
-    args += ["data.batch_size=5", "data.num_workers=1", "model=resnet_tiny"]
-    proc = train_on_cpu(args, tmp_path, timeout=120)  # and no hang on the way out
-    assert proc.returncode == 1
-    assert "ant/img00.jpg: not a readable image" in proc.stderr, proc.stderr[-3000:]
+    # a rank's first batch is all of its 8 images: one rank reads the bad file before step 1
+    args += ["data.batch_size=8", "data.num_workers=1", "data.decode=cpu", "model=resnet_tiny"]
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    proc = run_train(args, cwd=tmp_path, nproc=2, env=env, timeout=120)  # and no hang
+    line = one_line_under_torchrun(proc, None, prefix="not a readable image")
+    assert "ant/img00.jpg: not a readable image" in line, line
+    assert "Caught BadImageFile" not in proc.stderr  # the DataLoader worker's traceback
 
 
 def test_skip_replaces_and_counts(tmp_path):
@@ -283,7 +300,7 @@ def test_empty_class_folder_is_one_line_before_training(tmp_path):
 
 
 def test_training_run_records_classes_and_replaced_files(tmp_path):
-    write_tree(tmp_path / "train", per_class=6)  # 18 images, 2 held out: 4 steps an epoch
+    write_tree(tmp_path / "train", per_class=6)  # 18 images, 2 held out: 2 steps an epoch
     (tmp_path / "train" / "ant" / "img02.jpg").write_bytes(b"garbage")
     args = [
         "data=image_folder",
@@ -300,14 +317,18 @@ def test_training_run_records_classes_and_replaced_files(tmp_path):
         "trainer.eval_every=0",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    proc = train_on_cpu(args, tmp_path, timeout=180)
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    proc = run_train(args, cwd=tmp_path, nproc=2, env=env, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "classes:\n  - ant\n  - bee\n  - cow\n" in (tmp_path / "run" / "config.yaml").read_text()
     scalars = read_scalars(tmp_path / "run")
     replaced = [v for _, v in scalars["data/bad_files_replaced"]]
-    # counted as at each record's step: the bad image is drawn once in each epoch
-    assert replaced == [1.0, 2.0], replaced
-    assert "ant/img02.jpg: not a readable image" in (tmp_path / "run" / "rank0.log").read_text()
+    # summed over ranks, as at each record's step: the bad image is drawn once in each epoch
+    # (2 steps of 2 ranks x 4 images), by one rank or the other
+    assert replaced == [2.0, 4.0], replaced
+    logs = [(tmp_path / "run" / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    said = [log.count("ant/img02.jpg: not a readable image") for log in logs]
+    assert sum(said) == 4 and min(said) > 0, said  # rank 0's count alone would be less
 
 
 @pytest.mark.gpu

@@ -207,7 +207,7 @@ def test_a_tokenizer_over_uint16_is_refused_in_one_line(tmp_path):
 
 def test_a_token_file_without_metadata_needs_its_tokenizer_named(tmp_path):
     path = tmp_path / "old.bin"
-    np.frombuffer(b"some bytes\n" * 100, dtype=np.uint8).astype("<u2").tofile(path)
+    np.frombuffer(b"some bytes\n" * 2000, dtype=np.uint8).astype("<u2").tofile(path)
     with pytest.raises(ConfigError, match=r"data\.tokenizer='auto'.*old\.bin\.meta\.json"):
         to_config(compose_config(f"data.path={path}"))
     cfg = to_config(compose_config(f"data.path={path}", "data.tokenizer=bytes"))
@@ -229,7 +229,7 @@ def test_a_run_saved_before_tokenizers_were_recorded(tmp_path, vocab, tokenizer)
     """Such a run of vocabulary 256 is byte-level (all mgpu.data.prepare wrote then); any other
     recorded no tokenizer, and mgpu.sample says so."""
     path = tmp_path / "t.bin"
-    np.zeros(5000, dtype="<u2").tofile(path)
+    np.zeros(20_000, dtype="<u2").tofile(path)  # enough windows for seq_len and eval_samples
     args = [f"data.path={path}", "data.tokenizer=bytes", f"data.vocab_size={vocab}"]
     composed = compose_config(*args)
     to_config(composed)  # records what auto resolved to, as train.py does

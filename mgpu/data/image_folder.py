@@ -25,6 +25,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from mgpu.config_checks import ConfigError
 from mgpu.data.images import normalize_uint8
+from mgpu.dist import BAD_INPUT, RunStopped
 from mgpu.sampler import SampleKey
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,21 @@ class FolderError(ValueError):
         self.key, self.value, self.why = key, value, why
 
 
-class BadImageFile(ValueError):
+class BadImageFile(ValueError, RunStopped):
     """An image file that cannot be decoded. One message argument only: a DataLoader worker's
-    exception is rebuilt in the training process from its message."""
+    exception is rebuilt in the training process from its message (with the worker's traceback
+    before it, which report() leaves out). Bad input: exit 2, said by the rank that read it."""
+
+    exit_code = BAD_INPUT
+    every_rank = False
+
+    def report(self) -> str:
+        last = str(self).strip().splitlines()[-1]  # a rebuilt one ends "...BadImageFile: why"
+        return last.split(f"{type(self).__name__}: ", 1)[-1]
+
+
+# What to do about an unreadable file under bad_files=error
+REMOVE_OR_SKIP = "remove the file, or set data.bad_files=skip to replace it"
 
 
 def _is_image(name: str) -> bool:
@@ -355,11 +368,27 @@ class ImageFolder(Dataset):
                 return self._sample(i, epoch, seed)
             except BadImageFile as err:
                 if self.bad_files == "error":
-                    raise BadImageFile(
-                        f"{err}; remove the file, or set data.bad_files=skip to replace it"
-                    ) from None
+                    raise BadImageFile(f"{err}; {REMOVE_OR_SKIP}") from None
                 self.count_replaced(str(err))
         raise BadImageFile(f"none of the {len(self)} {self.split} images can be read")
+
+    def __getitems__(self, keys: list[SampleKey | int]) -> list:
+        """A batch's samples (the DataLoader's fetch calls this for a whole batch): under
+        bad_files=error, one error naming every unreadable file of the batch, not the first."""
+        samples, bad = [], []
+        for key in keys:
+            try:
+                samples.append(self[key])
+            except BadImageFile as err:
+                bad.append(str(err).removesuffix(f"; {REMOVE_OR_SKIP}"))
+        if len(bad) == 1:
+            raise BadImageFile(f"{bad[0]}; {REMOVE_OR_SKIP}")
+        if bad:
+            fix = "remove them, or set data.bad_files=skip to replace them"
+            raise BadImageFile(
+                f"{len(bad)} unreadable images in one batch: {'; '.join(bad)}; {fix}"
+            )
+        return samples
 
     def crop(self, i: int, width: int, height: int, epoch: int, seed: int):
         """(box, flip) of sample i: drawn from (seed, epoch, i) for training, fixed for eval."""

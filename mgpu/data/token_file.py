@@ -22,6 +22,34 @@ def _max_token(path: str, n_tokens: int) -> int:
         del data  # closes the map; workers reopen their own lazily
 
 
+def check_token_file(path: str, seq_len: int, eval_samples: int) -> int:
+    """The number of tokens in `path`; ValueError (FileNotFoundError) saying how to fix a file
+    that is missing, empty, odd-sized or too short for seq_len and eval_samples. The config
+    check calls it too, so that these stop before any process group or run directory exists."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"token file {path!r} not found; create it from a text file with "
+            f"`python -m mgpu.data.prepare INPUT.txt {path}`"
+        )
+    n_bytes = os.path.getsize(path)
+    if n_bytes % TOKEN_DTYPE.itemsize:
+        raise ValueError(
+            f"token file {path!r} has {n_bytes} bytes, not a multiple of 2; it "
+            f"is not a flat uint16 token file (truncated write?)"
+        )
+    n_tokens = n_bytes // TOKEN_DTYPE.itemsize
+    windows = max(n_tokens - 1, 0) // seq_len
+    if windows <= eval_samples:
+        empty = "is empty" if n_tokens == 0 else f"has {n_tokens} tokens"
+        raise ValueError(
+            f"token file {path!r} {empty}, too few for seq_len={seq_len} and "
+            f"eval_samples={eval_samples}: that needs more than {eval_samples} windows of "
+            f"{seq_len}+1 tokens, i.e. at least {(eval_samples + 1) * seq_len + 1} tokens; "
+            f"use a bigger file or lower seq_len / eval_samples"
+        )
+    return n_tokens
+
+
 class TokenFile(Dataset):
     """Windows of a `.bin` token file; inputs = window[:-1], targets = window[1:] (int64)."""
 
@@ -41,26 +69,8 @@ class TokenFile(Dataset):
             if value <= 0:
                 raise ValueError(f"{name}={value} must be a positive integer")
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"token file {path!r} not found; create it from a text file with "
-                f"`python -m mgpu.data.prepare INPUT.txt {path}`"
-            )
-        n_bytes = os.path.getsize(path)
-        if n_bytes % TOKEN_DTYPE.itemsize:
-            raise ValueError(
-                f"token file {path!r} has {n_bytes} bytes, not a multiple of 2; it "
-                f"is not a flat uint16 token file (truncated write?)"
-            )
-        n_tokens = n_bytes // TOKEN_DTYPE.itemsize
-        windows = max(n_tokens - 1, 0) // seq_len
-        if windows <= eval_samples:
-            raise ValueError(
-                f"token file {path!r} has {n_tokens} tokens, too few for seq_len={seq_len} and "
-                f"eval_samples={eval_samples}: that needs more than {eval_samples} windows of "
-                f"{seq_len}+1 tokens, i.e. at least {(eval_samples + 1) * seq_len + 1} tokens; "
-                f"use a bigger file or lower seq_len / eval_samples"
-            )
+        n_tokens = check_token_file(path, seq_len, eval_samples)
+        windows = (n_tokens - 1) // seq_len
         max_token = _max_token(path, n_tokens)
         if max_token >= vocab_size:
             raise ValueError(
