@@ -109,10 +109,13 @@ def _check_group_choice(override: Override, conf_dir: Path) -> None:
     choices = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
     if choice in choices or (group == "experiment" and choice == "null"):
         return
-    close = [c for c in choices if c.startswith(choice)] or difflib.get_close_matches(
-        choice, choices
-    )
-    hint = f"did you mean {group}={close[0]}? " if close else ""
+    close = difflib.get_close_matches(choice, choices, n=4)
+    close = [c for c in close if c.startswith(choice)] + [
+        c for c in close if not c.startswith(choice)
+    ]
+    close = close or [c for c in choices if c.startswith(choice)]
+    # Several may fit (model=gpt2: the four GPT-2 sizes): name them all, most likely first.
+    hint = f"did you mean {' or '.join(f'{group}={c}' for c in close[:4])}? " if close else ""
     raise ConfigError(group, choice, f"is not a {group} config; {hint}choose one of {choices}")
 
 

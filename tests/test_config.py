@@ -104,7 +104,7 @@ def bad_token_file(tmp_path_factory) -> str:
 NEWCOMER_MISTAKES = [
     (["optim.lrr=1e-3"], ["optim.lrr='1e-3'", "did you mean optim.lr=1e-3"]),
     (["optim.lr=fast"], ["optim.lr='fast'", "Float", "e.g. optim.lr=0.001"]),
-    (["model=gpt2"], ["model='gpt2'", "did you mean model=gpt2_small", "'gpt_tiny'"]),
+    (["model=gpt2"], ["model='gpt2'", "did you mean model=", "model=gpt2_small", "'gpt_tiny'"]),
     (["optim.lr=-1"], ["optim.lr=-1.0", "must be > 0"]),
     (["data=tokens", "data.path=nope.bin"], ["data.path='nope.bin'", "mgpu.data.prepare"]),
     (
