@@ -19,6 +19,7 @@ from mgpu.config import resolved_yaml, to_config
 from mgpu.dist import check_same_config, distributed, exit_process, quiet_other_ranks, stopped
 from mgpu.preempt import Preemption
 from mgpu.run import build_run
+from mgpu.run_lock import hold_run_dir
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -32,7 +33,9 @@ def main(dcfg: DictConfig) -> None:
             text = resolved_yaml(dcfg)
             check_same_config(text, rt, run_dir)  # before any work: stops every rank if differ
             quiet_other_ranks(rt)
-            with Preemption(rt) as preemption:  # SIGTERM/SIGUSR1: save, then stop
+            # One launch per run directory (exit 2 if another holds it); Preemption: SIGTERM
+            # and SIGUSR1 save, then stop.
+            with hold_run_dir(run_dir, rt), Preemption(rt) as preemption:
                 run = build_run(
                     cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT
                 )
