@@ -9,6 +9,10 @@ import time
 
 STARTED_AT = time.time()  # goodput's start-up counts from here
 
+from mgpu.orphan import end_with_agent
+
+end_with_agent()  # a torchrun worker dies with its agent; first, before the slow imports
+
 from pathlib import Path
 
 import hydra

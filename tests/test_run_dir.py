@@ -1,16 +1,19 @@
 """One run directory, one run, with real processes: a second launch on a directory in use stops
-in one line while the first finishes untouched."""
+in one line while the first finishes untouched; a worker ends when its parent dies."""
 
 import multiprocessing
 import os
 import re
+import signal
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import read_scalars, run_train, train_command
+from conftest import ROOT, read_scalars, run_train, train_command
 from faults import first_sample_of_step
 
 from mgpu.run_lock import LOCK_FILE, RunDirInUse, acquire, release
@@ -143,3 +146,52 @@ def test_the_lock_names_its_holder_and_is_not_kept_by_forked_children(tmp_path):
     threading.Timer(0.5, release, args=(fd,)).start()
     release(acquire(tmp_path, wait_s=30))
     assert f"pid {os.getpid()}" in (tmp_path / LOCK_FILE).read_text()  # stays, naming the last
+
+
+# A parent that starts a worker calling end_with_agent (as under torchrun), prints its pid,
+# and waits; the worker records how it is tied to its parent.
+PARENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+    print(child.pid, flush=True)
+    time.sleep(60)
+    """
+)
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    import mgpu.orphan as orphan
+    mode, record = sys.argv[1], sys.argv[2]
+    if mode == "parent watch":  # as where prctl is missing
+        orphan._set_parent_death_signal = lambda: False
+    else:  # the backstop too slow to matter
+        orphan.CHECK_EVERY_S = 60.0
+    with open(record, "w") as f:
+        f.write(orphan.end_with_agent({"TORCHELASTIC_RUN_ID": "test"}))
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["prctl", "parent watch"])
+def test_a_worker_ends_when_its_parent_dies(tmp_path, mode):
+    record = tmp_path / "how"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", PARENT, WORKER, mode, str(record)]
+    parent = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while not (record.exists() and record.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert record.read_text() == mode
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker)
+    finally:
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)
