@@ -1,5 +1,6 @@
 """One run directory, one run, with real processes: a second launch on a directory in use stops
-in one line while the first finishes untouched; a worker ends when its parent dies."""
+in one line while the first finishes untouched; workers end when their torchrun agent is killed,
+and leave no lock behind; a fresh start sets an earlier run's TensorBoard event files aside."""
 
 import multiprocessing
 import os
@@ -117,6 +118,44 @@ def test_a_second_launch_on_a_run_directory_in_use_stops_in_one_line(tmp_path):
     assert saved == ["step-00000002", "step-00000004", "step-00000006"]
     assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3, 4, 5, 6]
     assert "resumed from" not in first_out.read_text()
+
+
+def test_killing_the_agent_ends_its_workers_and_a_fresh_start_sets_old_events_aside(tmp_path):
+    run_dir = tmp_path / "run"
+    endless = [*SMALL, "trainer.max_steps=100000", "trainer.eval_every=2", "data.eval_samples=64"]
+    endless.append("ckpt.every=0")  # nothing to resume from: the relaunch starts afresh
+    agent, out = start_train([*endless, f"hydra.run.dir={run_dir}"], tmp_path, "killed")
+    log = run_dir / "rank0.log"
+    workers = []
+    try:
+        # an evaluation has flushed the first steps' points to the event file
+        wait_for(lambda: log.exists() and "eval loss" in log.read_text(), agent, out)
+        workers = children(agent.pid)
+        assert len(workers) == 2, workers
+        os.killpg(agent.pid, signal.SIGKILL)  # kill -9 of torchrun's process group
+        agent.wait()
+        deadline = time.monotonic() + 15
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if alive(pid)], "workers outlived their agent"
+    finally:
+        for pid in filter(alive, workers):
+            os.kill(pid, signal.SIGKILL)
+    before = read_scalars(run_dir)["train/loss"]
+    assert before, "the killed run logged no point"
+    # Relaunched in its directory: not refused (the killed run's lock went with it), and a
+    # fresh start (nothing to resume) moves the killed run's event files aside.
+    again = run_train(
+        [*SMALL, "trainer.max_steps=3", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        nproc=None,
+        timeout=120,
+    )
+    assert again.returncode == 0, output(again)[-3000:]
+    (aside,) = run_dir.glob("earlier-*")
+    assert "moved them into" in output(again) and aside.name in output(again)
+    assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3]
+    assert read_scalars(aside)["train/loss"] == before
 
 
 def sleep_after(started) -> None:
