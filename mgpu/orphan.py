@@ -11,7 +11,8 @@ where prctl is missing. SIGKILL, not SIGTERM: with the agent gone nobody restart
 reads their exit codes, and SIGTERM would start a preemption save that a relaunch, free to start
 once rank 0 is gone, could race. Checkpoint saves are atomic, so a killed save leaves the
 previous checkpoint the newest. Only under torchrun: a plain `python train.py` started from a
-shell that exits (nohup, `&`) keeps running.
+shell that exits (nohup, `&`) keeps running. That test reads torchrun's environment here, not
+through mgpu.launch (whose job it is), because mgpu.launch imports torch, which takes seconds.
 """
 
 from __future__ import annotations
