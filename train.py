@@ -15,6 +15,11 @@ HELD_SIGTERMS: list[int] = []
 signal.signal(signal.SIGTERM, lambda signum, _frame: HELD_SIGTERMS.append(signum))
 
 import sys
+
+from mgpu.orphan import end_with_agent
+
+end_with_agent()  # a torchrun worker dies with its agent; first, before the slow imports
+
 from pathlib import Path
 
 import hydra
@@ -26,6 +31,7 @@ from mgpu.config_cli import release_sigterm, stop_on_bad_command_line
 from mgpu.dist import check_same_config, distributed, exit_process, quiet_other_ranks, stopped
 from mgpu.preempt import Preemption
 from mgpu.run import build_run
+from mgpu.run_lock import hold_run_dir
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -40,7 +46,9 @@ def main(dcfg: DictConfig) -> None:
             text = resolved_yaml(dcfg)
             check_same_config(text, rt, run_dir)  # before any work: stops every rank if differ
             quiet_other_ranks(rt)
-            with Preemption(rt) as preemption:  # SIGTERM/SIGUSR1: save, then stop
+            # One launch per run directory (exit 2 if another holds it); Preemption: SIGTERM
+            # and SIGUSR1 save, then stop.
+            with hold_run_dir(run_dir, rt), Preemption(rt) as preemption:
                 run = build_run(
                     cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT
                 )

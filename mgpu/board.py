@@ -4,6 +4,7 @@ the HParams tab. The values themselves come from mgpu.metrics.Recorder."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,25 @@ LAYOUT = {
         "goodput, s": _lines(*(f"goodput/{c}_s" for c in CATEGORIES), "goodput/wall_s"),
     }
 }
+
+
+def set_aside_events(run_dir: Path) -> Path | None:
+    """Before a run that does not continue this directory's own checkpoints writes a point: the
+    TensorBoard event files an earlier run left in `run_dir` move into `earlier-<UTC time>/`
+    inside it, which TensorBoard shows as a run of its own, so that no step shows the values of
+    two runs in one series. Returns that folder, or None where there was nothing to move."""
+    run_dir = Path(run_dir)
+    old = sorted(run_dir.glob("events.out.tfevents.*"))
+    if not old:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside, n = run_dir / f"earlier-{stamp}", 1
+    while aside.exists():
+        aside, n = run_dir / f"earlier-{stamp}-{n}", n + 1
+    aside.mkdir()
+    for path in old:
+        path.rename(aside / path.name)
+    return aside
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from mgpu import fp8
-from mgpu.board import TensorBoard, describe
-from mgpu.checkpoint import checkpoint_root
+from mgpu.board import TensorBoard, describe, set_aside_events
+from mgpu.checkpoint import Loaded, checkpoint_root
 from mgpu.comm import MgpuDataParallel, wrap_model
 from mgpu.config import Config, Engine, Precision
 from mgpu.config_model import VOCAB_MULTIPLE
@@ -114,6 +114,22 @@ def announce(
         log.warning("%s", unused)
 
 
+def build_board(run_dir: Path, rt: Runtime, root: Path, loaded: Loaded | None) -> TensorBoard:
+    """Rank 0's TensorBoard writer. A run that continues this directory's own checkpoints drops
+    what an earlier attempt logged after the checkpoint (purge_step); any other start (step 0,
+    or another directory's checkpoint) first moves the event files it finds aside."""
+    if loaded is not None and loaded.path.resolve().parent == root.resolve():
+        return TensorBoard(run_dir, enabled=rt.is_primary, purge_step=loaded.step + 1)
+    if rt.is_primary:
+        aside = set_aside_events(run_dir)
+        if aside is not None:
+            log.warning(
+                "%s holds TensorBoard event files of an earlier run or attempt, whose "
+                "checkpoints this run does not continue: moved them into %s", run_dir, aside,
+            )  # fmt: skip
+    return TensorBoard(run_dir, enabled=rt.is_primary)
+
+
 def keep_tokenizer(cfg: Config, run_dir: Path) -> None:
     """A copy of the data's tokenizer.json in the run directory, which the after-training
     commands decode with (config.yaml holds its sha256)."""
@@ -188,9 +204,7 @@ def build_run(
         # dist.shard_optimizer: the optimizer steps this rank's shards of the reducer's buckets
         optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
-    # A resumed run's TensorBoard drops what an earlier attempt logged after the checkpoint.
-    purge_step = loaded.step + 1 if loaded is not None else None
-    board = TensorBoard(run_dir, enabled=rt.is_primary, purge_step=purge_step)
+    board = build_board(run_dir, rt, root, loaded)
     recorder = build_recorder(cfg, rt, board, model, train_set, mfu, goodput)
     tc = cfg.trainer
     plan = CheckpointPlan(root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text)

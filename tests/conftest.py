@@ -26,6 +26,27 @@ FAST = [
 ]
 
 
+def train_command(
+    args,
+    *,
+    nproc: int | None = 2,
+    env: dict | None = None,
+    torchrun_args: tuple[str, ...] = (),
+    program: tuple[str, ...] = (str(TRAIN),),
+    rendezvous: tuple[str, ...] = ("--standalone",),
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run_train runs, for a test that starts it with
+    subprocess.Popen and acts while it runs."""
+    launcher = [sys.executable]
+    if nproc is not None:
+        launcher += ["-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}"]
+        launcher += torchrun_args
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    full_env.update(env or {})
+    return [*launcher, *program, *args], full_env
+
+
 def run_train(
     args,
     *,
@@ -40,20 +61,16 @@ def run_train(
     """`torchrun --nproc_per_node=N train.py args` (or plain `python train.py` for nproc=None);
     `program` runs another script or module instead, e.g. ("-m", "mgpu.evaluate");
     `rendezvous`: torchrun's flags for it, e.g. ("--master-port=PORT",) for its static one."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}"]
-        launcher += torchrun_args
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    full_env.update(env or {})
+    command, full_env = train_command(
+        args,
+        nproc=nproc,
+        env=env,
+        torchrun_args=torchrun_args,
+        program=program,
+        rendezvous=rendezvous,
+    )
     return subprocess.run(
-        [*launcher, *program, *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
 
 

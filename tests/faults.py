@@ -161,3 +161,35 @@ class KillInSaveGPT(GPT):
                 self.marker.touch()
                 os.kill(os.getpid(), signal.SIGKILL)
         return super().state_dict(*args, **kwargs)
+
+
+class PausingTokens(NgramTokens):
+    """NgramTokens whose rank `rank` stops before serving its `at_sample`-th training sample: it
+    creates `paused`, then waits until `go` exists (at most `max_wait_s`), holding the run in
+    the middle of training while a test does something beside it."""
+
+    def __init__(
+        self,
+        split: str,
+        *,
+        rank: int,
+        at_sample: int,
+        paused: str,
+        go: str,
+        max_wait_s: float = 120.0,
+        **kw,
+    ):
+        super().__init__(split, **kw)
+        self.pauses = split == "train" and int(os.environ.get("RANK", "0")) == rank
+        self.at_sample, self.paused, self.go = at_sample, Path(paused), Path(go)
+        self.max_wait_s, self.served = max_wait_s, 0
+
+    def __getitem__(self, index: int):
+        if self.pauses:
+            self.served += 1
+            if self.served == self.at_sample:
+                self.paused.touch()
+                deadline = time.monotonic() + self.max_wait_s
+                while not self.go.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        return super().__getitem__(index)

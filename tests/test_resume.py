@@ -335,7 +335,8 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
     )
     assert proc.returncode == 1
     assert f"{source / 'rank-1.pt'}: checksum mismatch" in output(proc)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.log"]  # no config, events, ckpt
+    # no config, events, ckpt: only the log, and the lock file the run held (mgpu.run_lock)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.log", "run.lock"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,236 @@
+"""One run directory, one run, with real processes: a second launch on a directory in use stops
+in one line while the first finishes untouched; workers end when their torchrun agent is killed,
+and leave no lock behind; a fresh start sets an earlier run's TensorBoard event files aside."""
+
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, read_scalars, run_train, train_command
+from faults import first_sample_of_step
+
+from mgpu.run_lock import LOCK_FILE, RunDirInUse, acquire, release
+
+BATCH = 32  # data.batch_size's default
+SMALL = [  # gpt_tiny cut to one narrow layer, a loss per step, no DataLoader workers
+    "model.vocab_size=256",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "trainer.log_every=1",
+    "data.num_workers=0",
+]
+IN_USE = "is in use by another launch"
+
+
+def output(proc) -> str:
+    return proc.stdout + proc.stderr
+
+
+def start_train(args: list[str], tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    """train.py on 2 processes under torchrun, started in a session (and process group) of its
+    own and left running; its console goes to `tmp/<name>.out`."""
+    command, env = train_command(args, nproc=2)
+    out = tmp / f"{name}.out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            command, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return proc, out
+
+
+def wait_for(done, proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, out.read_text()[-3000:]
+        assert time.monotonic() < deadline, out.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            after_name = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(after_name[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, not merely a zombie that nobody has reaped yet."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    return state != "Z"
+
+
+def test_a_second_launch_on_a_run_directory_in_use_stops_in_one_line(tmp_path):
+    run_dir, paused, go = tmp_path / "run", tmp_path / "paused", tmp_path / "go"
+    pause = [  # rank 0 holds the first launch at step 3 until the second has come and gone
+        "data=custom",
+        "data._target_=tests.faults.PausingTokens",
+        "+data.kwargs.rank=0",
+        f"+data.kwargs.at_sample={first_sample_of_step(3, BATCH)}",
+        f"+data.kwargs.paused={paused}",
+        f"+data.kwargs.go={go}",
+        "+data.kwargs.eval_samples=64",
+    ]
+    common = [*SMALL, "trainer.max_steps=6", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    first, first_out = start_train([*common, *pause, "ckpt.every=2"], tmp_path, "first")
+    try:
+        wait_for(paused.exists, first, first_out)
+        config = (run_dir / "config.yaml").read_text()
+        workers = children(first.pid)
+        # other settings, as a user who mistyped the run's name would give
+        second = [*common, "optim.lr=0.01", "ckpt.every=3", "data.eval_samples=64"]
+        second = run_train(second, cwd=tmp_path, timeout=120)
+    finally:
+        go.touch()
+        first.wait(timeout=120)
+    text = output(second)
+    said = [line for line in text.splitlines() if IN_USE in line]
+    assert second.returncode != 0 and len(said) == 1, text[-3000:]  # said once, by rank 0
+    # the workers' exit code, in torchrun's report of them (torchrun's own is 1)
+    assert re.search(r"exitcode\s*:\s*2 ", second.stderr), second.stderr[-3000:]
+    holder = re.search(r"pid (\d+)", said[0])
+    assert str(run_dir.resolve()) in said[0] and "hydra.run.dir=PATH" in said[0], said[0]
+    assert holder and int(holder.group(1)) in workers, (said[0], workers)
+    # no worker's traceback: torchrun's own report of the failed workers is the only one
+    assert "RunDirInUse" not in text and text.count("Traceback") == text.count("ChildFailedError:")
+    # The first launch, untouched: its settings, every checkpoint it saved, each step once.
+    assert first.returncode == 0, first_out.read_text()[-3000:]
+    assert (run_dir / "config.yaml").read_text() == config and "lr: 0.001" in config
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved == ["step-00000002", "step-00000004", "step-00000006"]
+    assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert "resumed from" not in first_out.read_text()
+
+
+def test_killing_the_agent_ends_its_workers_and_a_fresh_start_sets_old_events_aside(tmp_path):
+    run_dir = tmp_path / "run"
+    endless = [*SMALL, "trainer.max_steps=100000", "trainer.eval_every=2", "data.eval_samples=64"]
+    endless.append("ckpt.every=0")  # nothing to resume from: the relaunch starts afresh
+    agent, out = start_train([*endless, f"hydra.run.dir={run_dir}"], tmp_path, "killed")
+    log = run_dir / "rank0.log"
+    workers = []
+    try:
+        # an evaluation has flushed the first steps' points to the event file
+        wait_for(lambda: log.exists() and "eval loss" in log.read_text(), agent, out)
+        workers = children(agent.pid)
+        assert len(workers) == 2, workers
+        os.killpg(agent.pid, signal.SIGKILL)  # kill -9 of torchrun's process group
+        agent.wait()
+        deadline = time.monotonic() + 15
+        while any(map(alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in workers if alive(pid)], "workers outlived their agent"
+    finally:
+        for pid in filter(alive, workers):
+            os.kill(pid, signal.SIGKILL)
+    before = read_scalars(run_dir)["train/loss"]
+    assert before, "the killed run logged no point"
+    # Relaunched in its directory: not refused (the killed run's lock went with it), and a
+    # fresh start (nothing to resume) moves the killed run's event files aside.
+    again = run_train(
+        [*SMALL, "trainer.max_steps=3", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        nproc=None,
+        timeout=120,
+    )
+    assert again.returncode == 0, output(again)[-3000:]
+    (aside,) = run_dir.glob("earlier-*")
+    assert "moved them into" in output(again) and aside.name in output(again)
+    assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3]
+    assert read_scalars(aside)["train/loss"] == before
+
+
+def sleep_after(started) -> None:
+    started.set()
+    time.sleep(30)
+
+
+def test_the_lock_names_its_holder_and_is_not_kept_by_forked_children(tmp_path):
+    fd = acquire(tmp_path)
+    try:
+        with pytest.raises(RunDirInUse, match=rf"{IN_USE} \(rank 0 on host .*, pid {os.getpid()},"):
+            acquire(tmp_path)  # another open file of it, as another process's would be
+        # A child forked while the lock is held (a DataLoader worker) does not keep it.
+        fork = multiprocessing.get_context("fork")
+        started = fork.Event()
+        child = fork.Process(target=sleep_after, args=(started,))
+        child.start()
+        assert started.wait(30)
+    finally:
+        release(fd)
+    try:
+        fd = acquire(tmp_path)
+    finally:
+        child.kill()
+        child.join()
+    # A restarted rank 0 waits, for a bounded time, for the attempt before it to let go.
+    threading.Timer(0.5, release, args=(fd,)).start()
+    release(acquire(tmp_path, wait_s=30))
+    assert f"pid {os.getpid()}" in (tmp_path / LOCK_FILE).read_text()  # stays, naming the last
+
+
+# A parent that starts a worker calling end_with_agent (as under torchrun), prints its pid,
+# and waits; the worker records how it is tied to its parent.
+PARENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
+    print(child.pid, flush=True)
+    time.sleep(60)
+    """
+)
+WORKER = textwrap.dedent(
+    """
+    import sys, time
+    import mgpu.orphan as orphan
+    mode, record = sys.argv[1], sys.argv[2]
+    if mode == "parent watch":  # as where prctl is missing
+        orphan._set_parent_death_signal = lambda: False
+    else:  # the backstop too slow to matter
+        orphan.CHECK_EVERY_S = 60.0
+    with open(record, "w") as f:
+        f.write(orphan.end_with_agent({"TORCHELASTIC_RUN_ID": "test"}))
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["prctl", "parent watch"])
+def test_a_worker_ends_when_its_parent_dies(tmp_path, mode):
+    record = tmp_path / "how"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", PARENT, WORKER, mode, str(record)]
+    parent = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+    worker = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while not (record.exists() and record.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert record.read_text() == mode
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(worker)
+    finally:
+        if alive(worker):
+            os.kill(worker, signal.SIGKILL)
