@@ -109,12 +109,9 @@ def _check_group_choice(override: Override, conf_dir: Path) -> None:
     choices = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
     if choice in choices or (group == "experiment" and choice == "null"):
         return
-    close = difflib.get_close_matches(choice, choices, n=4)
-    close = [c for c in close if c.startswith(choice)] + [
-        c for c in close if not c.startswith(choice)
-    ]
-    close = close or [c for c in choices if c.startswith(choice)]
-    # Several may fit (model=gpt2: the four GPT-2 sizes): name them all, most likely first.
+    # Several may fit (model=gpt2: the four GPT-2 sizes): those it begins, then close ones.
+    close = [c for c in choices if c.startswith(choice)]
+    close += [c for c in difflib.get_close_matches(choice, choices, n=4) if c not in close]
     hint = f"did you mean {' or '.join(f'{group}={c}' for c in close[:4])}? " if close else ""
     raise ConfigError(group, choice, f"is not a {group} config; {hint}choose one of {choices}")
 
