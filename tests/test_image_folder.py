@@ -455,6 +455,12 @@ def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
     # its place takes the batch's next JPEG, crop and label too
     assert torch.equal(images[jpegs[2]], images[jpegs[3]])
     assert labels[jpegs[2]] == labels[jpegs[3]]
+    # two bad JPEGs in one batch: one error naming both
+    items[jpegs[0]].data, items[jpegs[0]].box = tiny.getvalue(), (0, 0, 1, 1)
+    gpu.bad_files = "error"
+    with pytest.raises(BadImageFile, match=r"2 JPEGs of one batch cannot be decoded") as caught:
+        step(collate_encoded(items))
+    assert gpu.files[jpegs[0]] in str(caught.value) and gpu.files[jpegs[2]] in str(caught.value)
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ from PIL import Image
 from torch import Tensor
 
 from mgpu.config_checks import ConfigError  # what train.py reports in one line
-from mgpu.data.image_folder import BadImageFile, EncodedBatch, ImageFolder
+from mgpu.data.image_folder import REMOVE_OR_SKIP, BadImageFile, EncodedBatch, ImageFolder
 
 log = logging.getLogger(__name__)
 
@@ -154,17 +154,22 @@ class BatchDecoder:
         except RuntimeError as err:
             first = err
         images: list[Tensor | None] = []
+        bad = []
         for data, index in zip(jpegs, batch.jpeg_index, strict=True):
             try:
                 images.append(self._decode([data])[0])
             except RuntimeError as err:
-                why = f"{self.dataset.files[index]}: cannot be decoded on the GPU ({err})"
-                if self.dataset.bad_files == "error":
-                    raise BadImageFile(
-                        f"{why}; remove the file, or set data.bad_files=skip to replace it"
-                    ) from first
-                self.dataset.count_replaced(why)
+                bad.append(f"{self.dataset.files[index]}: cannot be decoded on the GPU ({err})")
                 images.append(None)
+        if bad and self.dataset.bad_files == "error":  # every bad file of the batch, in one line
+            if len(bad) == 1:
+                raise BadImageFile(f"{bad[0]}; {REMOVE_OR_SKIP}") from first
+            fix = "remove them, or set data.bad_files=skip to replace them"
+            raise BadImageFile(
+                f"{len(bad)} JPEGs of one batch cannot be decoded: {'; '.join(bad)}; {fix}"
+            ) from first
+        for why in bad:
+            self.dataset.count_replaced(why)
         good = [k for k, image in enumerate(images) if image is not None]
         if not good:
             raise BadImageFile(f"no JPEG of a batch could be decoded on the GPU ({first})")
