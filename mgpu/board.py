@@ -4,16 +4,23 @@ the HParams tab. The values themselves come from mgpu.metrics.Recorder."""
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mgpu.config import Config
-from mgpu.dist import Runtime
+from mgpu.dist import RunStopped, Runtime
 from mgpu.goodput import CATEGORIES
 from mgpu.timing import PARTS
+
+log = logging.getLogger(__name__)
 
 
 def _lines(*tags: str) -> list:
@@ -73,20 +80,76 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+class EventsUnwritable(RuntimeError, RunStopped):
+    """Rank 0's TensorBoard event file cannot be written (a full disk, a read-only directory).
+    Said by rank 0, the one rank that writes; the checkpoints saved before stay as they are."""
+
+    every_rank = False
+
+    def __init__(self, events: Path, err: OSError):
+        where = os.fsdecode(err.filename) if err.filename else events
+        why = os.strerror(err.errno) if err.errno else str(err)
+        super().__init__(
+            f"rank 0: cannot write TensorBoard events to {where}: {why}; free space there, or "
+            "point hydra.run.dir elsewhere (checkpoints saved so far are kept)"
+        )
+
+
+def _quiet_writer_thread(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard writes events from a thread of its own. A write that fails there ends that
+    thread, and the writer raises the error again on the host thread's next write or flush, where
+    TensorBoard._writing turns it into one line; Python would also print it from the thread as a
+    traceback of its own. Not that: any other thread's error still goes to the hook before."""
+    if issubclass(args.exc_type, OSError) and type(args.thread).__module__.startswith(
+        "tensorboard."
+    ):
+        return
+    _hook_before(args)
+
+
+_hook_before = threading.excepthook
+
+
+def _quiet_writer_threads() -> None:
+    global _hook_before
+    if threading.excepthook is not _quiet_writer_thread:
+        _hook_before, threading.excepthook = threading.excepthook, _quiet_writer_thread
+
+
 class TensorBoard:
     """Rank 0 writes event files into the run directory; every other rank writes nothing.
 
     `purge_step`: a resumed run's first step. TensorBoard then drops what earlier event files in
     the directory hold from that step on (steps an interrupted attempt logged after its last
     checkpoint), so each step shows once, with the value of the run that continued.
+
+    Every write that fails (an OSError, from the writer's thread or this one) stops the run
+    with one line, EventsUnwritable; after it, nothing more is written.
     """
 
     def __init__(self, run_dir: Path, enabled: bool, purge_step: int | None = None):
-        self.writer = None
+        # The file this writer writes, for its error (which names none): known once created
+        self.events, self.writer = Path(run_dir) / "events.out.tfevents.*", None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
+            _quiet_writer_threads()
+            before = set(Path(run_dir).glob("events.out.tfevents.*"))
+            with self._writing():  # the first event is written and flushed here
+                self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
+            new = set(Path(run_dir).glob("events.out.tfevents.*")) - before
+            if len(new) == 1:
+                self.events = new.pop()
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        # The writer's thread writes and flushes the file; its error reaches this thread on the
+        # next add (raised before or after queueing the event) or flush (after the queue drains).
+        try:
+            yield
+        except OSError as err:
+            self.writer = None  # its thread has ended: what it holds can no longer be written
+            raise EventsUnwritable(self.events, err) from err
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """All of a step's values in one event (one record per value would cost tens of
@@ -97,7 +160,8 @@ class TensorBoard:
             record = Summary(
                 value=[Summary.Value(tag=t, simple_value=float(v)) for t, v in values.items()]
             )
-            self.writer.file_writer.add_summary(record, step)
+            with self._writing():
+                self.writer.file_writer.add_summary(record, step)
 
     def describe_run(self, config: dict[str, Any], summary: str) -> None:
         """Once per launch: the charts' layout, the run's config in the HParams tab (next to
@@ -106,24 +170,39 @@ class TensorBoard:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        self.writer.add_custom_scalars(LAYOUT)
         flat = {k: v if isinstance(v, int | float | bool) else str(v) for k, v in flatten(config)}
         metrics = dict.fromkeys(("train/loss", "eval/loss", "throughput/mfu_pct", "goodput/pct"), 0)
-        for record in hparams(flat, metrics):  # experiment, session start, session end
-            self.writer.file_writer.add_summary(record)
-        self.writer.add_text("run/summary", summary)
+        with self._writing():
+            self.writer.add_custom_scalars(LAYOUT)
+            for record in hparams(flat, metrics):  # experiment, session start, session end
+                self.writer.file_writer.add_summary(record)
+            self.writer.add_text("run/summary", summary)
 
     def text(self, tag: str, body: str) -> None:
         if self.writer is not None:
-            self.writer.add_text(tag, body)
+            with self._writing():
+                self.writer.add_text(tag, body)
 
     def flush(self) -> None:
         if self.writer is not None:
-            self.writer.flush()
+            with self._writing():
+                self.writer.flush()
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+    def close(self, failing: bool = False) -> None:
+        """The last events onto disk. The writer's own close() would not say that its thread
+        failed on them: flush() first does. `failing`: the run already stops for another reason,
+        whose line a failed write here must not replace; it is logged instead."""
+        if self.writer is None:
+            return
+        try:
+            with self._writing():
+                self.writer.flush()
+                self.writer.close()
+        except EventsUnwritable as err:
+            if not failing:
+                raise
+            log.warning("%s", err)
+        self.writer = None
 
 
 def describe(cfg: Config, rt: Runtime, params: int, config_text: str) -> str:

@@ -149,11 +149,13 @@ class Run:
     goodput: Goodput
 
     def fit(self) -> None:
+        ended = False
         try:
             self.trainer.fit(self.train_loader, self.eval_loader)
+            ended = True
         finally:
             self.goodput.save()  # every way out: the end, preemption, an error
-            self.board.close()
+            self.board.close(failing=not ended)
             # Persistent DataLoader workers left running after an error (a bad image file)
             # would keep a plain `python train.py` from exiting.
             self.train_loader.close()
