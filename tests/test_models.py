@@ -191,7 +191,8 @@ def test_the_gpt2_xl_experiment_composes(tmp_path):
     from mgpu.config import Precision, to_config
     from mgpu.data.prepare import main as prepare_main
 
-    (tmp_path / "in.txt").write_text("some text\n" * 2000)
+    # enough tokens for the experiment's 256 held-out windows of 1024 (the config check's rule)
+    (tmp_path / "in.txt").write_text("some text\n" * 27000)
     prepare_main([str(tmp_path / "in.txt"), str(tmp_path / "train.bin")])
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
