@@ -48,7 +48,7 @@ def main(dcfg: DictConfig) -> None:
             quiet_other_ranks(rt)
             # One launch per run directory (exit 2 if another holds it); Preemption: SIGTERM
             # and SIGUSR1 save, then stop.
-            with hold_run_dir(run_dir, rt), Preemption(rt) as preemption:
+            with hold_run_dir(run_dir, rt, cfg.dist.timeout_s), Preemption(rt) as preemption:
                 run = build_run(
                     cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT
                 )

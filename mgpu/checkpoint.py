@@ -50,9 +50,12 @@ _SCRATCH = re.compile(r"^step-(\d{8,})\.(tmp|old)-.+$")  # a save in progress, o
 class CheckpointError(RuntimeError, RunStopped):
     """A checkpoint that cannot be written or used; names the file and the check that failed."""
 
-    def __init__(self, file: Path | str, check: str):
+    def __init__(self, file: Path | str, check: str, *, read_error: bool = False):
         super().__init__(f"{file}: {check}")
         self.file, self.check = Path(file), check
+        # The file could not be read now (an I/O error, the device out of memory), which says
+        # nothing about whether it is valid: resume must stop, not fall back to an older one.
+        self.read_error = read_error
 
 
 # ---- layout ----
@@ -378,7 +381,10 @@ def _load_torch(path: Path, map_location: Any) -> Any:
         raise CheckpointError(path, f"refused by torch.load(weights_only=True): {why}") from err
     except Exception as err:
         what = f"unreadable by torch.load ({type(err).__name__}: {_without_advice(str(err))})"
-        raise CheckpointError(path, what) from err
+        transient = isinstance(err, torch.OutOfMemoryError) or (
+            isinstance(err, OSError) and not isinstance(err, FileNotFoundError)
+        )
+        raise CheckpointError(path, what, read_error=transient) from err
 
 
 @dataclass

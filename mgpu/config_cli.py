@@ -190,3 +190,9 @@ class ValidateOnRunStart(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.on_run_start(config)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A sweep's job, with its swept values: checked before it runs (on_multirun_start saw
+        only the base config). A single run was checked in on_run_start already."""
+        if config.hydra.mode.name == "MULTIRUN":
+            self.on_run_start(config)

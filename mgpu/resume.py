@@ -89,10 +89,15 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
             error = err
         with waiting(rt.rank, f"agreeing that every rank loaded {path}"):
             loaded_everywhere = all_ok(error is None, rt)
+            # Every rank takes the same branch: the first answer was agreed.
+            invalid = loaded_everywhere or all_ok(error is None or not error.read_error, rt)
         if loaded_everywhere:
             return loaded, token
-        if not fallback:
-            raise error or CheckpointError(path, "unreadable on another rank (its log says why)")
+        if not fallback or not invalid:
+            # A read error (I/O, out of memory) says nothing of the file: falling back would
+            # silently redo the steps since the older checkpoint.
+            why = "unreadable on another rank (its log says why); not falling back to an older one"
+            raise error or CheckpointError(path, why)
         why = error or f"{path}: unreadable on another rank (its log says why)"
         log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", why)
         older = None

@@ -122,15 +122,18 @@ def release(fd: int | None) -> None:
 
 
 @contextmanager
-def hold_run_dir(run_dir: Path, rt: Runtime) -> Iterator[None]:
+def hold_run_dir(run_dir: Path, rt: Runtime, peer_timeout_s: float) -> Iterator[None]:
     """Inside: this launch alone uses `run_dir` (rank 0 holds its lock). A collective, before
     any other work on the directory: where another launch holds it, every rank stops with
-    RunDirInUse (exit code 2), which rank 0 says in one line."""
+    RunDirInUse (exit code 2), which rank 0 says in one line. `peer_timeout_s` (dist.timeout_s)
+    bounds how long the other ranks wait for that answer, so rank 0's wait for a restarted
+    attempt's lock stays well inside it."""
     fd, refusal = None, None
     try:
         if rt.is_primary:
+            wait_s = min(RESTART_WAIT_S, peer_timeout_s / 2) if rt.restart_count > 0 else 0.0
             try:
-                fd = acquire(run_dir, RESTART_WAIT_S if rt.restart_count > 0 else 0.0)
+                fd = acquire(run_dir, wait_s)
             except RunDirInUse as err:
                 refusal = str(err)
         with waiting(rt.rank, "the check that no other launch uses the run directory"):

@@ -645,3 +645,35 @@ def test_checkpoint_config_validates(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=key):
             CheckpointConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "fault, falls_back",
+    [(OSError(errno.EIO, "Input/output error"), False), (pickle.UnpicklingError("bad"), True)],
+)
+def test_a_read_error_stops_the_resume_where_an_invalid_file_falls_back(
+    tmp_path, monkeypatch, fault, falls_back
+):
+    """ckpt.resume=auto skips a newest checkpoint that is invalid (here: refused unpickling),
+    but an I/O error while reading it says nothing of the file: the run stops instead of
+    silently redoing the steps since the older one."""
+    from mgpu.dist import Runtime
+    from mgpu.resume import resume_point
+
+    small(tmp_path, 1), small(tmp_path, 2)
+    real_load = torch.load
+
+    def load(path, *args, **kwargs):
+        if "step-00000002" in str(path):
+            raise fault
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "load", load)
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    if falls_back:
+        loaded, _ = resume_point(CheckpointConfig(resume="auto"), tmp_path, rt)
+        assert loaded.step == 1
+    else:
+        with pytest.raises(CheckpointError, match="Input/output error") as caught:
+            resume_point(CheckpointConfig(resume="auto"), tmp_path, rt)
+        assert caught.value.read_error

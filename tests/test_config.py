@@ -172,3 +172,15 @@ def test_a_gpt_on_a_users_dataset_follows_its_vocab_size_kwarg_or_is_told_to_set
     with pytest.raises(ConfigError, match=r"model\.vocab_size='auto'.*FaultyTokens"):
         to_config(compose_config(*custom))
     assert to_config(compose_config(*custom, "model.vocab_size=256")).model.vocab_size == 256
+
+
+def test_a_bad_swept_value_stops_its_sweep_in_one_line(tmp_path):
+    """--multirun: Hydra checks only the base config at the sweep's start; each job's swept
+    values are checked before it runs (mgpu.config_cli.ValidateOnRunStart.on_job_start)."""
+    out = run_train(
+        ["--multirun", "optim.lr=-1,0.1", "trainer.max_steps=2"], cwd=tmp_path, nproc=None
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-2000:]
+    assert text.count("mgpu: config error: optim.lr=-1.0") == 1 and "Traceback" not in text
+    assert "#0 : optim.lr=-1" in text and "#1 :" not in text  # the sweep stopped at job 0
