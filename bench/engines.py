@@ -45,7 +45,7 @@ from mgpu.config import (  # noqa: E402
     ReduceDtype,
     TrainerConfig,
 )
-from mgpu.dist import distributed  # noqa: E402
+from mgpu.dist import distributed, exit_process  # noqa: E402
 from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
 from mgpu.preempt import Preemption  # noqa: E402
@@ -450,4 +450,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Ends without the teardown of torch's communication threads, as train.py does
+    # (mgpu.dist.exit_process: that teardown can abort a finished run).
+    exit_process(main)

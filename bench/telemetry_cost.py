@@ -28,7 +28,7 @@ from bench.engines import MODELS, versions  # noqa: E402
 from mgpu.board import TensorBoard  # noqa: E402
 from mgpu.comm import MgpuDataParallel, wrap_model  # noqa: E402
 from mgpu.config import DistConfig, OptimConfig, OptimizerName, Precision, TrainerConfig  # noqa: E402
-from mgpu.dist import distributed  # noqa: E402
+from mgpu.dist import distributed, exit_process  # noqa: E402
 from mgpu.loader import DeviceLoader, epochs  # noqa: E402
 from mgpu.metrics import Recorder  # noqa: E402
 from mgpu.models import GPT  # noqa: E402
@@ -160,4 +160,6 @@ def report(args, rt, times: dict[str, list[float]]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Ends without the teardown of torch's communication threads, as train.py does
+    # (mgpu.dist.exit_process: that teardown can abort a finished run).
+    exit_process(main)

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
 from mgpu.config import Config, to_config  # noqa: E402
-from mgpu.dist import distributed  # noqa: E402
+from mgpu.dist import distributed, exit_process  # noqa: E402
 from mgpu.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
 from mgpu.models.flops import peak_tflops  # noqa: E402
@@ -496,4 +496,6 @@ def report(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Ends without the teardown of torch's communication threads, as train.py does
+    # (mgpu.dist.exit_process: that teardown can abort a finished run).
+    exit_process(main)
