@@ -227,6 +227,13 @@ class TokenFileDataConfig(DataConfig):
         return kwargs
 
 
+def _no_extra_classes(eval_path: str, found, classes: list[str], what: str, fix: str) -> None:
+    """data.eval_path holds no class that training lacks (its labels would not exist)."""
+    extra = sorted(set(found) - set(classes))
+    why = f"has {what} {extra} that are not among the classes; {fix} them or add them to data.path"
+    _require(not extra, "data.eval_path", eval_path, why)
+
+
 @dataclass
 class ImageFolderDataConfig(DataConfig):
     """Your own images: `data=image_folder data.path=DIR`, one subfolder of images per class."""
@@ -287,14 +294,8 @@ class ImageFolderDataConfig(DataConfig):
             check_layout("data.path", self.path, self.classes)
             if self.eval_path:
                 check_layout("data.eval_path", self.eval_path, self.classes)
-                extra = sorted(set(class_folders(self.eval_path)) - set(self.classes))
-                _require(
-                    not extra,
-                    "data.eval_path",
-                    self.eval_path,
-                    f"has class folders {extra} that are not among the classes; remove them "
-                    "or add them to data.path",
-                )
+                found = class_folders(self.eval_path)
+                _no_extra_classes(self.eval_path, found, self.classes, "class folders", "remove")
         except FolderError as err:
             raise ConfigError(err.key, err.value, err.why) from None
 
@@ -340,13 +341,8 @@ class ImageShardsDataConfig(ImageFolderDataConfig):
             if self.eval_path:
                 evals = load_index("data.eval_path", self.eval_path)
                 evals.labels_for("data.eval_path", self.classes)
-                extra = sorted(set(evals.classes) - set(self.classes))
-                _require(
-                    not extra,
-                    "data.eval_path",
-                    self.eval_path,
-                    f"has classes {extra} that are not among the classes; prepare it without "
-                    "them or add them to data.path",
+                _no_extra_classes(
+                    self.eval_path, evals.classes, self.classes, "classes", "prepare it without"
                 )
         except FolderError as err:
             raise ConfigError(err.key, err.value, err.why) from None
