@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from mgpu.config import resolved_yaml, to_config
 from mgpu.config_cli import release_sigterm, stop_on_bad_command_line
 from mgpu.dist import check_same_config, distributed, exit_process, quiet_other_ranks, stopped
+from mgpu.launch import default_cuda_connections
 from mgpu.preempt import Preemption
 from mgpu.run import build_run
 from mgpu.run_lock import hold_run_dir
@@ -56,6 +57,7 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    default_cuda_connections()  # before the checks below ask CUDA for its devices
     # One line and exit 2 for a command line that cannot work, before Hydra makes anything
     stop_on_bad_command_line(sys.argv[1:])
     exit_process(main)  # with mgpu.dist's teardown rule
