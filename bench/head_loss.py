@@ -241,23 +241,27 @@ def compare(name: str, shape: tuple[int, int, int], args, device: torch.device) 
     }
 
 
+def events_ms(fn, steps: int) -> float:
+    """ms a call of fn over `steps` calls, between two CUDA events (optim_step.py's too)."""
+    return Timer(torch.device("cuda")).run(fn, steps)
+
+
 def sweep(args) -> dict:
     """The loss kernel alone on bf16 logits, per (columns a block, warps), against a copy of the
     logits (one read and one write: the traffic the kernel would move if pass 2 hit L2)."""
     cuda = torch.device("cuda")
     logits = torch.randn(args.rows, args.vocab, device=cuda).bfloat16()
     y = torch.randint(0, args.vocab, (args.rows,), device=cuda)
-    timer = Timer(cuda)
     sides = {"copy": lambda: logits.clone()}
     for launch in LAUNCH_SHAPES:
         name = "_".join(f"{k}{int(v)}" for k, v in launch._asdict().items())
         sides[name] = lambda launch=launch: loss_grad_cuda(logits, y, launch)
     ms: dict[str, list[float]] = {name: [] for name in sides}
     for fn in sides.values():
-        timer.run(fn, 3)
+        events_ms(fn, 3)
     for _ in range(args.rounds):
         for name, fn in sides.items():
-            ms[name].append(timer.run(fn, args.steps))
+            ms[name].append(events_ms(fn, args.steps))
     moved = 2 * logits.numel() * logits.element_size()
     return {
         name: {"ms": statistics.median(t), "rounds": t, "gb_s": moved / statistics.median(t) / 1e6}

@@ -375,11 +375,11 @@ def loss_runs(args, rt) -> dict:
             brief = {k: v for k, v in runs[precision].items() if k != "train_loss"}
             print(json.dumps({"precision": precision, **brief}), flush=True)
     result = {"text_bytes": size, "overrides": LOSS_MODEL, "accum": args.loss_accum, "runs": runs}
-    base = runs.get("bf16")
+    bf16 = runs.get("bf16")
     for precision, r in runs.items():
-        if precision != "bf16" and base:
+        if precision != "bf16" and bf16:
             result[f"{precision}_vs_bf16"] = {
-                key: r[key] / base[key] - 1 if r[key] and base[key] else None
+                key: r[key] / bf16[key] - 1 if r[key] and bf16[key] else None
                 for key in ("train_loss_last", "eval_loss", "tokens_per_s")
             }
     return result
@@ -522,6 +522,7 @@ def bench(name: str, mode: str, args, rt) -> dict:
     flops = flops(tuple(data.sample_shape)) if flops is not None else None
     if alone:  # the plain loop's model, gradients and optimizer state leave the GPU to mgpu
         plains.clear()
+        torch.compiler.reset()  # nor may its compiled graphs hold on to them
     mgpu_base = mark_memory(cuda)
     mgpu = mgpu_run(overrides, rt, args.steps, args.rounds)
     mgpu_peak = peak_gib(mgpu_base) if cuda else None
@@ -567,6 +568,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
         "rounds": args.rounds,
         "warmup": args.warmup,
         "interleaved": not alone,
+        # what was still allocated when mgpu's run began (the resident batch, and where
+        # interleaved the plain loop's model, gradients and optimizer state)
+        "mgpu_start_gib": mgpu_base / 2**30,
     }
     if args.step_only and not alone:
         row["mgpu_step_only"] = step_only(overrides, rt, timer, x, y, args)
