@@ -82,10 +82,12 @@ if [ "${1:-}" = summary ]; then
     exit 0
 fi
 
-if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --upgrade --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl 2>&1 |
-        grep -v -i "warning" | tail -3
-fi
+for dir in "$WHEELS" ${EXTRA_WHEELS:-}; do  # EXTRA_WHEELS=.whl25/alt: torchao 0.17.0 instead
+    if ls "$dir"/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --upgrade --no-index --no-deps --target "$SITE" "$dir"/*.whl 2>&1 |
+            grep -v -i "warning" | tail -3
+    fi
+done
 export PYTHONPATH=$SITE:$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MGPU_COMMIT=${MGPU_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
