@@ -5,14 +5,11 @@ first when taking up the real-images gap (bench/README.md, "Real images"). GPU o
 
 On one H100 the step decoded 9,000-17,000 images/s alone but 1,300-2,600 beside a loop of
 convolutions and ~0 beside a loop of large matrix products, whatever the priority of its
-stream. Two explanations predict different things, and this script tells them apart:
-
-- **queue drain**: the decode (torchvision's nvJPEG with the JPEG engines) waits until the GPU
-  has run everything queued before it. Then one decode's latency grows by the queued work's
-  time (--queued matrix products ahead of it), and a training loop that syncs once a step
-  (so its queue empties each step) lets the decode overlap the next step.
-- **SM starvation**: the decode's small kernels wait for SMs. Then its latency stays near its
-  solo time however much is queued, as long as the SMs have room between kernels.
+stream. The phases below found why: one decode's latency grows with the products queued ahead
+of it on another stream, default or not (queued_on_*), and the rate beside convolutions
+(conv_on_*) depends on CUDA's hardware queues: 122 images/s with CUDA_DEVICE_MAX_CONNECTIONS=8
+(the default), 5,639 with 32, which train.py now sets (bench/README.md, "Real images"). Run it
+with the variable set either way; the file records which.
 
 Writes bench/results/gpu_decode_contention-<device>-<time>.json: the decode alone, one decode's
 latency after 0..N queued products, and the decode's rate beside a convolution loop that syncs

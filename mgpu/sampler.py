@@ -43,9 +43,8 @@ class ShardedSampler(Sampler[int]):
     cut to whole batches of B (the tail drop_last would leave), so a DataLoader over it makes
     the same batches as one iterated epoch by epoch, with no gap between epochs: its workers
     and the prefetcher run on into the next epoch instead of starting from empty (a new
-    iteration waits for a worker's first whole batch, ~0.3-1 s of images; at 31 steps an epoch
-    that cut ResNet-50 B=256 from 0.91x to 0.67x of its rate; bench/README.md). `len()` and
-    `epoch_keys()` stay one epoch's.
+    iteration waits for a worker's first whole batch before its first step; on a small image
+    folder that is every few dozen steps). `len()` and `epoch_keys()` stay one epoch's.
     """
 
     def __init__(
