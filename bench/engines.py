@@ -46,6 +46,7 @@ from mgpu.config import (  # noqa: E402
     TrainerConfig,
 )
 from mgpu.dist import distributed, exit_process  # noqa: E402
+from mgpu.launch import default_cuda_connections  # noqa: E402
 from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
 from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
 from mgpu.preempt import Preemption  # noqa: E402
@@ -450,6 +451,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     # Ends without the teardown of torch's communication threads, as train.py does
     # (mgpu.dist.exit_process: that teardown can abort a finished run).
     exit_process(main)

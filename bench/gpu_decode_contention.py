@@ -170,8 +170,10 @@ def main() -> None:
     p.add_argument("--queued", type=int, nargs="+", default=[0, 5, 20, 50])
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument(
-        "--phases", nargs="*", help="only these (alone python queued_on_default queued_on_own "
-        "conv_on_default conv_on_own); one per process keeps a fault in one from hiding the rest"
+        "--phases",
+        nargs="*",
+        help="only these (alone python queued_on_default queued_on_own "
+        "conv_on_default conv_on_own); one per process keeps a fault in one from hiding the rest",
     )
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args()

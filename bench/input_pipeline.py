@@ -66,6 +66,7 @@ from mgpu.config import ImageFolderDataConfig  # noqa: E402
 from mgpu.data import ImageFolder, SyntheticImages, TokenFile  # noqa: E402
 from mgpu.data.gpu_decode import gpu_decode_unavailable  # noqa: E402
 from mgpu.data.images import normalize_uint8  # noqa: E402
+from mgpu.launch import default_cuda_connections  # noqa: E402
 from mgpu.loader import DeviceLoader, to_device, worker_count  # noqa: E402
 from mgpu.models import GPT, ResNet  # noqa: E402
 from mgpu.sampler import SampleKey  # noqa: E402
@@ -582,4 +583,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     main()

@@ -164,7 +164,9 @@ def main() -> None:
         pairs = [tuple(map(int, x.split(":"))) for x in args.only]
     for cores, batch in pairs:
         results = {}
-        folder_runs = [("folder", d, x) for d in args.decodes for x in args.cpu_shares]
+        # A CPU share means something only where the GPU decodes (not under decode=cpu).
+        shares = [(d, x) for d in args.decodes for x in args.cpu_shares]
+        folder_runs = [("folder", d, x) for d, x in shares if not (x and d == "cpu")]
         for kind, decode, share in [("reference", "-", 0.0), *folder_runs]:
             name = f"b{batch}_{cores}cores_{kind}_{decode}" + (f"_cpu{share:g}" if share else "")
             cmd = train_args(kind, folder, batch, decode, args.steps, args.every, share)

@@ -29,6 +29,7 @@ from mgpu.board import TensorBoard  # noqa: E402
 from mgpu.comm import MgpuDataParallel, wrap_model  # noqa: E402
 from mgpu.config import DistConfig, OptimConfig, OptimizerName, Precision, TrainerConfig  # noqa: E402
 from mgpu.dist import distributed, exit_process  # noqa: E402
+from mgpu.launch import default_cuda_connections  # noqa: E402
 from mgpu.loader import DeviceLoader, epochs  # noqa: E402
 from mgpu.metrics import Recorder  # noqa: E402
 from mgpu.models import GPT  # noqa: E402
@@ -160,6 +161,7 @@ def report(args, rt, times: dict[str, list[float]]) -> None:
 
 
 if __name__ == "__main__":
+    default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     # Ends without the teardown of torch's communication threads, as train.py does
     # (mgpu.dist.exit_process: that teardown can abort a finished run).
     exit_process(main)

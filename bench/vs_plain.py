@@ -47,6 +47,7 @@ from bench.engines import versions  # noqa: E402
 from mgpu import fp8  # noqa: E402
 from mgpu.config import Config, Precision, to_config  # noqa: E402
 from mgpu.dist import distributed, exit_process  # noqa: E402
+from mgpu.launch import default_cuda_connections  # noqa: E402
 from mgpu.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
 from mgpu.models.flops import peak_tflops  # noqa: E402
@@ -729,6 +730,7 @@ def report(rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
+    default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     # Ends without the teardown of torch's communication threads, as train.py does
     # (mgpu.dist.exit_process: that teardown can abort a finished run).
     exit_process(main)

@@ -3,6 +3,7 @@ keys (batch size, workers, prefetching) are shared by all of them in DataConfig.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -30,6 +31,8 @@ from mgpu.data.tokenizer import (
     read_meta,
     sha256_file,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Decode(Enum):
@@ -267,7 +270,9 @@ class ImageFolderDataConfig(DataConfig):
     # Under data.decode=gpu: this share of the JPEGs (drawn per sample from trainer.seed, the
     # epoch and the sample, so a resumed run decodes each where it did) is decoded and cropped
     # by the DataLoader workers instead, which the GPU path otherwise leaves idle; the GPU
-    # decodes the rest. 0: every JPEG nvJPEG takes goes to the GPU.
+    # decodes the rest. 0: every JPEG nvJPEG takes goes to the GPU. Those samples' pixels are
+    # decode=cpu's (within a level or two of the GPU's; DCT-scaled under reduced_decode),
+    # evaluation's included. Under decode=cpu (or auto resolving to it) it does nothing.
     cpu_decode_share: float = 0.0
 
     def __post_init__(self) -> None:
@@ -314,6 +319,11 @@ class ImageFolderDataConfig(DataConfig):
     def dataset_kwargs(self) -> dict[str, Any]:
         kwargs = super().dataset_kwargs()
         kwargs["decode"] = resolve_decode(self.decode.value)
+        if self.cpu_decode_share and kwargs["decode"] == "cpu":
+            log.warning(
+                "data.cpu_decode_share=%g does nothing: data.decode resolved to cpu, where the "
+                "workers decode every image", self.cpu_decode_share,
+            )  # fmt: skip
         kwargs["bad_files"] = self.bad_files.value
         return kwargs
 

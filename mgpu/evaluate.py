@@ -26,6 +26,7 @@ from mgpu.config import TokenFileDataConfig
 from mgpu.data import TokenFile
 from mgpu.data.tokenizer import Tokenizer
 from mgpu.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
+from mgpu.launch import default_cuda_connections
 from mgpu.loader import DeviceLoader, build_dataset, build_loader
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
 from mgpu.trainer import autocast_dtype, cross_entropy
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     try:
         main()
         code = 0

@@ -40,15 +40,16 @@ def build_dataloader(
     # A dataset that augments per epoch (`sample_keys`) gets SampleKeys from the train sampler.
     keyed = train and getattr(dataset, "sample_keys", False)
     stream = train if stream is None else stream and train
+    per_rank = len(dataset) // rt.world_size  # a training shard's samples an epoch
+    if train and per_rank < cfg.batch_size:
+        raise ValueError(
+            f"data.batch_size={cfg.batch_size}: each of the {rt.world_size} processes gets only "
+            f"{per_rank} training samples, less than one batch; lower data.batch_size"
+        )
     sampler = ShardedSampler(
         len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed,
         stream_batch=cfg.batch_size if stream else 0,
     )  # fmt: skip
-    if train and len(sampler) < cfg.batch_size:
-        raise ValueError(
-            f"data.batch_size={cfg.batch_size}: each of the {rt.world_size} processes gets only "
-            f"{len(sampler)} training samples, less than one batch; lower data.batch_size"
-        )
     workers = worker_count(cfg.num_workers, rt.cpu_share)
     return DataLoader(
         dataset,

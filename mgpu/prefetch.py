@@ -62,7 +62,8 @@ class _InFlight(NamedTuple):
 class DeviceLoader:
     """A DataLoader's batches on `device`, copied `depth` batches ahead of use.
 
-    Iterate it like the DataLoader, one epoch per iteration and one epoch at a time; len(),
+    Iterate it like the DataLoader, one iteration at a time (an epoch, or the endless stream
+    of a training loader whose sampler streams: mgpu.sampler's stream_batch); len(),
     set_epoch(), .sampler and .dataset pass through. On CUDA each batch is copied from pinned
     memory with non_blocking=True on the loader's one side stream, `transform` runs there after
     the copy (so images cross PCIe as uint8), and the consumer's current stream waits for that
@@ -190,9 +191,10 @@ class DeviceLoader:
 
     def _start_epoch(self) -> None:
         if self.cuda:
-            # Whatever the consumer queued before this epoch (a transform's device constants,
-            # tensors moved at setup) is done before the side stream reads it. A GPU-side wait,
-            # once per epoch; within the epoch the side stream reads only what it wrote.
+            # Whatever the consumer queued before this iteration (a transform's device
+            # constants, tensors moved at setup) is done before the side stream reads it. A
+            # GPU-side wait, once per iteration; after it the side stream reads only what it
+            # wrote.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _issue(self, host: Any) -> _InFlight:

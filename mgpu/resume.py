@@ -221,11 +221,17 @@ def check_settings(loaded: Loaded, optim: OptimConfig, max_steps: int, *, say: b
         )
 
 
-def check_resumable(sampler: object) -> None:
+def check_resumable(sampler: object, batch_size: int | None = None) -> None:
     if not (isinstance(sampler, ShardedSampler) and sampler.even):
         raise TypeError(
             f"checkpoints record the data position of a training ShardedSampler; this "
             f"loader's sampler is a {type(sampler).__name__}"
+        )
+    # The cursor counts whole batches of the loader's size, as the stream cuts its epochs.
+    if sampler.stream_batch not in (0, batch_size):
+        raise ValueError(
+            f"the sampler streams batches of {sampler.stream_batch} but the loader makes "
+            f"batches of {batch_size}: checkpoints would record the wrong data position"
         )
 
 

@@ -67,6 +67,11 @@ class ShardedSampler(Sampler[int]):
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         if stream_batch and not even:
             raise ValueError("only a training sampler (even=True) streams epoch after epoch")
+        if stream_batch > num_samples // world_size:  # no whole batch: a stream of nothing
+            raise ValueError(
+                f"each of the {world_size} processes gets {num_samples // world_size} samples "
+                f"an epoch, less than a batch of {stream_batch}; use smaller batches"
+            )
         self.shuffle, self.seed, self.even, self.keyed = shuffle, seed, even, keyed
         self.stream_batch = stream_batch
         self.epoch, self.consumed = 0, 0

@@ -412,7 +412,7 @@ class Trainer:
         """The batches from where the run stands, with its RNG states; telemetry's clock."""
         data = train.loader  # the DataLoader: its sampler, batch size and generator
         if self.checkpointer is not None:
-            check_resumable(data.sampler)
+            check_resumable(data.sampler, data.batch_size)
         self._data = data
         self._generators = generators(data)
         train.wait.take()  # data wait counts from here

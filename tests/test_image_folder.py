@@ -351,7 +351,8 @@ def test_gpu_decode_matches_cpu_decode(tmp_path):
             dataset = ImageFolder(split, **cfg.dataset_kwargs())
             loader = build_loader(cfg, dataset, rt, seed=11, train=split == "train")
             loader.set_epoch(2)
-            batches[decode, split] = [(x.cpu(), y.cpu()) for x, y in loader]
+            epoch = islice(loader, len(loader))  # train loaders stream on past the epoch
+            batches[decode, split] = [(x.cpu(), y.cpu()) for x, y in epoch]
             loader.close()
     assert len(files) == 18
     for split in ("train", "eval"):

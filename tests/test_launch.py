@@ -533,18 +533,26 @@ def test_cuda_gets_32_queues_unless_the_environment_chose(monkeypatch, caplog):
     from mgpu.data.gpu_decode import resolve_decode
     from mgpu.launch import CUDA_CONNECTIONS, cuda_connections_warning, default_cuda_connections
 
-    monkeypatch.delenv(CUDA_CONNECTIONS, raising=False)
+    # set, then deleted: monkeypatch then restores the variable's absence (or its value)
+    monkeypatch.setenv(CUDA_CONNECTIONS, "0")
+    monkeypatch.delenv(CUDA_CONNECTIONS)
     default_cuda_connections()
     assert os.environ[CUDA_CONNECTIONS] == "32" and cuda_connections_warning() is None
-    monkeypatch.setenv(CUDA_CONNECTIONS, "8")
+    monkeypatch.setenv(CUDA_CONNECTIONS, "7")
     default_cuda_connections()
-    assert os.environ[CUDA_CONNECTIONS] == "8"  # the user's choice stands
+    assert os.environ[CUDA_CONNECTIONS] == "7"  # the user's choice stands
     said = cuda_connections_warning()
-    assert said is not None and "CUDA_DEVICE_MAX_CONNECTIONS=8" in said and "unset it" in said
+    assert said is not None and "CUDA_DEVICE_MAX_CONNECTIONS=7" in said and "unset it" in said
     with caplog.at_level("WARNING"):
         assert resolve_decode("cpu") == "cpu"
         assert not caplog.records  # the CPU path shares no queues with anything
         assert resolve_decode("gpu") == "gpu"
+        assert resolve_decode("gpu") == "gpu"  # the eval set's: said once a process
     assert [r.getMessage() for r in caplog.records] == [f"data.decode=gpu: {said}"]
     assert cuda_connections_warning({CUDA_CONNECTIONS: "32"}) is None
     assert cuda_connections_warning({CUDA_CONNECTIONS: "1"}) is not None
+    monkeypatch.setenv(CUDA_CONNECTIONS, "")  # empty: as if unset
+    default_cuda_connections()
+    assert os.environ[CUDA_CONNECTIONS] == "32"
+    with pytest.raises(ValueError, match="decode='fast'"):
+        resolve_decode("fast")

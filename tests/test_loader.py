@@ -126,3 +126,9 @@ def test_eval_across_three_ranks_equals_one_process_over_the_whole_set(tmp_path)
     for rank in range(3):  # 13 samples over 3 ranks: 5, 4, 4, and ragged batches
         got = torch.load(tmp_path / f"{rank}.pt", weights_only=True).item()
         assert got == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_stream_with_no_whole_batch_is_refused():
+    """Fewer samples a rank than a batch: an endless stream that never yields; said instead."""
+    with pytest.raises(ValueError, match="gets 1 samples an epoch, less than a batch of 2"):
+        ShardedSampler(3, 0, 2, shuffle=True, seed=0, even=True, stream_batch=2)

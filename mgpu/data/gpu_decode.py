@@ -7,8 +7,10 @@ torchvision is imported here only, lazily: it is optional, and CPU hosts do with
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from mgpu.config_checks import ConfigError  # what train.py reports in one line
 from mgpu.data.image_folder import REMOVE_OR_SKIP, BadImageFile, EncodedBatch, ImageFolder
-from mgpu.launch import cuda_connections_warning
+from mgpu.launch import CUDA_CONNECTIONS, cuda_connections_warning
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +51,25 @@ def resolve_decode(mode: str) -> str:
     per ImageNet-sized image, so a compiled ResNet-50 on one H100 (~5,300 images/s) would need
     more cores than a GPU server has per GPU (bench/README.md, real_images).
     """
+    if mode not in ("cpu", "gpu", "auto"):
+        raise ValueError(f"decode={mode!r}: use cpu, gpu or auto")
     if mode == "cpu":
         return mode
     why = gpu_decode_unavailable() if mode == "auto" else None
     if why is None:
         if mode == "auto":
             log.info("data.decode=auto: JPEGs decoded on the GPU (nvJPEG), PNG and CMYK on the CPU")
-        crowded = cuda_connections_warning()
-        if crowded is not None:
-            log.warning("data.decode=gpu: %s", crowded)
+        _warn_crowded_queues(os.environ.get(CUDA_CONNECTIONS))
         return "gpu"
     log.info("data.decode=auto: images decoded on the CPU, in the workers (%s)", why)
     return "cpu"
+
+
+@functools.cache  # once a process and value: the train and eval datasets both resolve theirs
+def _warn_crowded_queues(value: str | None) -> None:
+    crowded = cuda_connections_warning({} if value is None else {CUDA_CONNECTIONS: value})
+    if crowded is not None:
+        log.warning("data.decode=gpu: %s", crowded)
 
 
 def _probe_jpeg() -> Tensor:
