@@ -39,7 +39,7 @@ from bench.engines import versions  # noqa: E402
 from bench.make_image_folder import write_folder  # noqa: E402
 from mgpu.data import ImageFolder  # noqa: E402
 from mgpu.data.image_folder import collate_encoded  # noqa: E402
-from mgpu.sampler import SampleKey  # noqa: E402
+from mgpu.data.sampler import SampleKey  # noqa: E402
 
 
 def encoded_batches(folder: Path, batch: int, count: int, device: torch.device):

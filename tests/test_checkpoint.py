@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from conftest import free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mgpu import checkpoint as ckpt
-from mgpu.checkpoint import (
+from mgpu.ckpt import checkpoint as ckpt
+from mgpu.ckpt.checkpoint import (
     CheckpointError,
     finalize,
     find_latest_valid,
@@ -31,13 +31,8 @@ from mgpu.checkpoint import (
     verify,
     write_rank_files,
 )
-from mgpu.config import CheckpointConfig, ConfigError, OptimConfig, OptimizerName
-from mgpu.loader import epochs
-from mgpu.models import MLP
-from mgpu.optim import build_optimizer, build_schedule, lr_factor
-from mgpu.resume import resolve_resume
-from mgpu.sampler import DataCursor, ShardedSampler, advance, epoch_order, remaining_indices
-from mgpu.state import (
+from mgpu.ckpt.resume import resolve_resume
+from mgpu.ckpt.state import (
     CheckpointMismatch,
     capture_rng,
     restore_model,
@@ -46,6 +41,18 @@ from mgpu.state import (
     restore_training_state,
     training_state,
 )
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import CheckpointConfig, OptimConfig, OptimizerName
+from mgpu.data.sampler import (
+    DataCursor,
+    ShardedSampler,
+    advance,
+    epoch_order,
+    epochs,
+    remaining_indices,
+)
+from mgpu.models import MLP
+from mgpu.optim.optimizer import build_optimizer, build_schedule, lr_factor
 
 CPU = torch.device("cpu")
 
@@ -242,7 +249,7 @@ def test_auto_resumes_from_the_newest_valid_checkpoint_and_warns(tmp_path, caplo
     bitflip(step_dir(tmp_path, 3) / "state.pt")
     os.remove(step_dir(tmp_path, 2) / "manifest.json")
     (tmp_path / "step-00000004.tmp-dead").mkdir()  # a crashed save is not a checkpoint
-    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.ckpt.checkpoint"):
         assert resolve_resume("auto", tmp_path) == step_dir(tmp_path, 1)
     text = caplog.text
     assert "step-00000003/state.pt: checksum mismatch" in text
@@ -657,8 +664,8 @@ def test_a_read_error_stops_the_resume_where_an_invalid_file_falls_back(
     """ckpt.resume=auto skips a newest checkpoint that is invalid (here: refused unpickling),
     but an I/O error while reading it says nothing of the file: the run stops instead of
     silently redoing the steps since the older one."""
-    from mgpu.dist import Runtime
-    from mgpu.resume import resume_point
+    from mgpu.ckpt.resume import resume_point
+    from mgpu.runtime.dist import Runtime
 
     small(tmp_path, 1), small(tmp_path, 2)
     real_load = torch.load

@@ -18,7 +18,7 @@ import pytest
 from conftest import FAST, ROOT, free_port, read_scalars, run_train
 from torch.distributed.run import parse_args
 
-from mgpu.dist import (
+from mgpu.runtime.launch import (
     LaunchError,
     check_sweep_launch,
     describe_config_mismatch,
@@ -521,7 +521,7 @@ def test_cpu_affinity_gives_each_worker_its_own_block_of_cpus(tmp_path):
 
 
 def test_cpu_affinity_with_more_workers_than_cpus_says_how_to_fix():
-    from mgpu.dist import pin_host_cpus
+    from mgpu.runtime.launch import pin_host_cpus
 
     with pytest.raises(ValueError, match="dist.cpu_affinity=false"):
         pin_host_cpus(0, len(os.sched_getaffinity(0)) + 1)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from mgpu.config_checks import ConfigError  # what train.py reports in one line
+from mgpu.config.checks import ConfigError  # what train.py reports in one line
 from mgpu.data.image_folder import REMOVE_OR_SKIP, BadImageFile, EncodedBatch, ImageFolder
 
 log = logging.getLogger(__name__)

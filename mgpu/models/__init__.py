@@ -3,7 +3,9 @@
 import torch
 from torch import nn
 
-from mgpu.config import ConfigError, ModelConfig, build_from_target
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import build_from_target
+from mgpu.models.config import ModelConfig
 from mgpu.models.flops import count_training_flops
 from mgpu.models.gpt import GPT
 from mgpu.models.mlp import MLP
