@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mgpu.comm.engine import wrap_model  # noqa: E402
-from mgpu.comm.shard import ShardedOptimizer  # noqa: E402
+from mgpu.comm.sharded_optim import ShardedOptimizer  # noqa: E402
 from mgpu.config.schema import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
 from mgpu.models import GPT, ResNet
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.comm.engine import MgpuDataParallel, wrap_model
-from mgpu.comm.shard import ShardedOptimizer
+from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.checks import ConfigError
 from mgpu.config.schema import DistConfig, OptimConfig, Precision, TrainerConfig
 from mgpu.data.sampler import ShardedSampler

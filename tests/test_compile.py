@@ -13,7 +13,7 @@ from conftest import free_port, gloo_runtime, spawn
 from torch import nn
 
 from mgpu.comm.engine import wrap_model
-from mgpu.comm.shard import ShardedOptimizer
+from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import (
     DistConfig,
     Engine,

@@ -14,7 +14,7 @@ from test_reducer import MODELS, batch
 
 import mgpu.comm.shard
 from mgpu.comm.engine import wrap_model
-from mgpu.comm.shard import ShardedOptimizer, check_shardable
+from mgpu.comm.sharded_optim import ShardedOptimizer, check_shardable
 from mgpu.config.checks import ConfigError
 from mgpu.config.schema import (
     DistConfig,

@@ -25,7 +25,7 @@ from mgpu.ckpt.resume import (
     resume_point,
 )
 from mgpu.comm.engine import MgpuDataParallel, wrap_model
-from mgpu.comm.shard import ShardedOptimizer
+from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import Engine, Precision
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader

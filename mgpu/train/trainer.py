@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from mgpu.ckpt.resume import Checkpointer, check_resumable
 from mgpu.ckpt.state import restore_training_state, training_state
 from mgpu.comm.engine import MgpuDataParallel, local_module, sync_gradients, unwrap
-from mgpu.comm.shard import ShardedOptimizer
+from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import Precision, TrainerConfig
 from mgpu.data.batches import to_device
 from mgpu.data.prefetch import DeviceLoader
