@@ -21,16 +21,8 @@ from conftest import free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.ckpt import checkpoint as ckpt
-from mgpu.ckpt.checkpoint import (
-    CheckpointError,
-    finalize,
-    find_latest_valid,
-    load,
-    prune,
-    step_dir,
-    verify,
-    write_rank_files,
-)
+from mgpu.ckpt import write as ckpt_write
+from mgpu.ckpt.checkpoint import CheckpointError, find_latest_valid, load, step_dir, verify
 from mgpu.ckpt.resume import resolve_resume
 from mgpu.ckpt.state import (
     CheckpointMismatch,
@@ -41,6 +33,7 @@ from mgpu.ckpt.state import (
     restore_training_state,
     training_state,
 )
+from mgpu.ckpt.write import finalize, prune, write_rank_files
 from mgpu.config.checks import ConfigError
 from mgpu.config.schema import CheckpointConfig, OptimConfig, OptimizerName
 from mgpu.data.sampler import (
@@ -334,7 +327,7 @@ def no_space(monkeypatch, room=100):
         f = open(path, mode, *args, **kwargs)
         return FullDisk(f, room) if mode == "wb" else f
 
-    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)
+    monkeypatch.setattr(ckpt_write, "open", fake_open, raising=False)
 
 
 def test_failed_shared_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -358,7 +351,7 @@ def test_failed_rank_write_removes_its_file(tmp_path, monkeypatch):
         write_rank_files(tmp_path, 2, 0, {"rng": capture_rng(CPU)}, token="t")
     assert info.value.file == tmp_path / "step-00000002.tmp-t" / "rank-0.pt"
     assert not info.value.file.exists()
-    ckpt.abort(tmp_path, 2, token="t")
+    ckpt_write.abort(tmp_path, 2, token="t")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
 
 

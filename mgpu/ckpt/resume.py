@@ -25,20 +25,17 @@ from mgpu.ckpt.checkpoint import (
     MANIFEST,
     CheckpointError,
     Loaded,
-    abort,
     checkpoint_root,
-    finalize,
     find_latest_valid,
     load,
     newest_kept,
-    prune,
     step_dir,
     step_dirs,
     step_number,
     verify,
-    write_rank_files,
 )
 from mgpu.ckpt.state import CheckpointMismatch, capture_rng, restore_rng
+from mgpu.ckpt.write import abort, finalize, prune, write_rank_files
 from mgpu.config.schema import CheckpointConfig, OptimConfig
 from mgpu.data.sampler import DataCursor, ShardedSampler
 from mgpu.runtime.dist import Runtime, all_ok, broadcast_object, waiting
