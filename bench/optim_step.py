@@ -42,7 +42,7 @@ from bench.vs_plain import MODELS, QUICK, compose_config  # noqa: E402
 from mgpu.models import build_model  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer  # noqa: E402
 from mgpu.run.config import Config, to_config  # noqa: E402
-from mgpu.train.trainer import CLIP_EPS  # noqa: E402
+from mgpu.train.update import CLIP_EPS  # noqa: E402
 
 
 def fused_side(model: torch.nn.Module, cfg: Config):

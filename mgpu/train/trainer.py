@@ -1,6 +1,7 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
-precision (the forward and loss eager, or replayed as CUDA graphs: mgpu.train.graphs), gradient
-clipping, periodic and final evaluation, when to record metrics, and when all ranks save a
+precision (the forward and loss eager, or replayed as CUDA graphs: mgpu.train.graphs; the
+optimizer step with its clipping and loss scaling: mgpu.train.update; batches fed to it:
+mgpu.train.feed), periodic and final evaluation, when to record metrics, and when all ranks save a
 checkpoint together (mgpu.ckpt.resume says how) or stop on preemption; the state a checkpoint holds
 (state_dict/load_state_dict).
 
@@ -14,7 +15,7 @@ are the exception: saving reads everything back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_
 from torch.utils.data import DataLoader
 
 from mgpu.ckpt.resume import Checkpointer, check_resumable
@@ -30,20 +30,14 @@ from mgpu.ckpt.state import restore_training_state, training_state
 from mgpu.comm.engine import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import Precision, TrainerConfig
-from mgpu.data.batches import to_device
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.sampler import DataCursor, advance, epochs
 from mgpu.models import compile_mode
 from mgpu.models.loss import cross_entropy
-from mgpu.optim.loss_scale import LossScaler
 from mgpu.runtime.dist import (
-    BAD_INPUT,
-    RunStopped,
     Runtime,
-    all_ok,
     all_reduce_sum_,
     is_timeout,
-    waiting,
 )
 from mgpu.runtime.preempt import Preempted, Preemption
 from mgpu.telemetry.goodput import Goodput
@@ -51,10 +45,12 @@ from mgpu.telemetry.metrics import Recorder
 from mgpu.telemetry.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
 from mgpu.telemetry.timing import StepTimer
 from mgpu.train import watchdog
+from mgpu.train.feed import Feed, first_batch_everywhere
 from mgpu.train.fp8 import check_fp8
 from mgpu.train.graphs import GraphedLoss, ModelLoss, use_graphs
-from mgpu.train.guard import NonFiniteGuard, fused
+from mgpu.train.guard import NonFiniteGuard
 from mgpu.train.numerics import autocast_dtype, training_loss
+from mgpu.train.update import Update, build_scaler
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +58,6 @@ log = logging.getLogger(__name__)
 def generators(data: DataLoader) -> dict[str, torch.Generator]:
     """The RNGs a checkpoint carries besides the global ones: the DataLoader's (worker seeds)."""
     return {"loader": data.generator} if data.generator is not None else {}
-
-
-# clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
-CLIP_EPS = 1e-6
-
-
-def _prepended(first: list[Any], batches: Generator[Any, None, None]) -> Generator[Any, None, None]:
-    """`first`, then `batches`, which closing this closes (fit's end closes its batches)."""
-    try:
-        yield from first
-        yield from batches
-    finally:
-        batches.close()
-
-
-class PeerInputError(RunStopped):
-    """Another rank found bad input before the first step: it says so; this rank stops with
-    it, quietly (in its log) and with the same exit code."""
-
-    exit_code = BAD_INPUT
-    level = logging.INFO
 
 
 class Trainer:
@@ -110,9 +85,6 @@ class Trainer:
         self.profiler, self.goodput = profiler, goodput
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
         self.preemption = preemption
-        # Applied on the device to the inputs of a plain DataLoader given to fit/evaluate. A
-        # DeviceLoader (what build_loader returns) applies its own, per data.device_transform.
-        self.input_transform = input_transform
         if cfg.precision is Precision.fp8:
             check_fp8(rt.device)  # train.py checked before starting; a Trainer built in Python
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
@@ -140,24 +112,14 @@ class Trainer:
             if graphs
             else ModelLoss(model, loss_fn)
         )
-        self.sharded = isinstance(optimizer, ShardedOptimizer)
-        # fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it. Sharded,
-        # each rank sees only its shards' overflows: mgpu's LossScaler, whose verdict the ranks
-        # agree on (_update_clipped); else torch's GradScaler on the whole averaged gradients.
-        fp16 = self.amp_dtype is torch.float16
-        if self.sharded:
-            self.scaler = LossScaler(rt.device, init_scale=cfg.loss_scale_init, enabled=fp16)
-        else:
-            self.scaler = torch.amp.GradScaler(
-                rt.device.type, init_scale=cfg.loss_scale_init, enabled=fp16
-            )
+        sharded = isinstance(optimizer, ShardedOptimizer)
+        self.scaler = build_scaler(cfg, rt.device, self.amp_dtype, sharded)
         self.checkpointer = checkpointer  # None: fit saves nothing
         # Where fit starts: after step 0, at epoch 0's start, unless load_state_dict says
         # otherwise; `step` is the last step done.
         self.start_step, self.start_cursor, self.step = 0, None, 0
-        self.channels_last = rt.device.type == "cuda" and getattr(
-            unwrap(model), "channels_last", False
-        )
+        channels_last = rt.device.type == "cuda" and getattr(unwrap(model), "channels_last", False)
+        self.feed = Feed(rt.device, channels_last, input_transform)
         # Where this rank is, for hang reports; started by fit (trainer.stall_timeout_s).
         self.watch = watchdog.Watchdog(rt, cfg.stall_timeout_s)
         self.guard = NonFiniteGuard(
@@ -170,6 +132,10 @@ class Trainer:
             preemptible=preemption is not None,
             on_skip=recorder.skipped if recorder is not None else None,
         )
+        # The step's end: clipping, the agreement, the optimizer and the schedule.
+        self.update = Update(
+            cfg, self.params, optimizer, schedule, self.scaler, self.guard, self._stop_asked
+        )
         # Where train_step marks the parts of each step for the Recorder's breakdown.
         self.timer = recorder.timer if recorder is not None else StepTimer(None)
 
@@ -177,38 +143,6 @@ class Trainer:
         return torch.autocast(
             self.rt.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
         )
-
-    def _prepare(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device batch in the layout the model wants (a no-op for a DeviceLoader's made with
-        that layout). A host batch is moved here (on the current stream; to_device leaves
-        tensors already on the device as they are)."""
-        inputs, targets = to_device(batch, self.rt.device)
-        if self.channels_last and inputs.dim() == 4:
-            inputs = inputs.contiguous(memory_format=torch.channels_last)
-        return inputs, targets
-
-    def _device_batches(self, loader: Iterable[Any]) -> Iterator[Any]:
-        """A DeviceLoader's batches as they come; a plain loader's moved and transformed here."""
-        if isinstance(loader, DeviceLoader):
-            yield from loader
-            return
-        for batch in loader:
-            inputs, targets = to_device(batch, self.rt.device)
-            if self.input_transform is not None:
-                inputs = self.input_transform(inputs)
-            yield inputs, targets
-
-    def _prefetcher(self, loader: DeviceLoader | DataLoader) -> tuple[DeviceLoader, bool]:
-        """The loader to train from, and whether fit made it (and so must close it)."""
-        if isinstance(loader, DeviceLoader):
-            return loader, False
-        # Inputs in the model's layout, converted on the side stream (_prepare's is then a
-        # no-op); a DeviceLoader given to fit was built with its memory_format (build_run).
-        layout = torch.channels_last if self.channels_last else None
-        prefetcher = DeviceLoader(
-            loader, self.rt.device, transform=self.input_transform, memory_format=layout
-        )
-        return prefetcher, True
 
     def train_step(
         self, batches: Iterator[Any], step: int = 0
@@ -229,7 +163,7 @@ class Trainer:
             watch.beat(step, watchdog.DATA)
             timer.data_asked()
             with phase(DATA):
-                inputs, targets = self._prepare(next(batches))
+                inputs, targets = self.feed.prepare(next(batches))
             timer.data_ready()
             watch.beat(step, watchdog.STEP)
             # Gradients are averaged across ranks on the last micro-step only; the earlier
@@ -243,7 +177,7 @@ class Trainer:
             total += loss.detach()
         watch.beat(step, watchdog.UPDATE)
         with phase(OPTIMIZER):
-            loss, bad = self._update(total / accum, step)
+            loss, bad = self.update(total / accum, step)
         timer.step_done()
         self.guard.poll()  # verdicts LAG steps old: raises under trainer.nonfinite=stop
         return loss, bad
@@ -258,71 +192,6 @@ class Trainer:
     def _stop_asked(self) -> bool:
         return self.preemption is not None and self.preemption.asked
 
-    def _update(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule."""
-        if self.scaler.is_enabled() and not self.sharded:
-            bad = self._update_grad_scaler(loss, step)
-        else:
-            bad = self._update_clipped(loss, step)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.step()
-        return loss, bad
-
-    def _update_grad_scaler(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """fp16 without sharding: torch's GradScaler on the averaged gradients, whole on every
-        rank, so that each rank's own overflow check gives the same verdict."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        # Overflowing gradients are the scaler's to skip. A non-finite loss (agreed across
-        # ranks) poisons the gradients so that the scaler skips that step too, on every rank
-        # alike, without a host read.
-        bad = self.guard.check(step, loss, grads, None, self._stop_asked())
-        if grads:
-            grads[0].add_(torch.where(bad, float("nan"), 0.0))
-        if self.cfg.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
-            clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
-        # GradScaler.step reads found-inf on the host unless the optimizer is fused (mgpu's
-        # are): then no sync.
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return bad
-
-    def _update_clipped(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """fp32 and bf16; and fp16 under dist.shard_optimizer, where the LossScaler unscales
-        this rank's gradient shards and its overflow flag rides the norm's all-reduce, so that
-        an overflow on any rank's shard skips the step (and lowers the scale) on every rank."""
-        overflow = None
-        if self.sharded:  # this rank's averaged shards; the norm sums every rank's (comm.shard)
-            grads = self.optimizer.shard_grads()
-            if self.scaler.is_enabled():
-                overflow = self.scaler.unscale_(grads)  # this rank's shards only
-            # One small all-reduce: the global norm, and the overflow flag agreed across ranks.
-            norm, overflow = self.optimizer.grad_norm(overflow)
-        else:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
-        scale = None
-        if self.cfg.grad_clip > 0 and norm is not None:
-            if fused(self.optimizer):
-                # Clipping rides in the fused update: its kernel divides each gradient by
-                # grad_scale as it reads it, so no pass over the gradients (and none of the
-                # host time that launches it) is spent on scaling them first.
-                scale = (norm + CLIP_EPS).div(self.cfg.grad_clip).clamp(min=1.0)
-            else:
-                clip_grads_with_norm_(grads, self.cfg.grad_clip, norm, foreach=True)
-        # A collective: every rank learns whether any rank's step went non-finite. Under fp16
-        # it judges the loss only (scaler_owns_grads): an overflow is the scaler's.
-        bad = self.guard.check(step, loss, grads, norm, self._stop_asked())
-        if overflow is None:
-            self.guard.step(self.optimizer, bad, grad_scale=scale)
-            return bad
-        # fp16, sharded: skipped for a non-finite loss or an overflow on any rank, and the
-        # scale lowered for either, as GradScaler does (a non-finite loss poisons its grads).
-        skipped = bad | overflow
-        self.guard.step(self.optimizer, skipped, grad_scale=scale)
-        self.scaler.update(skipped)
-        return bad
-
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> float:
         """Mean loss over every eval sample exactly once, summed across ranks."""
@@ -331,9 +200,9 @@ class Trainer:
         model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         step = self.watch.step
-        for batch in self._device_batches(loader):
+        for batch in self.feed.batches(loader):
             self.watch.beat(step, watchdog.EVAL)
-            inputs, targets = self._prepare(batch)
+            inputs, targets = self.feed.prepare(batch)
             with self._autocast():
                 logits = model(inputs)
             sums[0] += cross_entropy(logits, targets, reduction="sum").double()
@@ -354,11 +223,11 @@ class Trainer:
                 "resumed at step %d, trainer.max_steps=%d: done", self.start_step, cfg.max_steps
             )
             return
-        train, owned = self._prefetcher(train_loader)
+        train, owned = self.feed.prefetcher(train_loader)
         batches = self._begin(train)
         try:
             self.watch.start()  # the stall clock and progress reports, until the end
-            batches = self._first_batch_everywhere(batches)
+            batches = first_batch_everywhere(batches, self.rt)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
                 lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
                 loss, bad = self._step(batches, step)  # data, forward/backward, agree, update
@@ -427,26 +296,6 @@ class Trainer:
             self.checkpointer.restore_rng(self._generators)  # the last thing before the first step
         self.recorder.begin()
         return batches
-
-    def _first_batch_everywhere(self, batches: Generator[Any, None, None]) -> Iterator[Any]:
-        """The batches, the first one read before the first step and agreed on: bad input found
-        there (an unreadable image under data.bad_files=error) stops every rank, the one that
-        read it with its one line and the others quietly, all with exit code 2; not that rank
-        alone, leaving the others to fail in the step's collectives with tracebacks."""
-        error = None
-        try:
-            first = [next(batches)]
-        except StopIteration:
-            first = []
-        except RunStopped as err:
-            error = err
-        with waiting(self.rt.rank, "agreeing that every rank read its first batch"):
-            everywhere = all_ok(error is None, self.rt)
-        if error is not None:
-            raise error
-        if not everywhere:
-            raise PeerInputError("another rank could not read its first batch (it says why)")
-        return _prepended(first, batches)
 
     def _evaluate_and_save(
         self, step: int, eval_loader: Iterable | None, save: bool, required: bool
