@@ -1,4 +1,9 @@
-"""Model zoo for mgpu: GPT (language), ResNet and MLP (vision), and their training-FLOP counts."""
+"""Model zoo for mgpu: GPT (language), ResNet and MLP (vision), built from conf/model's
+`_target_`; the model group's schemas (config), the loss they train with (loss, fused_loss),
+their training-FLOP counts (flops), and how a model is compiled (here).
+
+May import: config, runtime.
+"""
 
 import torch
 from torch import nn
