@@ -36,6 +36,7 @@ from mgpu.runtime.dist import (
     quiet_other_ranks,
     stopped,
 )
+from mgpu.runtime.launch import default_cuda_connections
 from mgpu.runtime.preempt import Preemption
 from mgpu.runtime.run_lock import hold_run_dir
 
@@ -63,6 +64,7 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    default_cuda_connections()  # before the checks below ask CUDA for its devices
     # One line and exit 2 for a command line that cannot work, before Hydra makes anything
     stop_on_bad_command_line(sys.argv[1:])
     exit_process(main)  # with mgpu.runtime.dist's teardown rule

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
+from mgpu.config.schema import Precision  # noqa: E402
 from mgpu.data.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
 from mgpu.models.loss import cross_entropy  # noqa: E402
@@ -48,8 +52,10 @@ from mgpu.run.build import build_run  # noqa: E402
 from mgpu.run.config import Config, to_config  # noqa: E402
 from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
 from mgpu.telemetry.mfu import peak_tflops  # noqa: E402
+from mgpu.train import fp8  # noqa: E402
 from mgpu.train.numerics import autocast_dtype, set_math_modes  # noqa: E402
 
+XL = ["experiment=gpt2_xl", "data=ngram", "data.vocab_size=50304", "data.seq_len=1024"]
 MODELS = {  # the runs of the fast-path issue's table
     "gpt2_small": [
         "model=gpt2_small",
@@ -59,7 +65,20 @@ MODELS = {  # the runs of the fast-path issue's table
         "data.batch_size=16",
     ],
     "resnet50": ["experiment=resnet50"],
+    # GPT-2 XL as experiment=gpt2_xl runs it (8 sequences a micro-step, 16 micro-steps a step,
+    # bf16, its activation checkpointing), on synthetic tokens of GPT-2's vocabulary; the plain
+    # loop takes the same accumulation, checkpointing and precision.
+    "gpt2_xl": XL,
+    "gpt2_xl_fp8": [*XL, "trainer.precision=fp8"],  # the block's linear layers in fp8, both sides
 }
+# --loss-steps: GPT-2 XL as experiment=gpt2_xl runs it, on a token file of real text.
+LOSS_MODEL = ["experiment=gpt2_xl", "trainer.compile=true"]
+# Models too large for the plain loop's and mgpu's copies to share the GPU: the plain loop's
+# rounds all run first and its model is freed before mgpu's run (not interleaved).
+ALONE = {"gpt2_xl", "gpt2_xl_fp8"}
+# (steps a round, rounds, warm-up steps) where --steps/--rounds/--warmup are not given: an XL
+# step of 16 micro-steps takes ~2.5 s at 55 % MFU, and each side compiles a 48-block model.
+STEPS = {"gpt2_xl": (2, 3, 2), "gpt2_xl_fp8": (2, 3, 2)}
 QUICK = {  # CPU-sized stand-ins, to check the script
     "gpt2_small": [
         "model=gpt_tiny",
@@ -74,6 +93,16 @@ QUICK = {  # CPU-sized stand-ins, to check the script
         "data.image_size=32",
         "data.batch_size=8",
         "data.num_workers=0",
+    ],
+    # the XL run's paths (accumulation, checkpointed blocks) at gpt_tiny's size
+    "gpt2_xl": [
+        "model=gpt_tiny",
+        "data.vocab_size=256",
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "data.num_workers=0",
+        "trainer.grad_accum_steps=2",
+        "model.activation_checkpointing=blocks",
     ],
 }
 
@@ -122,6 +151,9 @@ class PlainLoop:
             head_loss = "fused" if variant == "fused_loss" else "logits"
             model_cfg = dataclasses.replace(model_cfg, head_loss=head_loss)
         model = build_model(model_cfg).to(device)
+        if cfg.trainer.precision is Precision.fp8:
+            # torchao's float8 training on the blocks' linear layers, as mgpu converts them
+            model = fp8.convert(model)
         self.channels_last = getattr(model, "channels_last", False) and device.type == "cuda"
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -165,6 +197,7 @@ class PlainLoop:
                 fused=True,
             )
         self.clip = 0.0 if variant == "noclip" else cfg.trainer.grad_clip
+        self.accum = cfg.trainer.grad_accum_steps  # micro-steps a step, on the same batch
         self.amp = autocast_dtype(cfg.trainer.precision, device)
         self.device = device
 
@@ -178,9 +211,10 @@ class PlainLoop:
             with autocast:
                 self.forward_loss = torch.cuda.make_graphed_callables(self.forward_loss, (x, y))
             self.capture = False
-        with autocast:
-            loss = self.forward_loss(x, y)
-        loss.backward()
+        for _ in range(self.accum):
+            with autocast:
+                loss = self.forward_loss(x, y)
+            (loss / self.accum if self.accum > 1 else loss).backward()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
@@ -265,7 +299,92 @@ def mgpu_run(cfg_overrides: list[str], rt, steps: int, rounds: int) -> dict:
         "mfu_pct": timed("throughput/mfu_pct"),
         "data_wait_pct": timed("time/data_wait_pct"),
         "loss": timed("train/loss"),
+        "loss_all": scalars.get("train/loss", []),  # (step, loss) of every interval
+        "eval_loss": scalars.get("eval/loss", []),
+        "tokens_per_s": timed("throughput/tokens_per_sec"),
     }
+
+
+def python_text(dst: Path, limit: int | None = None) -> int:
+    """Python's own standard library sources, one after another, into dst: real text (code and
+    prose) on any machine with Python, no download; ~30 MB, or the files up to `limit` bytes.
+    Returns the bytes written."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    written = 0
+    with open(dst, "wb") as out:
+        for path in sorted(stdlib.rglob("*.py")):
+            if "site-packages" in path.parts:
+                continue
+            data = path.read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:  # a few test files are in other encodings on purpose
+                continue
+            written += out.write(data + b"\n")
+            if limit and written >= limit:
+                break
+    return written
+
+
+def loss_runs(args, rt) -> dict:
+    """train.py's path for --loss-steps steps on Python's sources as byte-level tokens, once per
+    precision, from the same seed and data order: the losses each precision reaches and what
+    each run costs (tokens/s, MFU, peak memory)."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        text, tokens = Path(tmp) / "python.txt", Path(tmp) / "python.bin"
+        size = python_text(text, limit=2**20 if args.quick else None)
+        subprocess.run(
+            [sys.executable, "-m", "mgpu.data.prepare", str(text), str(tokens)],
+            check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        text.unlink()
+        interval = max(1, args.loss_steps // 12)
+        intervals = max(1, args.loss_steps // interval)
+        for precision in args.loss_precisions:
+            torch.compiler.reset()
+            overrides = [
+                *LOSS_MODEL,
+                f"data.path={tokens}",
+                f"trainer.precision={precision}",
+                f"trainer.grad_accum_steps={args.loss_accum}",
+                *args.override,
+            ]
+            if args.quick:
+                overrides += [
+                    *QUICK["gpt2_xl"],
+                    "data.vocab_size=auto",
+                    "trainer.grad_accum_steps=1",
+                    "trainer.compile_backend=aot_eager",
+                ]
+            cuda = rt.device.type == "cuda"
+            base = mark_memory(cuda)
+            run = mgpu_run(overrides, rt, interval, intervals - 1)
+            final = run["loss_all"][-1] if run["loss_all"] else (None, None)
+            runs[precision] = {
+                "steps": final[0],
+                "train_loss_last": final[1],
+                "train_loss": run["loss_all"],
+                "eval_loss": run["eval_loss"][-1][1] if run["eval_loss"] else None,
+                "ms_per_step": statistics.median(run["ms"]) if run["ms"] else None,
+                "tokens_per_s": statistics.median(run["tokens_per_s"])
+                if run["tokens_per_s"]
+                else None,
+                "mfu_pct": statistics.median(run["mfu_pct"]) if run["mfu_pct"] else None,
+                "peak_mem_gib": peak_gib(base) if cuda else None,
+                "run_s": run["run_s"],
+            }
+            brief = {k: v for k, v in runs[precision].items() if k != "train_loss"}
+            print(json.dumps({"precision": precision, **brief}), flush=True)
+    result = {"text_bytes": size, "overrides": LOSS_MODEL, "accum": args.loss_accum, "runs": runs}
+    bf16 = runs.get("bf16")
+    for precision, r in runs.items():
+        if precision != "bf16" and bf16:
+            result[f"{precision}_vs_bf16"] = {
+                key: r[key] / bf16[key] - 1 if r[key] and bf16[key] else None
+                for key in ("train_loss_last", "eval_loss", "tokens_per_s")
+            }
+    return result
 
 
 def kernel_table(step, steps: int = 3, top: int = 15) -> dict:
@@ -326,8 +445,30 @@ def step_only(overrides: list[str], rt, timer: Timer, x, y, args) -> dict:
     }
 
 
+def mark_memory(cuda: bool) -> int:
+    """Frees what is unreferenced and restarts the peak count: the bytes allocated now."""
+    gc.collect()
+    if not cuda:
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def peak_gib(base: int) -> float:
+    """GiB allocated at the peak since the last reset above `base` bytes."""
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def bench(name: str, mode: str, args, rt) -> dict:
     compiled = mode == "compiled"
+    if not args.quick:  # this model's step counts where the command line gave none
+        steps, rounds, warmup = STEPS.get(name, (20, 5, 10))
+        given = vars(args)
+        args = argparse.Namespace(**given)
+        args.steps = steps if given["steps"] is None else given["steps"]
+        args.rounds = rounds if given["rounds"] is None else given["rounds"]
+        args.warmup = warmup if given["warmup"] is None else given["warmup"]
     # Each model compiles from nothing, as in a process of its own: the plain loop's WithLoss
     # (one code object for every model) compiled for GPT-2's inputs first would otherwise be
     # recompiled for ResNet-50's with its shapes marked dynamic (torch.compile's answer to a
@@ -341,7 +482,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
     set_math_modes(cfg.trainer, rt.device)
     timer = Timer(rt.device)
     # The block-wise levers only differ from "whole" for models with repeated blocks (GPT).
-    blocks = bool(repeated_blocks(build_model(cfg.model)))
+    alone = name in ALONE
+    with torch.device("meta" if alone else "cpu"):  # XL's 1.56B parameters need not exist here
+        blocks = bool(repeated_blocks(build_model(cfg.model)))
     applies = {
         "noclip": True,
         "attention": hasattr(cfg.model, "attention"),
@@ -352,8 +495,13 @@ def bench(name: str, mode: str, args, rt) -> dict:
     }
     levers = [v for v in args.plain_variants if applies.get(v, compiled)]
     variants = ["whole", *levers]
+    cuda = rt.device.type == "cuda"
+    base = mark_memory(cuda)
     plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
     x, y, data = resident_batch(cfg, plains["whole"], rt.device)
+    accum = cfg.trainer.grad_accum_steps
+    # tokens a step: a GPT's batch is [sequences, positions] of token ids
+    tokens = x.numel() * accum if not x.is_floating_point() else None
     plain_ms: dict[str, list[float]] = {v: [] for v in variants}
     plain_ahead: dict[str, list[float]] = {v: [] for v in variants}
 
@@ -368,13 +516,19 @@ def bench(name: str, mode: str, args, rt) -> dict:
         started = time.perf_counter()
         timer.run(lambda loop=loop: loop.step(x, y), args.warmup)
         warmup_s[v] = time.perf_counter() - started  # what compiling costs a user, roughly
-    first = args.rounds // 2
+    first = args.rounds if alone else args.rounds // 2
     plain_rounds(first)
-    mgpu = mgpu_run(overrides, rt, args.steps, args.rounds)
-    plain_rounds(args.rounds - first)
-    samples = cfg.data.batch_size
+    plain_peak = peak_gib(base) if cuda else None
+    samples = cfg.data.batch_size * accum
     flops = getattr(plains["whole"].raw, "flops_per_sample", None)
     flops = flops(tuple(data.sample_shape)) if flops is not None else None
+    if alone:  # the plain loop's model, gradients and optimizer state leave the GPU to mgpu
+        plains.clear()
+        torch.compiler.reset()  # nor may its compiled graphs hold on to them
+    mgpu_base = mark_memory(cuda)
+    mgpu = mgpu_run(overrides, rt, args.steps, args.rounds)
+    mgpu_peak = peak_gib(mgpu_base) if cuda else None
+    plain_rounds(args.rounds - first)
     peak = None
     if rt.device.type == "cuda":
         peak = peak_tflops(torch.cuda.get_device_name(rt.device), low_precision=True)
@@ -386,11 +540,16 @@ def bench(name: str, mode: str, args, rt) -> dict:
             "ms_per_step": med,
             "ms_rounds": ms,
             "mfu_pct": mfu,
+            "tokens_per_s": tokens / (med / 1e3) if tokens else None,
+            "peak_mem_gib": plain_peak,  # every variant's together, where there are several
             "host_ahead_ms": statistics.median(plain_ahead[v]),
             "warmup_s": warmup_s[v],
         }
+    mgpu_ms = statistics.median(mgpu["ms"])
     row["mgpu"] = {
-        "ms_per_step": statistics.median(mgpu["ms"]),
+        "ms_per_step": mgpu_ms,
+        "tokens_per_s": tokens / (mgpu_ms / 1e3) if tokens else None,
+        "peak_mem_gib": mgpu_peak,
         "ms_rounds": mgpu["ms"],
         "mfu_pct": statistics.median(mgpu["mfu_pct"]) if mgpu["mfu_pct"] else None,
         "data_wait_pct": statistics.median(mgpu["data_wait_pct"])
@@ -402,10 +561,23 @@ def bench(name: str, mode: str, args, rt) -> dict:
     }
     row["mgpu"]["breakdown_ms"] = mgpu["breakdown_ms"]
     row["ratio"] = row["plain"]["whole"]["ms_per_step"] / row["mgpu"]["ms_per_step"]
-    if args.step_only:
+    row["settings"] = {
+        "batch_size": cfg.data.batch_size,
+        "grad_accum_steps": accum,
+        "precision": cfg.trainer.precision.value,
+        "activation_checkpointing": getattr(cfg.model, "activation_checkpointing", None),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "interleaved": not alone,
+        # what was still allocated when mgpu's run began (the resident batch, and where
+        # interleaved the plain loop's model, gradients and optimizer state)
+        "mgpu_start_gib": mgpu_base / 2**30,
+    }
+    if args.step_only and not alone:
         row["mgpu_step_only"] = step_only(overrides, rt, timer, x, y, args)
         print(f"mgpu train_step alone: {row['mgpu_step_only']}")
-    if args.profile and rt.device.type == "cuda":
+    if args.profile and cuda and not alone:
         try:
             row["kernels"] = profile_both(overrides, rt, plains["whole"], x, y)
         except Exception as err:  # noqa: BLE001 - a diagnostic: the timings above still count
@@ -422,7 +594,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument(
+        "--models", nargs="+", default=["gpt2_small", "resnet50"], choices=list(MODELS)
+    )
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"])
     parser.add_argument(
         "--plain-variants",
@@ -440,9 +614,11 @@ def main() -> None:
             "graphed",
         ],
     )
-    parser.add_argument("--steps", type=int, default=20, help="steps per round (and log interval)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per round and log interval (20; XL 2)"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (5; XL 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (10; XL 2)")
     parser.add_argument("--override", nargs="*", default=[], help="extra Hydra overrides")
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument(
@@ -453,8 +629,35 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="kernel tables of both sides' steps (GPU)"
     )
+    parser.add_argument(
+        "--loss-steps",
+        type=int,
+        default=0,
+        help="instead of the timing: train GPT-2 XL this many steps on Python's own sources per "
+        "--loss-precisions, and compare the losses",
+    )
+    parser.add_argument("--loss-precisions", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument(
+        "--loss-accum", type=int, default=1, help="micro-steps a step in the loss runs"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
+    if args.loss_steps:
+        with distributed("auto", timeout_s=600) as rt:
+            cuda = rt.device.type == "cuda"
+            meta = versions() if cuda else {"device": "cpu", "torch": torch.__version__}
+            result = loss_runs(args, rt)
+            device = meta["device"].replace(" ", "_")
+            path = Path(args.out) / f"vs_plain_loss-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            body = {**meta, "command": " ".join(["python", *sys.argv]), "args": vars(args)}
+            path.write_text(json.dumps({**body, **result}, indent=1))
+            print(f"wrote {path}", flush=True)
+            for key, diff in result.items():
+                if key.endswith("_vs_bf16"):
+                    print(f"{key}: " + ", ".join(f"{k} {v:+.2%}" if v is not None else f"{k} -"
+                                                 for k, v in diff.items()))  # fmt: skip
+        return
     if args.quick:
         args.steps, args.rounds, args.warmup = 3, 2, 2
         args.override = [*args.override, "trainer.compile_backend=aot_eager"]
@@ -465,6 +668,9 @@ def main() -> None:
         device = meta["device"].replace(" ", "_")
         path = Path(args.out) / f"vs_plain-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         for name in args.models:
+            if args.quick and name not in QUICK:
+                print(f"{name}: no CPU stand-in (--quick): skipped", flush=True)
+                continue
             for mode in args.modes:
                 row = bench(name, mode, args, rt)
                 rows.append(row)
@@ -478,22 +684,50 @@ def write(rows: list[dict], meta: dict, args, path: Path) -> None:
     ratio = {f"{r['model']}_{r['mode']}": r["ratio"] for r in rows}
     command = " ".join(["python", *sys.argv])
     body = {**meta, "command": command, "args": vars(args), "ratio": ratio, "rows": rows}
+    if fp8 := fp8_speedup(rows):
+        body["fp8_over_bf16"] = fp8
     path.write_text(json.dumps(body, indent=1))
     print(f"wrote {path}", flush=True)
 
 
+def fp8_speedup(rows: list[dict]) -> dict:
+    """Per mode where both XL rows ran: fp8's throughput over bf16's, each side's own."""
+    by = {(r["model"], r["mode"]): r for r in rows}
+    out = {}
+    for (model, mode), r in by.items():
+        bf16 = by.get((model.removesuffix("_fp8"), mode))
+        if model.endswith("_fp8") and bf16:
+            out[f"{model}_{mode}"] = {
+                "plain": bf16["plain"]["whole"]["ms_per_step"] / r["plain"]["whole"]["ms_per_step"],
+                "mgpu": bf16["mgpu"]["ms_per_step"] / r["mgpu"]["ms_per_step"],
+            }
+    return out
+
+
 def report(rows: list[dict]) -> None:
-    print(f"\n{'model':<11} {'mode':<9} {'side':<18} {'ms/step':>8} {'MFU %':>6} {'ratio':>6}")
+    print(f"\n{'model':<11} {'mode':<9} {'side':<18} {'ms/step':>8} {'MFU %':>6} {'ratio':>6} "
+          f"{'tokens/s':>9} {'peak GiB':>8}")  # fmt: skip
+
+    def extra(side: dict) -> str:
+        tok = f"{side['tokens_per_s']:9.0f}" if side.get("tokens_per_s") else f"{'-':>9}"
+        mem = side.get("peak_mem_gib")
+        mem = f"{mem:8.2f}" if mem is not None else f"{'-':>8}"
+        return f"{tok} {mem}"
+
     for r in rows:
         for v, side in r["plain"].items():
             mfu = f"{side['mfu_pct']:.1f}" if side["mfu_pct"] else "-"
             print(f"{r['model']:<11} {r['mode']:<9} {'plain ' + v:<18} {side['ms_per_step']:>8.2f} "
-                  f"{mfu:>6} {'':>6} host ahead {side['host_ahead_ms']:.1f} ms")  # fmt: skip
+                  f"{mfu:>6} {'':>6} {extra(side)} "
+                  f"host ahead {side['host_ahead_ms']:.1f} ms")  # fmt: skip
         m = r["mgpu"]
         mfu = f"{m['mfu_pct']:.1f}" if m["mfu_pct"] else "-"
         wait = f" data wait {m['data_wait_pct']:.2f}%" if m["data_wait_pct"] is not None else ""
         print(f"{r['model']:<11} {r['mode']:<9} {'mgpu train.py':<18} {m['ms_per_step']:>8.2f} "
-              f"{mfu:>6} {r['ratio']:>6.3f}{wait}")  # fmt: skip
+              f"{mfu:>6} {r['ratio']:>6.3f} {extra(m)}{wait}")  # fmt: skip
+    for key, speed in fp8_speedup(rows).items():
+        print(f"{key}: fp8 over bf16 throughput: plain {speed['plain']:.3f}x, "
+              f"mgpu {speed['mgpu']:.3f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

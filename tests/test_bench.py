@@ -80,3 +80,33 @@ def test_real_images_quick_runs(tmp_path):
     assert result["folder"]["kinds"]["png"] > 0 and result["folder"]["kinds"]["cmyk"] > 0
     runs = {r["kind"]: r for r in result["runs"]}
     assert runs["reference"]["img_per_s"] > 0 and runs["folder"]["img_per_s"] > 0, runs
+
+
+def test_head_loss_quick_checks_every_side_against_fp32(tmp_path):
+    result = run([sys.executable, "bench/head_loss.py", "--quick"], tmp_path)
+    assert set(result["shapes"]) == {"small", "xl"}
+    for shape in result["shapes"].values():
+        assert {"logits_eager", "fused"} <= set(shape["sides"]), shape
+        # a library that cannot run here is named with its reason, never stood in for
+        assert {"liger", "cce"} <= set(shape["sides"]) | set(shape["absent"]), shape
+        for side in shape["sides"].values():
+            assert side["ms"] > 0
+            assert side["loss_abs_diff"] < 1e-3 and side["grad_w_rel_err"] < 2e-2, side
+
+
+def test_vs_plain_quick_runs_the_xl_paths_and_the_loss_comparison(tmp_path):
+    """gpt2_xl's stand-in: gradient accumulation and checkpointed blocks on both sides, the
+    plain loop freed before mgpu's run; then the loss runs on Python's own sources."""
+    xl = tmp_path / "xl"
+    command = [sys.executable, "bench/vs_plain.py", "--quick", "--models", "gpt2_xl"]
+    result = run([*command, "--modes", "compiled"], xl)
+    (row,) = result["rows"]
+    assert row["settings"]["grad_accum_steps"] == 2 and not row["settings"]["interleaved"]
+    assert row["settings"]["activation_checkpointing"] == "blocks"
+    assert row["mgpu"]["tokens_per_s"] > 0 and row["plain"]["whole"]["tokens_per_s"] > 0
+    loss = tmp_path / "loss"
+    result = run([*command, "--loss-steps", "4", "--loss-precisions", "bf16", "fp32"], loss)
+    runs = result["runs"]
+    assert set(runs) == {"bf16", "fp32"} and all(r["steps"] == 4 for r in runs.values())
+    # the same seed and data in both precisions: the same losses, to bf16's rounding
+    assert abs(result["fp32_vs_bf16"]["eval_loss"]) < 0.01, result["fp32_vs_bf16"]

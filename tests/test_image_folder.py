@@ -5,6 +5,7 @@ files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same cro
 
 import io
 import math
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +148,7 @@ def test_batches_match_reference_decode_and_crop(tmp_path):
     cfg.num_workers = 2  # the samples are made in worker processes
     train = ImageFolder("train", **cfg.dataset_kwargs())
     assert train.classes == CLASSES and len(train) == len(files)
-    loader = build_dataloader(cfg, train, cpu_runtime(), seed=7, train=True)
+    loader = build_dataloader(cfg, train, cpu_runtime(), seed=7, train=True, stream=False)
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)
         keys = list(loader.sampler)
@@ -185,8 +186,8 @@ def _rank_samples(rank: int, port: int, root: str, out: str) -> None:
         dataset = ImageFolder("train", **cfg.dataset_kwargs())
         loader = build_loader(cfg, dataset, rt, seed=3, train=True)
         loader.set_epoch(1)
-        keys = list(loader.sampler)
-        images = torch.cat([x for x, _ in loader])
+        keys = list(loader.sampler.epoch_keys())
+        images = torch.cat([x for x, _ in islice(loader, len(loader))])  # epoch 1 of the stream
         loader.close()
     torch.save({"keys": [tuple(k) for k in keys], "images": images}, f"{out}/rank{rank}.pt")
 
@@ -261,7 +262,8 @@ def test_skip_replaces_and_counts(tmp_path):
     cfg.num_workers = 2
     dataset = ImageFolder("train", **cfg.dataset_kwargs())
     bad = dataset.files.index(str(tmp_path / "train" / "cow" / "img00.jpg"))
-    loader = build_dataloader(cfg, dataset, cpu_runtime(), seed=0, train=True)
+    # epoch by epoch: a stream's workers would read into a 4th epoch before the count
+    loader = build_dataloader(cfg, dataset, cpu_runtime(), seed=0, train=True, stream=False)
     for epoch in range(3):
         loader.sampler.set_epoch(epoch)
         for _ in loader:
@@ -324,12 +326,15 @@ def test_training_run_records_classes_and_replaced_files(tmp_path):
     assert "classes:\n  - ant\n  - bee\n  - cow\n" in (tmp_path / "run" / "config.yaml").read_text()
     scalars = read_scalars(tmp_path / "run")
     replaced = [v for _, v in scalars["data/bad_files_replaced"]]
-    # summed over ranks, as at each record's step: the bad image is drawn once in each epoch
-    # (2 steps of 2 ranks x 4 images), by one rank or the other
-    assert replaced == [2.0, 4.0], replaced
+    # Summed over ranks: the bad image is drawn once in each epoch (2 steps of 2 ranks x 4
+    # images), by one rank or the other, and counted as the workers read it, which runs ahead of
+    # training into the next epochs (the training stream): at least the epochs trained through.
+    assert len(replaced) == 2 and replaced[0] >= 2.0 and replaced[1] >= 4.0, replaced
+    assert replaced[0] <= replaced[1], replaced
     logs = [(tmp_path / "run" / f"rank{rank}.log").read_text() for rank in (0, 1)]
     said = [log.count("ant/img02.jpg: not a readable image") for log in logs]
-    assert sum(said) == 4 and min(said) > 0, said  # rank 0's count alone would be less
+    # every count named in a log, and rank 0's count alone would be less
+    assert sum(said) >= replaced[1] and min(said) > 0, (said, replaced)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -173,7 +174,8 @@ def test_loader_workers_map_the_shards_themselves(unresized):
         # closed on the way out, failing or not: its persistent workers would outlive the test
         with build_loader(cfg, dataset, cpu_runtime(), seed=3, train=True) as loader:
             loader.set_epoch(2)
-            batches.append([torch.cat(t) for t in zip(*loader, strict=True)])
+            epoch = islice(loader, len(loader))  # epoch 2 of the stream
+            batches.append([torch.cat(t) for t in zip(*epoch, strict=True)])
     assert all(torch.equal(a, b) for a, b in zip(*batches, strict=True))
     # decode=gpu's worker half: the JPEG's bytes and the same crop box
     gpu = ImageShards("train", **{**shards_cfg.dataset_kwargs(), "decode": "gpu"})

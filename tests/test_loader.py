@@ -47,6 +47,51 @@ def test_epochs_iterates_past_the_end_of_an_epoch():
     assert sampler.epoch == 1
 
 
+@pytest.mark.parametrize("n, world, batch, start", [(23, 2, 3, (0, 0)), (17, 1, 4, (2, 5))])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_streaming_sampler_is_the_epochs_cut_to_whole_batches(n, world, batch, start, shuffle):
+    """The training stream (stream_batch) against the reference: each epoch iterated on its
+    own, through a DataLoader with drop_last, from a resumed cursor's epoch and prefix."""
+    epoch, consumed = start
+    for rank in range(world):
+        stream = ShardedSampler(
+            n, rank, world, shuffle=shuffle, seed=3, even=True, keyed=True, stream_batch=batch
+        )
+        stream.set_epoch(epoch, consumed)
+        got = [k for _, k in zip(range(4 * n), stream, strict=False)]
+        expected = []
+        for e in range(epoch, epoch + 20):
+            one = ShardedSampler(n, rank, world, shuffle=shuffle, seed=3, even=True, keyed=True)
+            one.set_epoch(e, consumed if e == epoch else 0)
+            keys = list(one)
+            assert list(one.epoch_keys()) == keys
+            for b in DataLoader(keys, batch_size=batch, drop_last=True, collate_fn=list):
+                expected += b
+        assert got == expected[: len(got)]
+        assert {k.epoch for k in got} == set(range(epoch, max(k.epoch for k in got) + 1))
+        assert len(stream) == (n - consumed) // world  # one epoch's, as without streaming
+
+
+def test_a_streaming_loader_gives_an_epoch_loaders_batches_across_epochs():
+    """Workers and all: three epochs of the stream's batches are the three epochs of batches a
+    loader iterated epoch by epoch gives, and the workers go on into the next epoch."""
+    data = TensorDataset(torch.arange(11))
+    per_epoch = ShardedSampler(11, 0, 1, shuffle=True, seed=2, even=True)
+    plain = DataLoader(data, batch_size=3, sampler=per_epoch, drop_last=True)
+    expected = []
+    for e in range(3):
+        per_epoch.set_epoch(e)
+        expected += [x for (x,) in plain]
+    stream = ShardedSampler(11, 0, 1, shuffle=True, seed=2, even=True, stream_batch=3)
+    loader = DataLoader(
+        data, batch_size=3, sampler=stream, drop_last=True, num_workers=2, persistent_workers=True
+    )
+    got = [x for _, (x,) in zip(range(len(expected) + 1), epochs(loader), strict=False)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=False))
+    assert len(got) == len(expected) + 1  # one more: the stream does not end with an epoch
+    assert len(loader) == 3  # an epoch's batches
+
+
 def test_to_device_moves_nested_tensors_and_keeps_the_rest():
     from collections import namedtuple
 

@@ -270,11 +270,10 @@ def test_device_transform_auto_applies_the_datasets_and_none_leaves_inputs():
     kw = dict(num_samples=8, eval_samples=4, image_size=8, batch_size=4, num_workers=0)
     auto_set = ImageDataConfig(**kw)
     dataset = build_dataset(auto_set, "train")
-    (x, y), *_ = build_loader(auto_set, dataset, rt, seed=0, train=True)
+    x, y = next(iter(build_loader(auto_set, dataset, rt, seed=0, train=True)))
     assert x.dtype == torch.float32 and y.dtype == torch.int64
-    (raw, _), *_ = build_loader(
-        ImageDataConfig(**kw, device_transform="none"), dataset, rt, seed=0, train=True
-    )
+    raw_set = ImageDataConfig(**kw, device_transform="none")
+    raw, _ = next(iter(build_loader(raw_set, dataset, rt, seed=0, train=True)))
     assert raw.dtype == torch.uint8
     torch.testing.assert_close(x, dataset.device_transform(raw))
 

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from mgpu.config.checks import ConfigError  # what train.py reports in one line
 from mgpu.data.image_folder import REMOVE_OR_SKIP, BadImageFile, EncodedBatch, ImageFolder
+from mgpu.runtime.launch import cuda_connections_warning
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,15 @@ def resolve_decode(mode: str) -> str:
     per ImageNet-sized image, so a compiled ResNet-50 on one H100 (~5,300 images/s) would need
     more cores than a GPU server has per GPU (bench/README.md, real_images).
     """
-    if mode != "auto":
+    if mode == "cpu":
         return mode
-    why = gpu_decode_unavailable()
+    why = gpu_decode_unavailable() if mode == "auto" else None
     if why is None:
-        log.info("data.decode=auto: JPEGs decoded on the GPU (nvJPEG), PNG and CMYK on the CPU")
+        if mode == "auto":
+            log.info("data.decode=auto: JPEGs decoded on the GPU (nvJPEG), PNG and CMYK on the CPU")
+        crowded = cuda_connections_warning()
+        if crowded is not None:
+            log.warning("data.decode=gpu: %s", crowded)
         return "gpu"
     log.info("data.decode=auto: images decoded on the CPU, in the workers (%s)", why)
     return "cpu"

@@ -431,7 +431,8 @@ class ImageFolder(Dataset):
         log.warning("%s; replaced by another image (data.bad_files=skip)", why)
 
     def replaced(self) -> int:
-        """Files replaced so far by this process and its DataLoader workers."""
+        """Files replaced so far by this process and its DataLoader workers, counted as they
+        read them: ahead of training by the batches in flight, into the next epoch too."""
         return int(self._replaced.sum())
 
     def counters(self) -> dict[str, float]:

@@ -28,14 +28,24 @@ def build_dataset(cfg: DataConfig, split: str) -> Dataset:
 
 
 def build_dataloader(
-    cfg: DataConfig, dataset: Dataset, rt: Runtime, *, seed: int, train: bool
+    cfg: DataConfig,
+    dataset: Dataset,
+    rt: Runtime,
+    *,
+    seed: int,
+    train: bool,
+    stream: bool | None = None,
 ) -> DataLoader:
-    """A DataLoader over this rank's shard; train loaders drop ragged last batches."""
+    """A DataLoader over this rank's shard; train loaders drop ragged last batches and, unless
+    `stream=False`, iterate epoch after epoch without end (ShardedSampler's stream_batch: the
+    workers run on into the next epoch; set_epoch before iterating says where to start)."""
     # A dataset that augments per epoch (`sample_keys`) gets SampleKeys from the train sampler.
     keyed = train and getattr(dataset, "sample_keys", False)
+    stream = train if stream is None else stream and train
     sampler = ShardedSampler(
-        len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed
-    )
+        len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed,
+        stream_batch=cfg.batch_size if stream else 0,
+    )  # fmt: skip
     if train and len(sampler) < cfg.batch_size:
         raise ValueError(
             f"data.batch_size={cfg.batch_size}: each of the {rt.world_size} processes gets only "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from itertools import islice
 from typing import Any, NamedTuple
 
 import torch
@@ -37,6 +38,13 @@ class ShardedSampler(Sampler[int]):
 
     `keyed=True` yields SampleKey(index, epoch, seed) for datasets that augment per epoch
     (their `sample_keys` attribute); the indices are the same either way.
+
+    `stream_batch=B` (training loaders): iterating yields epoch after epoch without end, each
+    cut to whole batches of B (the tail drop_last would leave), so a DataLoader over it makes
+    the same batches as one iterated epoch by epoch, with no gap between epochs: its workers
+    and the prefetcher run on into the next epoch instead of starting from empty (a new
+    iteration waits for a worker's first whole batch before its first step; on a small image
+    folder that is every few dozen steps). `len()` and `epoch_keys()` stay one epoch's.
     """
 
     def __init__(
@@ -49,6 +57,7 @@ class ShardedSampler(Sampler[int]):
         seed: int,
         even: bool,
         keyed: bool = False,
+        stream_batch: int = 0,
     ):
         if even and num_samples < world_size:
             raise ValueError(
@@ -56,7 +65,10 @@ class ShardedSampler(Sampler[int]):
                 f"{world_size} processes; use more data or fewer processes"
             )
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        if stream_batch and not even:
+            raise ValueError("only a training sampler (even=True) streams epoch after epoch")
         self.shuffle, self.seed, self.even, self.keyed = shuffle, seed, even, keyed
+        self.stream_batch = stream_batch
         self.epoch, self.consumed = 0, 0
 
     def set_epoch(self, epoch: int, consumed: int = 0) -> None:
@@ -74,24 +86,40 @@ class ShardedSampler(Sampler[int]):
         return len(range(self.rank, self.num_samples, self.world_size))
 
     def __iter__(self) -> Iterator[int] | Iterator[SampleKey]:
-        indices = self._indices()
+        if self.stream_batch:
+            return self._stream(self.epoch, self.consumed)
+        return self.epoch_keys()
+
+    def epoch_keys(self) -> Iterator[int] | Iterator[SampleKey]:
+        """The epoch set by set_epoch, whole: what iterating yields without stream_batch."""
+        return self._keys(self.epoch, self.consumed)
+
+    def _stream(self, epoch: int, consumed: int) -> Iterator[int] | Iterator[SampleKey]:
+        """Epochs from (epoch, consumed) on, each cut to whole batches of stream_batch."""
+        while True:
+            per_rank = (self.num_samples - consumed) // self.world_size
+            whole = per_rank // self.stream_batch * self.stream_batch
+            yield from islice(self._keys(epoch, consumed), whole)
+            epoch, consumed = epoch + 1, 0
+
+    def _keys(self, epoch: int, consumed: int) -> Iterator[int] | Iterator[SampleKey]:
+        indices = self._indices(epoch, consumed)
         if not self.keyed:
             return indices
-        epoch, seed = self.epoch, self.seed
+        seed = self.seed
         return (SampleKey(i, epoch, seed) for i in indices)
 
-    def _indices(self) -> Iterator[int]:
+    def _indices(self, epoch: int, consumed: int) -> Iterator[int]:
         if not self.even:
             return iter(range(self.rank, self.num_samples, self.world_size))
         if self.shuffle:
             return iter(
                 remaining_indices(
-                    self.num_samples, self.seed, self.epoch, self.consumed, self.rank,
-                    self.world_size,
+                    self.num_samples, self.seed, epoch, consumed, self.rank, self.world_size
                 )
-            )  # fmt: skip
-        end = self.consumed + len(self) * self.world_size
-        return iter(range(self.consumed + self.rank, end, self.world_size))
+            )
+        end = consumed + (self.num_samples - consumed) // self.world_size * self.world_size
+        return iter(range(consumed + self.rank, end, self.world_size))
 
 
 @dataclasses.dataclass(frozen=True)

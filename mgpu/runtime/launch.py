@@ -187,6 +187,38 @@ def restart_hazard(env: LaunchEnv) -> str | None:
     return None
 
 
+# CUDA's hardware work queues per process: the driver's default is 8, the most it allows 32.
+CUDA_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+MAX_CUDA_CONNECTIONS = 32
+
+
+def default_cuda_connections() -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=32 in this process unless its environment sets a value; called
+    by train.py before anything asks CUDA for a device (the driver reads it as it starts).
+
+    Why: streams beyond the queues a process has share them, and work on one stream then waits
+    behind work on another that it shares a queue with, though the two are independent. nvJPEG
+    (data.decode=gpu) decodes through streams of its own with a host wait per image; sharing a
+    queue with the training stream, each wait lasted until the step's queued kernels had run.
+    Beside a loop of convolutions on one H100 the batched decode fell from ~9,000 images/s to
+    ~1,400 with 8 queues, and kept ~8,000 with 32 (bench/README.md, "Real images").
+    """
+    os.environ.setdefault(CUDA_CONNECTIONS, str(MAX_CUDA_CONNECTIONS))
+
+
+def cuda_connections_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """What to tell a user whose environment gives CUDA fewer than 32 queues, or None."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(CUDA_CONNECTIONS)
+    if value is None or not value.strip().isdigit() or int(value) >= MAX_CUDA_CONNECTIONS:
+        return None
+    return (
+        f"{CUDA_CONNECTIONS}={value} in the environment: the GPU's JPEG decode shares CUDA's "
+        f"queues with the training step and waits behind it (measured 6x slower with 8); unset "
+        f"it to let mgpu use {MAX_CUDA_CONNECTIONS}"
+    )
+
+
 def check_launch(backend: str, env: LaunchEnv | None = None) -> str:
     """Resolve `dist.backend` and fail before any work if the launch cannot run; returns it."""
     env = env or launch_env()

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Issue #25's GPU measurements (GPT-2 XL, fp8, the head's loss) on one GPU, part by part:
+#
+#   bash bench/issue25.sh head xl_bf16          # parts in the order given
+#   bash bench/issue25.sh all                   # every part (longer than one 10-minute call)
+#   bash bench/issue25.sh summary [DIR]         # the summary lines of the JSON files in DIR
+#
+# parts (wall time on one H100, estimated, compile included; a warm machine's inductor cache
+# shortens a repeated compile):
+#   head       bench/head_loss.py: mgpu's fused loss, the compiled logits, Liger-Kernel and
+#              cut cross-entropy, GPT-2-small and XL shapes                          ~2-4 min
+#   xl_bf16    bench/vs_plain.py gpt2_xl compiled: train.py against the plain loop,
+#              experiment=gpt2_xl's batch (8 x 16 micro-steps), bf16                  ~5-7 min
+#   xl_fp8     the same under trainer.precision=fp8 (torchao), both sides             ~5-7 min
+#   loss_bf16  GPT-2 XL, 300 steps of 8 x 1024 byte tokens of Python's own sources,
+#              train.py's path, bf16                                                 ~3-5 min
+#   loss_fp8   the same in fp8 (same seed and data order)                            ~3-5 min
+#   loss       loss_bf16 and loss_fp8 in one process (one file with the differences) ~7-9 min
+#   small      bench/vs_plain.py gpt2_small compiled (the small model's targets)     ~2-3 min
+#
+# Wheels: every *.whl in $WHEELS (default .whl25: torchao, liger-kernel, cut-cross-entropy,
+# and hydra-core, omegaconf, antlr4 where the machine lacks them) is installed into $SITE
+# without the network. Results: JSON files and each part's log under $OUT/issue25 ($OUT is
+# the lent machine's folder that comes back; bench/results without it), copied to
+# bench/results as well. MGPU_COMMIT names the tree in them where .git is stale or absent.
+# Extra arguments for bench/vs_plain.py's XL parts: VS_PLAIN_ARGS (for example
+# VS_PLAIN_ARGS="--override model.activation_checkpointing=24" should a batch of 8 not fit);
+# for the loss parts: LOSS_ARGS (for example "--override trainer.compile=false" saves each
+# run's compile, ~2 min, at the cost of eager steps). LOSS_STEPS: 300.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.whl25}
+SITE=${SITE:-/tmp/site}
+RES=${OUT:-bench/results}/issue25
+VS_PLAIN_ARGS=${VS_PLAIN_ARGS:-}
+LOSS_ARGS=${LOSS_ARGS:-}
+LOSS_STEPS=${LOSS_STEPS:-300}
+mkdir -p "$RES"
+
+summary() {
+    python3 - "$1" <<'EOF'
+import json, pathlib, sys
+
+def f(v, spec):
+    return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    r = json.loads(path.read_text())
+    print(f"== {path.name} ({r.get('device')}, torch {r.get('torch')}, {r.get('git_commit', '')})")
+    for name, shape in r.get("shapes", {}).items():
+        for side, s in shape["sides"].items():
+            print(f"head {name:5s} {side:18s} {f(s.get('ms'), '7.3f')} ms "
+                  f"peak {f(s.get('peak_step_mib'), '6.0f')} MiB (first {f(s.get('peak_first_mib'), '6.0f')}) "
+                  f"|dloss| {f(s.get('loss_abs_diff'), '.1e')} grad rel h {f(s.get('grad_h_rel_err'), '.1e')} "
+                  f"w {f(s.get('grad_w_rel_err'), '.1e')}")
+        for side, why in shape["absent"].items():
+            print(f"head {name:5s} {side:18s} absent: {why[:150]}")
+    for row in r.get("rows", []):
+        p, m = row["plain"]["whole"], row["mgpu"]
+        print(f"{row['model']} {row['mode']}: ratio {f(row['ratio'], '.3f')}x | plain "
+              f"{f(p['ms_per_step'], '.1f')} ms {f(p.get('tokens_per_s'), '.0f')} tok/s "
+              f"MFU {f(p.get('mfu_pct'), '.1f')}% peak {f(p.get('peak_mem_gib'), '.1f')} GiB | mgpu "
+              f"{f(m['ms_per_step'], '.1f')} ms {f(m.get('tokens_per_s'), '.0f')} tok/s "
+              f"MFU {f(m.get('mfu_pct'), '.1f')}% peak {f(m.get('peak_mem_gib'), '.1f')} GiB "
+              f"| {row.get('settings', {})}")
+    for key, s in r.get("fp8_over_bf16", {}).items():
+        print(f"{key}: fp8/bf16 throughput plain {s['plain']:.3f}x mgpu {s['mgpu']:.3f}x")
+    for prec, run in r.get("runs", {}).items():
+        print(f"loss {prec}: step {run['steps']} train {f(run['train_loss_last'], '.4f')} "
+              f"eval {f(run['eval_loss'], '.4f')} {f(run['tokens_per_s'], '.0f')} tok/s "
+              f"MFU {f(run['mfu_pct'], '.1f')}% peak {f(run['peak_mem_gib'], '.1f')} GiB "
+              f"({f(run['run_s'], '.0f')} s)")
+    for key, diff in r.items():
+        if key.endswith("_vs_bf16"):
+            print(f"{key}: " + ", ".join(f"{k} {v:+.2%}" if v is not None else f"{k} -"
+                                         for k, v in diff.items()))
+EOF
+}
+
+if [ "${1:-}" = summary ]; then
+    summary "${2:-$RES}"
+    exit 0
+fi
+
+for dir in "$WHEELS" ${EXTRA_WHEELS:-}; do  # EXTRA_WHEELS=.whl25/alt: torchao 0.17.0 instead
+    if ls "$dir"/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --upgrade --no-index --no-deps --target "$SITE" "$dir"/*.whl 2>&1 |
+            grep -v -i "warning" | tail -3
+    fi
+done
+export PYTHONPATH=$SITE:$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export MGPU_COMMIT=${MGPU_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+python3 - <<'EOF'
+import importlib.metadata as md
+import torch
+found = []
+for pkg in ("torch", "triton", "torchao", "liger-kernel", "cut-cross-entropy", "hydra-core"):
+    try:
+        found.append(f"{pkg} {md.version(pkg)}")
+    except md.PackageNotFoundError:
+        found.append(f"{pkg} absent")
+print(", ".join(found), "| cuda", torch.version.cuda)
+EOF
+
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(head)
+[ "${parts[0]}" = all ] && parts=(head xl_bf16 xl_fp8 loss small)
+t0=$(date +%s)
+for part in "${parts[@]}"; do
+    log=$RES/$part.log
+    case $part in
+        head) cmd=(python3 bench/head_loss.py) ;;
+        xl_bf16) cmd=(python3 bench/vs_plain.py --models gpt2_xl --modes compiled) ;;
+        xl_fp8) cmd=(python3 bench/vs_plain.py --models gpt2_xl_fp8 --modes compiled) ;;
+        loss) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS") ;;
+        loss_bf16) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS" --loss-precisions bf16) ;;
+        loss_fp8) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS" --loss-precisions fp8) ;;
+        small) cmd=(python3 bench/vs_plain.py --models gpt2_small --modes compiled) ;;
+        *) echo "unknown part $part (head xl_bf16 xl_fp8 loss loss_bf16 loss_fp8 small all summary)"; exit 2 ;;
+    esac
+    case $part in
+        xl_*) cmd+=($VS_PLAIN_ARGS) ;;
+        loss*) cmd+=($LOSS_ARGS) ;;
+    esac
+    started=$(date +%s)
+    echo "== $part: ${cmd[*]}"
+    "${cmd[@]}" --out "$RES" > "$log" 2>&1
+    rc=$?
+    echo "== $part rc=$rc $(( $(date +%s) - started )) s (total $(( $(date +%s) - t0 )) s), log $log"
+    if [ $rc -ne 0 ]; then
+        grep -v -i "warn" "$log" | grep -i -m5 -B2 "error\|Traceback\|out of memory" | cut -c1-300
+        tail -5 "$log" | cut -c1-300
+    fi
+done
+cp "$RES"/*.json bench/results/ 2>/dev/null
+summary "$RES"
