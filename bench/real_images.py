@@ -43,7 +43,9 @@ from bench.make_image_folder import write_folder  # noqa: E402
 from tests.conftest import read_scalars  # noqa: E402
 
 
-def train_args(kind: str, folder: Path, batch: int, decode: str, steps: int, every: int):
+def train_args(
+    kind: str, folder: Path, batch: int, decode: str, steps: int, every: int, share: float = 0.0
+):
     common = [
         f"data.batch_size={batch}",
         f"trainer.max_steps={steps}",
@@ -58,6 +60,7 @@ def train_args(kind: str, folder: Path, batch: int, decode: str, steps: int, eve
         "experiment=resnet50_folder",
         f"data.path={folder}",
         f"data.decode={decode}",
+        f"data.cpu_decode_share={share}",
         "data.eval_samples=16",
         *common,
     ]
@@ -133,6 +136,10 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[128, 256])
     p.add_argument("--decodes", nargs="+", default=["auto"], help="data.decode values to run")
     p.add_argument("--only", nargs="*", default=[], help="cores:batch pairs to run, e.g. 8:128")
+    p.add_argument(
+        "--cpu-shares", type=float, nargs="+", default=[0.0],
+        help="data.cpu_decode_share values to run each decode with (the workers' share)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=60, help="steps left out of the medians")
     p.add_argument("--every", type=int, default=20, help="steps per log interval")
@@ -158,21 +165,24 @@ def main() -> None:
         pairs = [tuple(map(int, x.split(":"))) for x in args.only]
     for cores, batch in pairs:
         results = {}
-        for kind, decode in [("reference", "-")] + [("folder", d) for d in args.decodes]:
-            name = f"b{batch}_{cores}cores_{kind}_{decode}"
-            cmd = train_args(kind, folder, batch, decode, args.steps, args.every)
+        folder_runs = [("folder", d, x) for d in args.decodes for x in args.cpu_shares]
+        for kind, decode, share in [("reference", "-", 0.0), *folder_runs]:
+            name = f"b{batch}_{cores}cores_{kind}_{decode}" + (f"_cpu{share:g}" if share else "")
+            cmd = train_args(kind, folder, batch, decode, args.steps, args.every, share)
             raw = run_train(cmd, cores, work / name, args.timeout, args.quick)
             row = {"name": name, "cores": cores, "batch": batch, "kind": kind, "decode": decode}
+            row.update(cpu_decode_share=share)
             row.update(summarise(raw, args.warmup), cmd=raw["cmd"], wall_s=raw["wall_s"])
-            results[kind, decode] = row
+            results[kind, decode, share] = row
             runs.append(row)
             print(json.dumps(row), flush=True)
-        reference = results["reference", "-"]["img_per_s"]
-        for (kind, decode), row in results.items():
+        reference = results["reference", "-", 0.0]["img_per_s"]
+        for (kind, decode, share), row in results.items():
             if kind == "folder" and reference and row["img_per_s"]:
                 row["ratio"] = row["img_per_s"] / reference
                 key = f"resnet50_b{batch}_{cores}cores"
-                ratio[key if decode == "auto" else f"{key}_{decode}"] = row["ratio"]
+                key = key if decode == "auto" else f"{key}_{decode}"
+                ratio[key + (f"_cpu{share:g}" if share else "")] = row["ratio"]
         save(args.out, {"ratio": ratio, "runs": runs, "folder": made or str(folder)}, stamp)
     probes = {}
     if args.probes and not args.quick:

@@ -75,11 +75,14 @@ def test_optim_step_quick_runs(tmp_path):
 
 def test_real_images_quick_runs(tmp_path):
     """train.py on a written realistic folder against the synthetic reference, tiny shapes."""
-    result = run([sys.executable, "bench/real_images.py", "--quick"], tmp_path)
-    assert set(result["ratio"]) == {"resnet50_b8_1cores"}, result["ratio"]
+    cmd = [sys.executable, "bench/real_images.py", "--quick", "--cpu-shares", "0", "0.5"]
+    result = run(cmd, tmp_path)
+    assert set(result["ratio"]) == {"resnet50_b8_1cores", "resnet50_b8_1cores_cpu0.5"}
     assert result["folder"]["kinds"]["png"] > 0 and result["folder"]["kinds"]["cmyk"] > 0
-    runs = {r["kind"]: r for r in result["runs"]}
-    assert runs["reference"]["img_per_s"] > 0 and runs["folder"]["img_per_s"] > 0, runs
+    runs = {(r["kind"], r["cpu_decode_share"]): r for r in result["runs"]}
+    assert set(runs) == {("reference", 0.0), ("folder", 0.0), ("folder", 0.5)}, runs
+    assert all(r["img_per_s"] > 0 for r in runs.values()), runs
+    assert "data.cpu_decode_share=0.5" in runs["folder", 0.5]["cmd"]
 
 
 def test_head_loss_quick_checks_every_side_against_fp32(tmp_path):

@@ -429,6 +429,41 @@ def pillow_jpegs(data: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def test_a_cpu_share_of_the_jpegs_is_decoded_by_the_workers_as_decode_cpu_does(tmp_path):
+    """data.cpu_decode_share under decode=gpu: the JPEGs it picks come as the workers' pixels,
+    the very pixels decode=cpu makes for that sample; the rest as bytes and crops, as with no
+    share; the pick depends on (seed, epoch, sample) alone, so a copy (another process, a
+    resumed run) picks the same; PNGs stay on the CPU either way."""
+    import pickle
+
+    write_tree(tmp_path / "train", per_class=24, sizes=((40, 50), (30, 44)))
+    kwargs = {**folder(tmp_path / "train", eval_samples=2), "classes": CLASSES}
+    cpu = ImageFolder("train", **kwargs)
+    gpu = ImageFolder("train", **{**kwargs, "decode": "gpu"})
+    shared = ImageFolder("train", **{**kwargs, "decode": "gpu", "cpu_decode_share": 0.4})
+    copy = pickle.loads(pickle.dumps(shared))
+    jpegs = [i for i, f in enumerate(gpu.files) if f.endswith(".jpg")]
+    picked = {}
+    for epoch in (0, 1):
+        keys = [SampleKey(i, epoch, 5) for i in jpegs]
+        on_cpu = [k for k in keys if shared[k].data is None]
+        picked[epoch] = {k.index for k in on_cpu}
+        assert 0.25 * len(keys) < len(on_cpu) < 0.55 * len(keys), len(on_cpu)
+        assert [k for k in keys if copy[k].data is None] == on_cpu
+        for k in keys:
+            item, plain = shared[k], gpu[k]
+            assert plain.data is not None and item.label == plain.label
+            if k in on_cpu:
+                assert torch.equal(item.pixels, cpu[k][0])
+            else:
+                assert (item.data, item.box, item.flip) == (plain.data, plain.box, plain.flip)
+    assert picked[0] != picked[1]  # drawn anew each epoch
+    png = next(i for i, f in enumerate(gpu.files) if f.endswith(".png"))
+    assert gpu[SampleKey(png, 0, 5)].data is None and shared[SampleKey(png, 0, 5)].data is None
+    with pytest.raises(ConfigError, match=r"data.cpu_decode_share=1.0: must be in \[0, 1\)"):
+        ImageFolderDataConfig(**folder(tmp_path / "train"), cpu_decode_share=1.0)
+
+
 def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
     """decode=gpu's batch step on the CPU, with Pillow standing in for nvJPEG: the crops match
     decode=cpu's within a level (torch's antialiased resize against Pillow's), in their places,

@@ -525,3 +525,30 @@ def test_cpu_affinity_with_more_workers_than_cpus_says_how_to_fix():
 
     with pytest.raises(ValueError, match="dist.cpu_affinity=false"):
         pin_host_cpus(0, len(os.sched_getaffinity(0)) + 1)
+
+
+def test_cuda_gets_32_queues_unless_the_environment_chose(monkeypatch, caplog):
+    """train.py's default_cuda_connections, and the warning data.decode=gpu gives where the
+    environment chose fewer queues (nvJPEG's uploads then wait behind the training step)."""
+    from mgpu.data.gpu_decode import resolve_decode
+    from mgpu.runtime.launch import (
+        CUDA_CONNECTIONS,
+        cuda_connections_warning,
+        default_cuda_connections,
+    )
+
+    monkeypatch.delenv(CUDA_CONNECTIONS, raising=False)
+    default_cuda_connections()
+    assert os.environ[CUDA_CONNECTIONS] == "32" and cuda_connections_warning() is None
+    monkeypatch.setenv(CUDA_CONNECTIONS, "8")
+    default_cuda_connections()
+    assert os.environ[CUDA_CONNECTIONS] == "8"  # the user's choice stands
+    said = cuda_connections_warning()
+    assert said is not None and "CUDA_DEVICE_MAX_CONNECTIONS=8" in said and "unset it" in said
+    with caplog.at_level("WARNING"):
+        assert resolve_decode("cpu") == "cpu"
+        assert not caplog.records  # the CPU path shares no queues with anything
+        assert resolve_decode("gpu") == "gpu"
+    assert [r.getMessage() for r in caplog.records] == [f"data.decode=gpu: {said}"]
+    assert cuda_connections_warning({CUDA_CONNECTIONS: "32"}) is None
+    assert cuda_connections_warning({CUDA_CONNECTIONS: "1"}) is not None

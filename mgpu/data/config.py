@@ -264,6 +264,11 @@ class ImageFolderDataConfig(DataConfig):
     # is that many times image_size: a 2400x1800 photo costs what a 600x450 one does. Pixels
     # differ from a full decode by about a level on average (tests/test_image_folder.py).
     reduced_decode: bool = True
+    # Under data.decode=gpu: this share of the JPEGs (drawn per sample from trainer.seed, the
+    # epoch and the sample, so a resumed run decodes each where it did) is decoded and cropped
+    # by the DataLoader workers instead, which the GPU path otherwise leaves idle; the GPU
+    # decodes the rest. 0: every JPEG nvJPEG takes goes to the GPU.
+    cpu_decode_share: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -278,6 +283,9 @@ class ImageFolderDataConfig(DataConfig):
         _require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
         ok = 0 < self.eval_crop <= 1
         _require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
+        ok = 0 <= self.cpu_decode_share < 1
+        why = "must be in [0, 1), e.g. 0.25 (every image on the CPU is data.decode=cpu)"
+        _require(ok, "data.cpu_decode_share", self.cpu_decode_share, why)
         if self.decode is Decode.gpu:
             why = gpu_decode_unavailable()
             _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")

@@ -314,6 +314,7 @@ class ImageFolder(Dataset):
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         eval_crop: float = 0.875,
         reduced_decode: bool = True,
+        cpu_decode_share: float = 0.0,
     ):
         if split not in ("train", "eval"):
             raise ValueError(f"split={split!r} is not a known split; use 'train' or 'eval'")
@@ -326,6 +327,10 @@ class ImageFolder(Dataset):
         self.image_size, self.decode, self.bad_files = image_size, decode, bad_files
         self.scale, self.ratio, self.eval_crop = tuple(scale), tuple(ratio), eval_crop
         self.reduced_decode = reduced_decode
+        if not 0 <= cpu_decode_share < 1:
+            raise ValueError(f"cpu_decode_share={cpu_decode_share}: use a share in [0, 1)")
+        # Compared with a 32-bit hash of the sample (on_cpu), as an integer threshold.
+        self._cpu_below = round(cpu_decode_share * 2**32) if decode == "gpu" else 0
         self.num_classes = len(self.classes)
         self.tokens_per_sample = None
         self.sample_shape = (3, image_size, image_size)  # an input's shape (for FLOPs)
@@ -404,7 +409,8 @@ class ImageFolder(Dataset):
             data = self.read_bytes(i)
             image = Image.open(io.BytesIO(data))
             box, flip = self.crop(i, *image.size, epoch, seed)
-            if self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L"):
+            gpu = self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L")
+            if gpu and not self.on_cpu(i, epoch, seed):
                 # nvJPEG's baseline and progressive YCbCr/gray JPEGs: the GPU decodes these.
                 # Only the header was read here; a file broken further in fails on the GPU.
                 return Encoded(label, i, data=data, box=box, flip=flip)
@@ -417,6 +423,15 @@ class ImageFolder(Dataset):
         if self.decode == "gpu":
             return Encoded(label, i, pixels=pixels)
         return pixels, torch.tensor(label, dtype=torch.int64)
+
+    def on_cpu(self, i: int, epoch: int, seed: int) -> bool:
+        """Whether this worker decodes sample i's JPEG under decode=gpu (cpu_decode_share):
+        a hash of (seed, epoch, i), the same in every process and on every resume."""
+        if not self._cpu_below:
+            return False
+        h = (i * 0x9E3779B1 + epoch * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF
+        h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF  # mix: neighbours land apart
+        return (h ^ (h >> 16)) < self._cpu_below
 
     def read_bytes(self, i: int) -> bytes:
         """Sample i's encoded file, as stored (a dataset of other storage overrides this and
