@@ -10,13 +10,13 @@ import signal
 import time
 
 STARTED_AT = time.time()  # goodput's start-up counts from here
-# Held back until the config is checked (mgpu.config_cli.release_sigterm says why)
+# Held back until the config is checked (mgpu.run.cli.release_sigterm says why)
 HELD_SIGTERMS: list[int] = []
 signal.signal(signal.SIGTERM, lambda signum, _frame: HELD_SIGTERMS.append(signum))
 
 import sys
 
-from mgpu.orphan import end_with_agent
+from mgpu.runtime.orphan import end_with_agent
 
 end_with_agent()  # a torchrun worker dies with its agent; first, before the slow imports
 
@@ -26,13 +26,19 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from mgpu.config import resolved_yaml, to_config
-from mgpu.config_cli import release_sigterm, stop_on_bad_command_line
-from mgpu.dist import check_same_config, distributed, exit_process, quiet_other_ranks, stopped
-from mgpu.launch import default_cuda_connections
-from mgpu.preempt import Preemption
-from mgpu.run import build_run
-from mgpu.run_lock import hold_run_dir
+from mgpu.run.build import build_run
+from mgpu.run.cli import release_sigterm, stop_on_bad_command_line
+from mgpu.run.config import resolved_yaml, to_config
+from mgpu.runtime.dist import (
+    check_same_config,
+    distributed,
+    exit_process,
+    quiet_other_ranks,
+    stopped,
+)
+from mgpu.runtime.launch import default_cuda_connections
+from mgpu.runtime.preempt import Preemption
+from mgpu.runtime.run_lock import hold_run_dir
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -42,7 +48,8 @@ def main(dcfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s, cfg.dist.cpu_affinity) as rt:
         # A stop (preemption, a hang, a bad checkpoint or config, a non-finite step, a rank
-        # that never came) becomes one line and the process's exit code (mgpu.dist.RunStopped).
+        # that never came) becomes one line and the process's exit code
+        # (mgpu.runtime.dist.RunStopped).
         with stopped(rt):
             text = resolved_yaml(dcfg)
             check_same_config(text, rt, run_dir)  # before any work: stops every rank if differ
@@ -60,4 +67,4 @@ if __name__ == "__main__":
     default_cuda_connections()  # before the checks below ask CUDA for its devices
     # One line and exit 2 for a command line that cannot work, before Hydra makes anything
     stop_on_bad_command_line(sys.argv[1:])
-    exit_process(main)  # with mgpu.dist's teardown rule
+    exit_process(main)  # with mgpu.runtime.dist's teardown rule

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profile_tables import idle_table, kernel_table  # noqa: E402  (bench/, beside this file)
 
-from mgpu.comm import MgpuDataParallel, wrap_model  # noqa: E402
-from mgpu.config import (  # noqa: E402
+from mgpu.comm.engine import MgpuDataParallel, wrap_model  # noqa: E402
+from mgpu.config.schema import (  # noqa: E402
     DistConfig,
     Engine,
     OptimConfig,
@@ -45,12 +45,13 @@ from mgpu.config import (  # noqa: E402
     ReduceDtype,
     TrainerConfig,
 )
-from mgpu.dist import distributed, exit_process  # noqa: E402
-from mgpu.launch import default_cuda_connections  # noqa: E402
 from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
-from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
-from mgpu.preempt import Preemption  # noqa: E402
-from mgpu.trainer import Trainer, set_math_modes  # noqa: E402
+from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
+from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
+from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
+from mgpu.runtime.preempt import Preemption  # noqa: E402
+from mgpu.train.numerics import set_math_modes  # noqa: E402
+from mgpu.train.trainer import Trainer  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
         DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True)
     ),
     "mgpu": Lever(DistConfig(engine=Engine.mgpu)),
-    # ZeRO-1 in the reducer: reduce-scatter, each rank steps 1/N, all-gather (mgpu.shard)
+    # ZeRO-1 in the reducer: reduce-scatter, each rank steps 1/N, all-gather (mgpu.comm.shard)
     "mgpu_sharded": Lever(DistConfig(engine=Engine.mgpu, shard_optimizer=True)),
     # levers, measured one at a time against "mgpu": the wire dtype and the bucket size
     "mgpu_bf16": Lever(DistConfig(engine=Engine.mgpu, reduce_dtype=ReduceDtype.bf16)),
@@ -453,5 +454,5 @@ def main() -> None:
 if __name__ == "__main__":
     default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     # Ends without the teardown of torch's communication threads, as train.py does
-    # (mgpu.dist.exit_process: that teardown can abort a finished run).
+    # (mgpu.runtime.dist.exit_process: that teardown can abort a finished run).
     exit_process(main)

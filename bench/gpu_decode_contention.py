@@ -37,7 +37,7 @@ from bench.engines import versions  # noqa: E402
 from bench.make_image_folder import write_folder  # noqa: E402
 from mgpu.data import ImageFolder  # noqa: E402
 from mgpu.data.image_folder import collate_encoded  # noqa: E402
-from mgpu.sampler import SampleKey  # noqa: E402
+from mgpu.data.sampler import SampleKey  # noqa: E402
 
 
 def encoded_batches(folder: Path, batch: int, count: int, device: torch.device):
@@ -194,7 +194,7 @@ def main() -> None:
     torch.cuda.synchronize()
     product_ms = (time.perf_counter() - start) / 20 * 1e3
     # The other work on torch's default stream (the legacy stream 0, where training ran before
-    # mgpu.dist.own_stream) and on a non-blocking stream of its own (where it runs now).
+    # mgpu.runtime.dist.own_stream) and on a non-blocking stream of its own (where it runs now).
     loops = {"default": torch.cuda.default_stream(device), "own": torch.cuda.Stream(device)}
     phases = {
         "alone": lambda: alone(step, work, stream),

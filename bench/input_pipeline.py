@@ -5,7 +5,7 @@ Each variant trains the same model from the same data; throughput is printed wit
   (a) resident    the batch on the GPU, ready for the model, reused every step (upper bound)
   (b) pageable    DataLoader without pinning; .cuda() on the default stream
   (c) pinned      pinned DataLoader; .cuda(non_blocking=True) on the default stream
-  (d) mgpu        mgpu.loader.DeviceLoader: copies issued inline on its side stream
+  (d) mgpu        mgpu.data.loader.DeviceLoader: copies issued inline on its side stream
   (e) mgpu-thread DeviceLoader(copy_thread=True): copies issued from a background thread
 Images cross PCIe as uint8 and are normalised (and made channels_last) on the GPU: on the
 compute stream in (b) and (c), on the loader's side stream in (d) and (e); (a) skips it.
@@ -62,14 +62,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.make_image_folder import write_folder  # noqa: E402
-from mgpu.config import ImageFolderDataConfig  # noqa: E402
 from mgpu.data import ImageFolder, SyntheticImages, TokenFile  # noqa: E402
+from mgpu.data.batches import to_device  # noqa: E402
+from mgpu.data.config import ImageFolderDataConfig  # noqa: E402
 from mgpu.data.gpu_decode import gpu_decode_unavailable  # noqa: E402
 from mgpu.data.images import normalize_uint8  # noqa: E402
-from mgpu.launch import default_cuda_connections  # noqa: E402
-from mgpu.loader import DeviceLoader, to_device, worker_count  # noqa: E402
+from mgpu.data.loader import worker_count  # noqa: E402
+from mgpu.data.prefetch import DeviceLoader  # noqa: E402
+from mgpu.data.sampler import SampleKey  # noqa: E402
 from mgpu.models import GPT, ResNet  # noqa: E402
-from mgpu.sampler import SampleKey  # noqa: E402
+from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
 
 VARIANTS = {
     "a": "resident",
@@ -230,7 +232,7 @@ def folder_feeds(
     work: Workload, args, device: torch.device
 ) -> tuple[dict[str, Callable[[], Iterator]], dict[str, DeviceLoader]]:
     """(a) and (f)-(h): mgpu's image_folder dataset, DataLoader and prefetcher, as a run builds
-    them (mgpu.loader.build_loader), over an endless sampler."""
+    them (mgpu.data.loader.build_loader), over an endless sampler."""
     cuda = device.type == "cuda"
     workers = workers_for(work, args)
 

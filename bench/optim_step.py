@@ -4,10 +4,10 @@ over GPT-2-small's parameters, as mgpu runs them today against a torch.compile'd
     python bench/optim_step.py [--model gpt2_small]
     python bench/optim_step.py --quick       # a tiny GPT on the CPU: checks the script
 
-fused: what mgpu's Trainer does on one GPU (its optimizer from mgpu.optim.build_optimizer, the
-model's optim.* and trainer.grad_clip): the gradients' global norm (one multi-tensor norm), the
+fused: what mgpu's Trainer does on one GPU (its optimizer from mgpu.optim.optimizer.build_optimizer,
+the model's optim.* and trainer.grad_clip): the gradients' global norm (one multi-tensor norm), the
 clip factor as a device scalar, then torch's fused AdamW, which divides each gradient by that
-factor as it reads it and skips the update on a device flag (mgpu.guard). Left out on both
+factor as it reads it and skips the update on a device flag (mgpu.train.guard). Left out on both
 sides: the guard's check of the loss and the norm, a few one-value kernels a step.
 compiled: the same arithmetic (norm, clip factor, the skip flag, AdamW with decoupled weight
 decay and bias correction) written as one function over the parameter list and compiled by
@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 from bench.engines import versions  # noqa: E402
 from bench.head_loss import events_ms as cuda_events_ms  # noqa: E402
 from bench.vs_plain import MODELS, QUICK, compose_config  # noqa: E402
-from mgpu.config import Config, to_config  # noqa: E402
 from mgpu.models import build_model  # noqa: E402
-from mgpu.optim import build_optimizer  # noqa: E402
-from mgpu.trainer import CLIP_EPS  # noqa: E402
+from mgpu.optim.optimizer import build_optimizer  # noqa: E402
+from mgpu.run.config import Config, to_config  # noqa: E402
+from mgpu.train.update import CLIP_EPS  # noqa: E402
 
 
 def fused_side(model: torch.nn.Module, cfg: Config):
@@ -53,7 +53,7 @@ def fused_side(model: torch.nn.Module, cfg: Config):
     def step() -> None:
         grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        # mgpu.guard's hand-over to the fused kernel: the clip factor and the skip flag
+        # mgpu.train.guard's hand-over to the fused kernel: the clip factor and the skip flag
         opt.grad_scale = (norm + CLIP_EPS).div(clip).clamp(min=1.0)
         opt.found_inf = (~norm.isfinite()).float()
         opt.step()
@@ -65,7 +65,8 @@ def fused_side(model: torch.nn.Module, cfg: Config):
 def compiled_side(model: torch.nn.Module, cfg: Config):
     params = list(model.parameters())
     o, clip = cfg.optim, cfg.trainer.grad_clip
-    decays = [o.weight_decay if p.dim() >= 2 else 0.0 for p in params]  # as mgpu.optim's groups
+    # as mgpu.optim.optimizer's groups
+    decays = [o.weight_decay if p.dim() >= 2 else 0.0 for p in params]
     exp_avgs = [torch.zeros_like(p) for p in params]
     exp_avg_sqs = [torch.zeros_like(p) for p in params]
     count = torch.zeros((), device=params[0].device)
@@ -129,7 +130,8 @@ def triton_side(model: torch.nn.Module, cfg: Config):
     cdiv, kernel = _adamw_kernel()
     params = list(model.parameters())
     o, clip = cfg.optim, cfg.trainer.grad_clip
-    decays = [o.weight_decay if p.dim() >= 2 else 0.0 for p in params]  # as mgpu.optim's groups
+    # as mgpu.optim.optimizer's groups
+    decays = [o.weight_decay if p.dim() >= 2 else 0.0 for p in params]
     exp_avgs = [torch.zeros_like(p) for p in params]
     exp_avg_sqs = [torch.zeros_like(p) for p in params]
     (b1, b2), eps = o.betas, o.eps

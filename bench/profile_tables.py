@@ -8,7 +8,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from mgpu.trainer import Trainer
+from mgpu.train.trainer import Trainer
 
 
 def profiled(trainer: Trainer, batch, steps: int, warmup: int = 2):

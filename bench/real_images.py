@@ -101,7 +101,8 @@ def summarise(scalars: dict, warmup: int) -> dict:
 def cpu_decode_rate(folder: Path, n: int) -> float:
     """Images a second one core decodes and crops as a data.decode=cpu worker does."""
     code = (
-        "import sys,time; from mgpu.data import ImageFolder; from mgpu.sampler import SampleKey;"
+        "import sys,time; from mgpu.data import ImageFolder;"
+        "from mgpu.data.sampler import SampleKey;"
         f"d=ImageFolder('train', r'{folder}', decode='cpu', eval_samples=64);"
         f"keys=[SampleKey(i*7 % len(d), 0, 0) for i in range({n})]; d[keys[0]];"
         "t=time.perf_counter(); [d[k] for k in keys]; print(len(keys)/(time.perf_counter()-t))"

@@ -25,17 +25,21 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engines import MODELS, versions  # noqa: E402
-from mgpu.board import TensorBoard  # noqa: E402
-from mgpu.comm import MgpuDataParallel, wrap_model  # noqa: E402
-from mgpu.config import DistConfig, OptimConfig, OptimizerName, Precision, TrainerConfig  # noqa: E402
-from mgpu.dist import distributed, exit_process  # noqa: E402
-from mgpu.launch import default_cuda_connections  # noqa: E402
-from mgpu.loader import DeviceLoader, epochs  # noqa: E402
-from mgpu.metrics import Recorder  # noqa: E402
+from mgpu.comm.engine import MgpuDataParallel, wrap_model  # noqa: E402
+from mgpu.config.schema import DistConfig, OptimConfig, OptimizerName, Precision, TrainerConfig  # noqa: E402
+from mgpu.data.prefetch import DeviceLoader  # noqa: E402
+from mgpu.data.sampler import (  # noqa: E402
+    ShardedSampler,
+    epochs,
+)
 from mgpu.models import GPT  # noqa: E402
-from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
-from mgpu.sampler import ShardedSampler  # noqa: E402
-from mgpu.trainer import Trainer, set_math_modes  # noqa: E402
+from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
+from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
+from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
+from mgpu.telemetry.board import TensorBoard  # noqa: E402
+from mgpu.telemetry.metrics import Recorder  # noqa: E402
+from mgpu.train.numerics import set_math_modes  # noqa: E402
+from mgpu.train.trainer import Trainer  # noqa: E402
 
 VARIANTS = ("log_every_step", "log_at_end", "no_recorder")
 # The engines benchmark's models, and a tiny one to try the script on a CPU.
@@ -163,5 +167,5 @@ def report(args, rt, times: dict[str, list[float]]) -> None:
 if __name__ == "__main__":
     default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     # Ends without the teardown of torch's communication threads, as train.py does
-    # (mgpu.dist.exit_process: that teardown can abort a finished run).
+    # (mgpu.runtime.dist.exit_process: that teardown can abort a finished run).
     exit_process(main)

@@ -6,8 +6,8 @@
 plain: the 60-line loop nanoGPT popularised: the same model class, whole-model torch.compile
 (compiled mode), fused AdamW/SGD with the same hyperparameters, the same clipping and precision,
 TF32 and cuDNN autotuning on, one batch of the same dataset resident on the GPU.
-mgpu: `Trainer.fit` built by mgpu.run.build_run from the same Hydra config, as train.py builds it
-(DataLoader workers, side-stream prefetcher, non-finite guard, telemetry, LR schedule, clipping,
+mgpu: `Trainer.fit` built by mgpu.run.build.build_run from the same Hydra config, as train.py builds
+it (DataLoader workers, side-stream prefetcher, non-finite guard, telemetry, LR schedule, clipping,
 a final evaluation and checkpoint after the timed steps); its step time is what its own telemetry
 wrote to TensorBoard (time/step_ms per log interval), the figure a user sees. Eager mode is
 train.py's with trainer.compile=false: the uncompiled model replayed as CUDA graphs by
@@ -44,15 +44,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
-from mgpu import fp8  # noqa: E402
-from mgpu.config import Config, Precision, to_config  # noqa: E402
-from mgpu.dist import distributed, exit_process  # noqa: E402
-from mgpu.launch import default_cuda_connections  # noqa: E402
-from mgpu.loader import build_dataset, worker_count  # noqa: E402
+from mgpu.config.schema import Precision  # noqa: E402
+from mgpu.data.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
-from mgpu.models.flops import peak_tflops  # noqa: E402
-from mgpu.run import build_run  # noqa: E402
-from mgpu.trainer import autocast_dtype, cross_entropy, set_math_modes  # noqa: E402
+from mgpu.models.loss import cross_entropy  # noqa: E402
+from mgpu.run.build import build_run  # noqa: E402
+from mgpu.run.config import Config, to_config  # noqa: E402
+from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
+from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
+from mgpu.telemetry.mfu import peak_tflops  # noqa: E402
+from mgpu.train import fp8  # noqa: E402
+from mgpu.train.numerics import autocast_dtype, set_math_modes  # noqa: E402
 
 XL = ["experiment=gpt2_xl", "data=ngram", "data.vocab_size=50304", "data.seq_len=1024"]
 MODELS = {  # the runs of the fast-path issue's table
@@ -732,5 +734,5 @@ def report(rows: list[dict]) -> None:
 if __name__ == "__main__":
     default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     # Ends without the teardown of torch's communication threads, as train.py does
-    # (mgpu.dist.exit_process: that teardown can abort a finished run).
+    # (mgpu.runtime.dist.exit_process: that teardown can abort a finished run).
     exit_process(main)

@@ -8,7 +8,7 @@ TRAIN="$MGPU_ROOT/train.py"
 # The workers' store not shared with torchrun's agent: rank 0 hosts a new one for each restart
 # (torchrun --max-restarts). mgpu meets under per-restart keys in a shared store, but on several
 # nodes torchrun's restart counts can differ between them, and such a restart would stop
-# (mgpu.launch.restart_hazard). Rank 0's store is also the one mgpu binds to loopback in
+# (mgpu.runtime.launch.restart_hazard). Rank 0's store is also the one mgpu binds to loopback in
 # single_node.sh's runs; a shared store would be one more that the agent binds on every interface.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 

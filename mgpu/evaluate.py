@@ -22,14 +22,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mgpu.config import TokenFileDataConfig
 from mgpu.data import TokenFile
+from mgpu.data.config import TokenFileDataConfig
+from mgpu.data.loader import build_dataset, build_loader
+from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.tokenizer import Tokenizer
-from mgpu.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
-from mgpu.launch import default_cuda_connections
-from mgpu.loader import DeviceLoader, build_dataset, build_loader
+from mgpu.models.loss import cross_entropy
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
-from mgpu.trainer import autocast_dtype, cross_entropy
+from mgpu.runtime.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
+from mgpu.runtime.launch import default_cuda_connections
+from mgpu.train.numerics import autocast_dtype
 
 PROG = "mgpu.evaluate"
 JOINED = False  # whether this process joined a process group (train.py's teardown rule)

@@ -2,7 +2,7 @@
 mgpu.export): which checkpoint a path means, the run's config as that checkpoint saved it (with
 the user's overrides), and the model rebuilt from it with the checkpoint's weights.
 
-Checkpoints are verified and loaded by mgpu.checkpoint (sha256 of every file read,
+Checkpoints are verified and loaded by mgpu.ckpt.checkpoint (sha256 of every file read,
 torch.load(weights_only=True)), exactly as resume does; this module adds no checks of its own.
 """
 
@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
-from mgpu.checkpoint import (
+from mgpu.ckpt.checkpoint import (
     MANIFEST,
     SHARED,
     CheckpointError,
@@ -29,7 +29,9 @@ from mgpu.checkpoint import (
     find_latest_valid,
     load,
 )
-from mgpu.config import Config, ConfigError, TokenFileDataConfig, describe_error, to_config
+from mgpu.ckpt.state import CheckpointMismatch, restore_model
+from mgpu.config.checks import ConfigError
+from mgpu.data.config import TokenFileDataConfig
 from mgpu.data.tokenizer import (
     BYTE_VOCAB,
     BYTES,
@@ -40,9 +42,9 @@ from mgpu.data.tokenizer import (
     TokenizerError,
     sha256_file,
 )
-from mgpu.dist import LaunchError
 from mgpu.models import build_model
-from mgpu.state import CheckpointMismatch, restore_model
+from mgpu.run.config import Config, describe_error, to_config
+from mgpu.runtime.launch import LaunchError
 
 log = logging.getLogger(__name__)
 RUN_CONFIG = "config.yaml"  # what train.py's rank 0 writes into a run directory first
@@ -103,13 +105,14 @@ def _schema(group: str, section: dict) -> type:
         elif node._target_ == target and "kwargs" not in section:
             return OmegaConf.get_type(node)
     if custom is None or "kwargs" not in section:
-        raise ConfigError(f"{group}._target_", target, "has no schema registered in mgpu.config")
+        why = "has no schema registered in mgpu.run.config"
+        raise ConfigError(f"{group}._target_", target, why)
     return custom
 
 
 def saved_config(text: str, overrides: list[str]) -> Config:
     """The typed Config of a checkpoint's saved YAML with `key=value` overrides applied, validated
-    as train.py validates a composed one (mgpu.config.to_config)."""
+    as train.py validates a composed one (mgpu.run.config.to_config)."""
     tree = OmegaConf.create(text)
     typed = OmegaConf.structured(Config)
     for group in ("model", "data"):

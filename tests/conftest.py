@@ -150,7 +150,14 @@ def free_port() -> int:
 
 # What the fork server imports once, so that the processes it forks start with it: importing
 # torch costs a new interpreter seconds of CPU, and a test run starts dozens of them.
-PRELOAD = ["torch", "torch.distributed", "mgpu.comm", "mgpu.shard", "mgpu.trainer", "conftest"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "mgpu.comm.engine",
+    "mgpu.comm.shard",
+    "mgpu.train.trainer",
+    "conftest",
+]
 
 
 def spawn(worker, *args, nprocs: int = 2) -> None:
@@ -196,7 +203,7 @@ def gloo_runtime(rank: int, port: int, world: int = 2, timeout_s: float | None =
 
     import torch.distributed as tdist
 
-    from mgpu.dist import Runtime
+    from mgpu.runtime.dist import Runtime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)

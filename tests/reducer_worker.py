@@ -11,13 +11,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mgpu.comm import wrap_model  # noqa: E402
-from mgpu.config import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
-from mgpu.dist import distributed  # noqa: E402
-from mgpu.models import GPT, ResNet  # noqa: E402
-from mgpu.optim import build_optimizer, build_schedule  # noqa: E402
-from mgpu.shard import ShardedOptimizer  # noqa: E402
-from mgpu.trainer import Trainer  # noqa: E402
+from mgpu.comm.engine import wrap_model  # noqa: E402
+from mgpu.comm.sharded_optim import ShardedOptimizer  # noqa: E402
+from mgpu.config.schema import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
+from mgpu.models import GPT, ResNet
+from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
+from mgpu.runtime.dist import distributed  # noqa: E402
+from mgpu.train.trainer import Trainer  # noqa: E402
 
 STEPS, ACCUM = int(sys.argv[1]), 2
 # Two trainings compared to 1e-5: no TF32 and no nondeterministic convolution algorithms.
@@ -26,7 +26,8 @@ torch.backends.cudnn.deterministic = True
 # "race": the negative control of the sanitizer test. The compute stream no longer waits for the
 # communication stream before reading the reduced gradients, a race the sanitizer must report.
 RACE = "race" in sys.argv[2:]
-# "shard": the mgpu runs with dist.shard_optimizer=true (reduce-scatter, all-gather; mgpu.shard)
+# "shard": the mgpu runs with dist.shard_optimizer=true (reduce-scatter, all-gather;
+# mgpu.comm.shard)
 SHARD = "shard" in sys.argv[2:]
 
 
@@ -38,7 +39,7 @@ def _finish_without_waiting(self) -> None:
 
 
 if RACE:
-    from mgpu.comm import GradReducer  # noqa: E402
+    from mgpu.comm.reducer import GradReducer  # noqa: E402
 
     GradReducer._finish_reductions = _finish_without_waiting
 

@@ -14,23 +14,18 @@ from conftest import free_port, gloo_runtime, spawn
 from hydra import compose, initialize_config_dir
 from torch.utils.data import DataLoader, TensorDataset
 
-from mgpu.board import TensorBoard
-from mgpu.comm import MgpuDataParallel, wrap_model
-from mgpu.config import (
-    ConfigError,
-    DistConfig,
-    OptimConfig,
-    Precision,
-    TrainerConfig,
-    to_config,
-)
-from mgpu.graphs import use_graphs
-from mgpu.metrics import Recorder
+from mgpu.comm.engine import MgpuDataParallel, wrap_model
+from mgpu.comm.sharded_optim import ShardedOptimizer
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import DistConfig, OptimConfig, Precision, TrainerConfig
+from mgpu.data.sampler import ShardedSampler
 from mgpu.models import GPT, compile_model
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.sampler import ShardedSampler
-from mgpu.shard import ShardedOptimizer
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.run.config import to_config
+from mgpu.telemetry.board import TensorBoard
+from mgpu.telemetry.metrics import Recorder
+from mgpu.train.graphs import use_graphs
+from mgpu.train.trainer import Trainer
 
 WORLD, STEPS, MICRO = 2, 6, 4
 SHAPE = {"vocab_size": 64, "block_size": 16, "n_layer": 3, "n_head": 2, "n_embd": 32}
@@ -213,7 +208,7 @@ def test_a_checkpointed_model_compiled_whole_has_the_same_gradients():
 
 def test_cuda_graphs_leave_checkpointed_blocks_uncaptured_or_refuse(caplog):
     cuda = torch.device("cuda")  # only a device object: use_graphs decides, nothing runs
-    with caplog.at_level(logging.INFO, logger="mgpu.graphs"):
+    with caplog.at_level(logging.INFO, logger="mgpu.train.graphs"):
         assert not use_graphs("auto", cuda, compiled=False, wrapped=False, checkpointed=3)
     assert "model.activation_checkpointing" in caplog.text
     assert use_graphs("auto", cuda, compiled=False, wrapped=False, checkpointed=0)  # control

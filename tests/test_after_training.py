@@ -19,7 +19,7 @@ from conftest import ROOT, read_scalars, run_train
 from safetensors.torch import load_file
 
 from mgpu import evaluate, export, sample
-from mgpu.checkpoint import load
+from mgpu.ckpt.checkpoint import load
 from mgpu.data import SyntheticImages
 from mgpu.models import GPT, MLP
 

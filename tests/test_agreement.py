@@ -13,14 +13,21 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.data import DataLoader, TensorDataset
 
-from mgpu.board import TensorBoard
-from mgpu.comm import wrap_model
-from mgpu.config import DistConfig, Engine, OptimConfig, OptimizerName, Precision, TrainerConfig
-from mgpu.metrics import Recorder
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.preempt import Preemption
-from mgpu.sampler import ShardedSampler
-from mgpu.trainer import Trainer
+from mgpu.comm.engine import wrap_model
+from mgpu.config.schema import (
+    DistConfig,
+    Engine,
+    OptimConfig,
+    OptimizerName,
+    Precision,
+    TrainerConfig,
+)
+from mgpu.data.sampler import ShardedSampler
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.runtime.preempt import Preemption
+from mgpu.telemetry.board import TensorBoard
+from mgpu.telemetry.metrics import Recorder
+from mgpu.train.trainer import Trainer
 
 STEPS = 3
 CASES = {  # name: (engine, with a Preemption)

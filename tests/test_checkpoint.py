@@ -20,24 +20,11 @@ import torch.nn.functional as F
 from conftest import free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mgpu import checkpoint as ckpt
-from mgpu.checkpoint import (
-    CheckpointError,
-    finalize,
-    find_latest_valid,
-    load,
-    prune,
-    step_dir,
-    verify,
-    write_rank_files,
-)
-from mgpu.config import CheckpointConfig, ConfigError, OptimConfig, OptimizerName
-from mgpu.loader import epochs
-from mgpu.models import MLP
-from mgpu.optim import build_optimizer, build_schedule, lr_factor
-from mgpu.resume import resolve_resume
-from mgpu.sampler import DataCursor, ShardedSampler, advance, epoch_order, remaining_indices
-from mgpu.state import (
+from mgpu.ckpt import checkpoint as ckpt
+from mgpu.ckpt import write as ckpt_write
+from mgpu.ckpt.checkpoint import CheckpointError, find_latest_valid, load, step_dir, verify
+from mgpu.ckpt.resume import resolve_resume
+from mgpu.ckpt.state import (
     CheckpointMismatch,
     capture_rng,
     restore_model,
@@ -46,6 +33,19 @@ from mgpu.state import (
     restore_training_state,
     training_state,
 )
+from mgpu.ckpt.write import finalize, prune, write_rank_files
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import CheckpointConfig, OptimConfig, OptimizerName
+from mgpu.data.sampler import (
+    DataCursor,
+    ShardedSampler,
+    advance,
+    epoch_order,
+    epochs,
+    remaining_indices,
+)
+from mgpu.models import MLP
+from mgpu.optim.optimizer import build_optimizer, build_schedule, lr_factor
 
 CPU = torch.device("cpu")
 
@@ -242,7 +242,7 @@ def test_auto_resumes_from_the_newest_valid_checkpoint_and_warns(tmp_path, caplo
     bitflip(step_dir(tmp_path, 3) / "state.pt")
     os.remove(step_dir(tmp_path, 2) / "manifest.json")
     (tmp_path / "step-00000004.tmp-dead").mkdir()  # a crashed save is not a checkpoint
-    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.ckpt.checkpoint"):
         assert resolve_resume("auto", tmp_path) == step_dir(tmp_path, 1)
     text = caplog.text
     assert "step-00000003/state.pt: checksum mismatch" in text
@@ -327,7 +327,7 @@ def no_space(monkeypatch, room=100):
         f = open(path, mode, *args, **kwargs)
         return FullDisk(f, room) if mode == "wb" else f
 
-    monkeypatch.setattr(ckpt, "open", fake_open, raising=False)
+    monkeypatch.setattr(ckpt_write, "open", fake_open, raising=False)
 
 
 def test_failed_shared_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -351,7 +351,7 @@ def test_failed_rank_write_removes_its_file(tmp_path, monkeypatch):
         write_rank_files(tmp_path, 2, 0, {"rng": capture_rng(CPU)}, token="t")
     assert info.value.file == tmp_path / "step-00000002.tmp-t" / "rank-0.pt"
     assert not info.value.file.exists()
-    ckpt.abort(tmp_path, 2, token="t")
+    ckpt_write.abort(tmp_path, 2, token="t")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001"]
 
 
@@ -657,8 +657,8 @@ def test_a_read_error_stops_the_resume_where_an_invalid_file_falls_back(
     """ckpt.resume=auto skips a newest checkpoint that is invalid (here: refused unpickling),
     but an I/O error while reading it says nothing of the file: the run stops instead of
     silently redoing the steps since the older one."""
-    from mgpu.dist import Runtime
-    from mgpu.resume import resume_point
+    from mgpu.ckpt.resume import resume_point
+    from mgpu.runtime.dist import Runtime
 
     small(tmp_path, 1), small(tmp_path, 2)
     real_load = torch.load

@@ -12,12 +12,19 @@ import torch
 from conftest import free_port, gloo_runtime, spawn
 from torch import nn
 
-from mgpu.comm import wrap_model
-from mgpu.config import DistConfig, Engine, OptimConfig, OptimizerName, Precision, TrainerConfig
+from mgpu.comm.engine import wrap_model
+from mgpu.comm.sharded_optim import ShardedOptimizer
+from mgpu.config.schema import (
+    DistConfig,
+    Engine,
+    OptimConfig,
+    OptimizerName,
+    Precision,
+    TrainerConfig,
+)
 from mgpu.models import GPT, MLP, ResNet, compile_mode, compile_model, repeated_blocks
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.shard import ShardedOptimizer
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.train.trainer import Trainer
 
 WORLD, STEPS, N_BLOCKS = 2, 20, 3
 

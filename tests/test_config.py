@@ -7,9 +7,12 @@ import pytest
 from conftest import ROOT, one_line_under_torchrun, run_train
 from hydra import compose, initialize_config_dir
 
-from mgpu.config import ConfigError, GPTModelConfig, NgramDataConfig, to_config
+from mgpu.config.checks import ConfigError
+from mgpu.data.config import NgramDataConfig
 from mgpu.data.prepare import main as prepare_main
-from mgpu.run import unused_vocabulary
+from mgpu.models.config import GPTModelConfig
+from mgpu.run.build import unused_vocabulary
+from mgpu.run.config import to_config
 
 
 def compose_config(*overrides):
@@ -176,7 +179,7 @@ def test_a_gpt_on_a_users_dataset_follows_its_vocab_size_kwarg_or_is_told_to_set
 
 def test_a_bad_swept_value_stops_its_sweep_in_one_line(tmp_path):
     """--multirun: Hydra checks only the base config at the sweep's start; each job's swept
-    values are checked before it runs (mgpu.config_cli.ValidateOnRunStart.on_job_start)."""
+    values are checked before it runs (mgpu.run.cli.ValidateOnRunStart.on_job_start)."""
     out = run_train(
         ["--multirun", "optim.lr=-1,0.1", "trainer.max_steps=2"], cwd=tmp_path, nproc=None
     )

@@ -7,12 +7,19 @@ import torch
 from conftest import free_port, gloo_runtime, spawn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from mgpu.comm import wrap_model
-from mgpu.config import DistConfig, Engine, OptimConfig, OptimizerName, Precision, TrainerConfig
-from mgpu.dist import Runtime
+from mgpu.comm.engine import wrap_model
+from mgpu.config.schema import (
+    DistConfig,
+    Engine,
+    OptimConfig,
+    OptimizerName,
+    Precision,
+    TrainerConfig,
+)
 from mgpu.models import MLP
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.runtime.dist import Runtime
+from mgpu.train.trainer import Trainer
 
 WORLD, MICRO_BATCH, STEPS = 2, 3, 3
 CASES = [  # (name, grad_accum_steps, optimizer, grad_clip)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, train_command
 
-from mgpu.board import EventsUnwritable, TensorBoard
+from mgpu.telemetry.board import EventsUnwritable, TensorBoard
 
 FULL = "No space left on device"
 SAID = "cannot write TensorBoard events to"
@@ -65,8 +65,8 @@ STOPPED = textwrap.dedent(
     import logging, sys
     from pathlib import Path
     import torch
-    from mgpu.board import TensorBoard
-    from mgpu.dist import Runtime, stopped
+    from mgpu.telemetry.board import TensorBoard
+    from mgpu.runtime.dist import Runtime, stopped
     logging.basicConfig(format="%(message)s")
     rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
     with stopped(rt):

@@ -9,13 +9,15 @@ import torch
 from test_config import compose_config
 from torch import nn
 
-from mgpu.config import ConfigError, OptimConfig, OptimizerName, Precision, TrainerConfig, to_config
-from mgpu.dist import Runtime
-from mgpu.graphs import ModelLoss, unreplayed_hooks, use_graphs
-from mgpu.loader import TRAINER_CORES, worker_count
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import OptimConfig, OptimizerName, Precision, TrainerConfig
+from mgpu.data.loader import TRAINER_CORES, worker_count
 from mgpu.models import GPT, ResNet, compile_mode, compile_model
-from mgpu.optim import build_optimizer, build_schedule, param_groups
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule, param_groups
+from mgpu.run.config import to_config
+from mgpu.runtime.dist import Runtime
+from mgpu.train.graphs import ModelLoss, unreplayed_hooks, use_graphs
+from mgpu.train.trainer import Trainer
 
 CPU = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
 STEPS, CLIP = 6, 0.05
@@ -211,7 +213,7 @@ def test_auto_workers_share_the_cpus_out_and_leave_the_trainer_its_own():
 
 
 def test_distributed_records_this_process_cpu_share():
-    from mgpu.dist import distributed
+    from mgpu.runtime.dist import distributed
 
     with distributed("gloo", timeout_s=60, cpu_affinity=True) as rt:  # a world of one
         assert rt.cpus == len(os.sched_getaffinity(0)) == rt.cpu_share

@@ -1,17 +1,18 @@
 """trainer.precision=fp8: refused in one line, before the run starts, where it cannot run (here:
-the CPU); where torchao is installed, its float8 conversion of a GPT (mgpu.fp8.convert) trains
+the CPU); where torchao is installed, its float8 conversion of a GPT (mgpu.train.fp8.convert) trains
 forward and backward on the CPU near the unconverted model, with the same checkpoint keys."""
 
 import pytest
 import torch
 from conftest import run_train
 
-from mgpu.config import ConfigError, OptimConfig, Precision, TrainerConfig
-from mgpu.dist import Runtime
-from mgpu.fp8 import check_fp8, convert
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import OptimConfig, Precision, TrainerConfig
 from mgpu.models import GPT
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.runtime.dist import Runtime
+from mgpu.train.fp8 import check_fp8, convert
+from mgpu.train.trainer import Trainer
 
 SHAPE = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mgpu.config import ConfigError
-from mgpu.config_model import GPTModelConfig
+from mgpu.config.checks import ConfigError
 from mgpu.models import GPT
+from mgpu.models.config import GPTModelConfig
 from mgpu.models.fused_loss import (
     IGNORE_INDEX,
     LAUNCH_SHAPES,

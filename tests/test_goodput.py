@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.goodput import CATEGORIES, Goodput
+from mgpu.telemetry.goodput import CATEGORIES, Goodput
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = [f"{cat}_s" for cat in CATEGORIES]
@@ -176,7 +176,7 @@ def test_three_attempts_accumulate(tmp_path):
 def test_unreadable_file_is_moved_aside_with_a_warning(tmp_path, caplog, content):
     path, clock = tmp_path / "goodput.json", FakeClock()
     path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="mgpu.goodput"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.telemetry.goodput"):
         g = Goodput(path, clock=clock)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(path) in warnings[0], warnings
@@ -223,7 +223,7 @@ def test_failed_write_warns_once_and_keeps_the_old_file(tmp_path, caplog, monkey
 
     monkeypatch.setattr(os, "fsync", full)
     clock.advance(5)
-    with caplog.at_level(logging.WARNING, logger="mgpu.goodput"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.telemetry.goodput"):
         g.save()
         g.save()
     assert len(caplog.records) == 1 and "No space left" in caplog.records[0].getMessage()
@@ -234,7 +234,7 @@ def test_failed_write_warns_once_and_keeps_the_old_file(tmp_path, caplog, monkey
 WRITER = """
 import sys, time
 from pathlib import Path
-from mgpu.goodput import Goodput
+from mgpu.telemetry.goodput import Goodput
 g = Goodput(Path(sys.argv[1]), started_at=time.time() - 1.0)
 g.enter("training")
 g.checkpointed(1)
@@ -259,7 +259,7 @@ def test_attempt_sigkilled_while_saving_is_resumed(tmp_path, caplog):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     record = json.loads(path.read_text())["attempts"][0]
-    with caplog.at_level(logging.WARNING, logger="mgpu.goodput"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.telemetry.goodput"):
         g = Goodput(path)
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert g.attempt == 2

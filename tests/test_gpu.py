@@ -12,7 +12,7 @@ import torch
 from conftest import FAST, read_scalars, run_train
 from faults import first_sample_of_step
 
-from mgpu.checkpoint import step_dir
+from mgpu.ckpt.checkpoint import step_dir
 
 pytestmark = pytest.mark.gpu
 

@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu.config import OptimConfig, OptimizerName, Precision, TrainerConfig
-from mgpu.dist import Runtime
-from mgpu.graphs import CaptureError, GraphedLoss, ModelLoss
+from mgpu.config.schema import OptimConfig, OptimizerName, Precision, TrainerConfig
 from mgpu.models import GPT, ResNet
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.trainer import Trainer, set_math_modes
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.runtime.dist import Runtime
+from mgpu.train.graphs import CaptureError, GraphedLoss, ModelLoss
+from mgpu.train.numerics import set_math_modes
+from mgpu.train.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 STEPS = 6

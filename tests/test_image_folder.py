@@ -14,11 +14,12 @@ import torch
 from conftest import gloo_runtime, one_line_under_torchrun, read_scalars, run_train, spawn
 from PIL import Image
 
-from mgpu.config import ConfigError, ImageFolderDataConfig
+from mgpu.config.checks import ConfigError
+from mgpu.data.config import ImageFolderDataConfig
 from mgpu.data.image_folder import BadImageFile, ImageFolder
-from mgpu.dist import Runtime
-from mgpu.loader import build_dataloader, build_loader
-from mgpu.sampler import SampleKey
+from mgpu.data.loader import build_dataloader, build_loader
+from mgpu.data.sampler import SampleKey
+from mgpu.runtime.dist import Runtime
 
 CLASSES = ["ant", "bee", "cow"]
 SIZE = 12  # the crops' side

@@ -22,12 +22,13 @@ from conftest import ROOT, read_scalars, run_train
 from PIL import Image
 from test_image_folder import cpu_runtime, reference_pixels, smooth_image
 
-from mgpu.config import ConfigError, ImageFolderDataConfig, ImageShardsDataConfig
+from mgpu.config.checks import ConfigError
 from mgpu.data import ImageFolder, ImageShards
+from mgpu.data.config import ImageFolderDataConfig, ImageShardsDataConfig
 from mgpu.data.image_folder import Encoded
+from mgpu.data.loader import build_loader
 from mgpu.data.prepare_images import main as prepare
-from mgpu.loader import build_loader
-from mgpu.sampler import SampleKey
+from mgpu.data.sampler import SampleKey
 
 CLASSES = ["ant", "bee", "cow"]
 SIZE = 12  # the crops' side

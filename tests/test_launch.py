@@ -18,7 +18,7 @@ import pytest
 from conftest import FAST, ROOT, free_port, read_scalars, run_train
 from torch.distributed.run import parse_args
 
-from mgpu.dist import (
+from mgpu.runtime.launch import (
     LaunchError,
     check_sweep_launch,
     describe_config_mismatch,
@@ -521,7 +521,7 @@ def test_cpu_affinity_gives_each_worker_its_own_block_of_cpus(tmp_path):
 
 
 def test_cpu_affinity_with_more_workers_than_cpus_says_how_to_fix():
-    from mgpu.dist import pin_host_cpus
+    from mgpu.runtime.launch import pin_host_cpus
 
     with pytest.raises(ValueError, match="dist.cpu_affinity=false"):
         pin_host_cpus(0, len(os.sched_getaffinity(0)) + 1)
@@ -531,7 +531,11 @@ def test_cuda_gets_32_queues_unless_the_environment_chose(monkeypatch, caplog):
     """train.py's default_cuda_connections, and the warning data.decode=gpu gives where the
     environment chose fewer queues (nvJPEG's uploads then wait behind the training step)."""
     from mgpu.data.gpu_decode import resolve_decode
-    from mgpu.launch import CUDA_CONNECTIONS, cuda_connections_warning, default_cuda_connections
+    from mgpu.runtime.launch import (
+        CUDA_CONNECTIONS,
+        cuda_connections_warning,
+        default_cuda_connections,
+    )
 
     # set, then deleted: monkeypatch then restores the variable's absence (or its value)
     monkeypatch.setenv(CUDA_CONNECTIONS, "0")

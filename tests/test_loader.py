@@ -6,12 +6,12 @@ import torch
 from conftest import free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mgpu.config import Precision, TrainerConfig
-from mgpu.dist import Runtime
-from mgpu.loader import epochs, to_device
+from mgpu.config.schema import Precision, TrainerConfig
+from mgpu.data.batches import to_device
+from mgpu.data.sampler import ShardedSampler, epochs
 from mgpu.models import MLP
-from mgpu.sampler import ShardedSampler
-from mgpu.trainer import Trainer
+from mgpu.runtime.dist import Runtime
+from mgpu.train.trainer import Trainer
 
 
 @pytest.mark.parametrize("n, world", [(10, 2), (11, 2), (7, 3), (5, 1)])

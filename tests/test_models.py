@@ -168,8 +168,8 @@ def test_gpt2_configs_have_the_papers_shapes_and_parameter_counts(name, n_layer,
 
     from hydra import compose, initialize_config_dir
 
-    from mgpu.config import to_config
     from mgpu.models import build_model
+    from mgpu.run.config import to_config
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
@@ -188,8 +188,9 @@ def test_the_gpt2_xl_experiment_composes(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from mgpu.config import Precision, to_config
+    from mgpu.config.schema import Precision
     from mgpu.data.prepare import main as prepare_main
+    from mgpu.run.config import to_config
 
     # enough tokens for the experiment's 256 held-out windows of 1024 (the config check's rule)
     (tmp_path / "in.txt").write_text("some text\n" * 27000)

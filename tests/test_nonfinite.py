@@ -4,7 +4,7 @@ that optimizer update on every rank and counts it (skip); 2 processes over gloo,
 import torch
 from conftest import read_scalars, run_train
 
-from mgpu.checkpoint import step_dir
+from mgpu.ckpt.checkpoint import step_dir
 
 # gpt_tiny's vocabulary and context in one narrow layer: what happens to a NaN loss does not
 # depend on the model's size, and a step costs a third.

@@ -1,7 +1,7 @@
-"""The side-stream prefetcher (mgpu.loader.DeviceLoader): the same batches as the plain DataLoader
-for nested batch types, across epochs; clean early exits and worker errors; config checks. GPU
-tests (skipped without CUDA): contents under slow consumers and slow copies, flat memory across
-epochs, and no race under the CUDA sanitizer."""
+"""The side-stream prefetcher (mgpu.data.loader.DeviceLoader): the same batches as the plain
+DataLoader for nested batch types, across epochs; clean early exits and worker errors; config
+checks. GPU tests (skipped without CUDA): contents under slow consumers and slow copies, flat memory
+across epochs, and no race under the CUDA sanitizer."""
 
 import dataclasses
 import multiprocessing
@@ -17,18 +17,13 @@ import torch
 from conftest import ROOT
 from torch.utils.data import DataLoader, Dataset
 
-from mgpu.config import ConfigError, ImageDataConfig, NgramDataConfig
-from mgpu.dist import Runtime
-from mgpu.loader import (
-    DeviceLoader,
-    build_dataset,
-    build_loader,
-    epochs,
-    map_tensors,
-    tensors,
-    to_device,
-)
-from mgpu.sampler import ShardedSampler
+from mgpu.config.checks import ConfigError
+from mgpu.data.batches import map_tensors, tensors, to_device
+from mgpu.data.config import ImageDataConfig, NgramDataConfig
+from mgpu.data.loader import build_dataset, build_loader
+from mgpu.data.prefetch import DeviceLoader
+from mgpu.data.sampler import ShardedSampler, epochs
+from mgpu.runtime.dist import Runtime
 
 Pair = namedtuple("Pair", "left right")
 
@@ -235,7 +230,7 @@ def test_a_worker_error_surfaces_with_its_message_and_traceback(workers, copy_th
 LEFT_RUNNING = """
 import torch
 from torch.utils.data import DataLoader
-from mgpu.loader import DeviceLoader
+from mgpu.data.loader import DeviceLoader
 
 data = [(torch.ones(2), torch.zeros(2))] * 50
 running = []
@@ -317,7 +312,7 @@ def test_bad_loader_settings_name_the_key_and_value(key, value):
 def test_bad_loader_settings_fail_at_composition():
     from test_config import compose_config
 
-    from mgpu.config import to_config
+    from mgpu.run.config import to_config
 
     with pytest.raises(ConfigError, match="data.device_transform='sometimes'"):
         to_config(compose_config("data.device_transform=sometimes"))
@@ -421,7 +416,7 @@ SANITIZED = """
 import sys
 import torch
 from torch.utils.data import DataLoader
-from mgpu.loader import DeviceLoader
+from mgpu.data.loader import DeviceLoader
 
 if sys.argv[1] == "no_wait":  # the control: a consumer that never waits for the copies
     torch.cuda.Stream.wait_event = lambda self, event: None

@@ -12,9 +12,9 @@ import torch.distributed as tdist
 from conftest import free_port, gloo_runtime, spawn
 from torch import nn
 
-from mgpu import profiling
-from mgpu.dist import Runtime
-from mgpu.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, REDUCE, StepProfiler, phase
+from mgpu.runtime.dist import Runtime
+from mgpu.telemetry import profiling
+from mgpu.telemetry.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, REDUCE, StepProfiler, phase
 
 WORLD = 2
 CPU = torch.device("cpu")
@@ -82,7 +82,7 @@ def test_one_trace_per_rank_over_exactly_the_window(tmp_path):
 
 def test_window_cut_short_by_the_end_of_training_is_written_once(tmp_path, caplog):
     prof = StepProfiler(True, 6, 5, tmp_path, ONE)
-    with caplog.at_level(logging.INFO, logger="mgpu.profiling"):
+    with caplog.at_level(logging.INFO, logger="mgpu.telemetry.profiling"):
         train(prof, 1, 8)  # steps 6, 7, 8 of 6..10
         prof.close()
     (path,) = traces(tmp_path)

@@ -12,8 +12,9 @@ from conftest import free_port, gloo_runtime, spawn
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mgpu.comm import MgpuDataParallel, assign_buckets, wrap_model
-from mgpu.config import (
+from mgpu.comm.buckets import assign_buckets
+from mgpu.comm.engine import MgpuDataParallel, wrap_model
+from mgpu.config.schema import (
     DistConfig,
     Engine,
     OptimConfig,
@@ -22,10 +23,10 @@ from mgpu.config import (
     ReduceDtype,
     TrainerConfig,
 )
-from mgpu.dist import Runtime
 from mgpu.models import GPT, MLP
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.runtime.dist import Runtime
+from mgpu.train.trainer import Trainer
 
 WORLD, MICRO, STEPS = 2, 4, 20
 

@@ -1,6 +1,6 @@
-"""Joining the process group (mgpu.dist.join_process_group): each torchrun attempt meets under
-keys of its own in a store that outlives it, as torchrun's agent's store does; a rank that never
-comes is named after a bounded wait; and a start-up collective that times out (the first one,
+"""Joining the process group (mgpu.runtime.dist.join_process_group): each torchrun attempt meets
+under keys of its own in a store that outlives it, as torchrun's agent's store does; a rank that
+never comes is named after a bounded wait; and a start-up collective that times out (the first one,
 agreeing on the checkpoint to resume from) ends in one line naming the rank and what it waited
 in. Real stores and gloo process groups; the end-to-end restarts are in test_resume.py."""
 
@@ -11,9 +11,10 @@ import torch
 import torch.distributed as tdist
 from conftest import free_port, gloo_runtime, spawn
 
-from mgpu.config import CheckpointConfig
-from mgpu.dist import PeerTimeout, check_same_config, join_process_group, parse_launch_env
-from mgpu.resume import resume_point
+from mgpu.ckpt.resume import resume_point
+from mgpu.config.schema import CheckpointConfig
+from mgpu.runtime.dist import PeerTimeout, check_same_config, join_process_group
+from mgpu.runtime.launch import parse_launch_env
 
 CPU = torch.device("cpu")
 
@@ -66,7 +67,7 @@ def test_a_rank_that_never_joins_is_named_after_a_bounded_wait(monkeypatch, shar
     if shared:
         agent = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         port = agent.port
-    else:  # rank 0 hosts the store, bound to loopback (mgpu.launch.loopback_store)
+    else:  # rank 0 hosts the store, bound to loopback (mgpu.runtime.launch.loopback_store)
         port = free_port()
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             monkeypatch.setenv(name, "lo")  # loopback_store sets them; restored after the test

@@ -20,18 +20,19 @@ from faults import first_sample_of_step, recorded
 from test_checkpoint import Shell, bitflip, no_space, reseal
 from torch.utils.data import DataLoader, TensorDataset
 
-from mgpu.board import TensorBoard
-from mgpu.checkpoint import CheckpointError, find_latest_valid, load, step_dir
-from mgpu.config import NonFinite, OptimConfig, Precision, TrainerConfig
-from mgpu.dist import Runtime, attempt_prefix, parse_launch_env, restart_hazard
-from mgpu.guard import LAG, NonFiniteGuard
-from mgpu.metrics import Recorder
+from mgpu.ckpt.checkpoint import CheckpointError, find_latest_valid, load, step_dir
+from mgpu.ckpt.resume import Checkpointer, CheckpointPlan
+from mgpu.config.schema import NonFinite, OptimConfig, Precision, TrainerConfig
+from mgpu.data.sampler import ShardedSampler, epoch_order
 from mgpu.models import MLP
-from mgpu.optim import build_optimizer, build_schedule, lr_factor
-from mgpu.preempt import PREEMPTED_EXIT_CODE, Preemption
-from mgpu.resume import Checkpointer, CheckpointPlan
-from mgpu.sampler import ShardedSampler, epoch_order
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule, lr_factor
+from mgpu.runtime.dist import Runtime
+from mgpu.runtime.launch import attempt_prefix, parse_launch_env, restart_hazard
+from mgpu.runtime.preempt import PREEMPTED_EXIT_CODE, Preemption
+from mgpu.telemetry.board import TensorBoard
+from mgpu.telemetry.metrics import Recorder
+from mgpu.train.guard import LAG, NonFiniteGuard
+from mgpu.train.trainer import Trainer
 
 BATCH = 32  # data.batch_size's default
 # gpt_tiny cut to one narrow layer: a step costs a third, and bit-for-bit resumption does not
@@ -90,10 +91,10 @@ def assert_same_run(run_dir, reference) -> None:
 
 
 SHARE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-# How torchrun gives its workers a store to meet in (mgpu.launch.attempt_prefix): its agent's
-# own, kept across its restarts, or rank 0's, new with each attempt. Plain torchrun (the static
-# rendezvous) always shares the agent's, whatever the variable says; --standalone (c10d) shares
-# it unless the variable is 1. name: (--standalone?, torchrun's environment)
+# How torchrun gives its workers a store to meet in (mgpu.runtime.launch.attempt_prefix): its
+# agent's own, kept across its restarts, or rank 0's, new with each attempt. Plain torchrun (the
+# static rendezvous) always shares the agent's, whatever the variable says; --standalone (c10d)
+# shares it unless the variable is 1. name: (--standalone?, torchrun's environment)
 LAUNCHES = {
     "plain": (False, {SHARE: "0"}),
     "plain-variable-set": (False, {SHARE: "1"}),
@@ -335,7 +336,7 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
     )
     assert proc.returncode == 1
     assert f"{source / 'rank-1.pt'}: checksum mismatch" in output(proc)
-    # no config, events, ckpt: only the log, and the lock file the run held (mgpu.run_lock)
+    # no config, events, ckpt: only the log, and the lock file the run held (mgpu.runtime.run_lock)
     assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.log", "run.lock"]
 
 
@@ -486,7 +487,7 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     sampler = ShardedSampler(40, 0, 1, shuffle=True, seed=0, even=True)
     loader = DataLoader(data, batch_size=4, sampler=sampler, generator=torch.Generator())
     no_space(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="mgpu.resume"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.ckpt.resume"):
         assert trainer.save(2, loader, required=False) is None  # before any checkpoint
     assert f"training goes on; no checkpoint in {root} yet" in caplog.text
     monkeypatch.undo()
@@ -496,7 +497,7 @@ def test_a_failed_periodic_save_is_logged_and_training_goes_on(tmp_path, monkeyp
     shared = load(step_dir(root, 3), rank=0).shared
     assert shared["data"]["consumed"] == 24 and shared["config"] == "trainer: {}\n"
     no_space(monkeypatch)
-    with caplog.at_level(logging.INFO, logger="mgpu.trainer"):
+    with caplog.at_level(logging.INFO, logger="mgpu.train.trainer"):
         assert trainer.save(4, loader, required=False) is None
     assert "checkpoint at step 4 failed on rank 0" in caplog.text
     assert "No space left on device" in caplog.text

@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, read_scalars, run_train, train_command
 from faults import first_sample_of_step
 
-from mgpu.run_lock import LOCK_FILE, RunDirInUse, acquire, release
+from mgpu.runtime.run_lock import LOCK_FILE, RunDirInUse, acquire, release
 
 BATCH = 32  # data.batch_size's default
 SMALL = [  # gpt_tiny cut to one narrow layer, a loss per step, no DataLoader workers
@@ -200,7 +200,7 @@ PARENT = textwrap.dedent(
 WORKER = textwrap.dedent(
     """
     import sys, time
-    import mgpu.orphan as orphan
+    import mgpu.runtime.orphan as orphan
     mode, record = sys.argv[1], sys.argv[2]
     if mode == "parent watch":  # as where prctl is missing
         orphan._set_parent_death_signal = lambda: False

@@ -1,5 +1,5 @@
-"""dist.shard_optimizer=true (mgpu.shard) against the unsharded reducer and against one process on
-the concatenated batch: 20 optimizer steps on 2 and 4 gloo ranks, AdamW (weight decay on matrices
+"""dist.shard_optimizer=true (mgpu.comm.shard) against the unsharded reducer and against one process
+on the concatenated batch: 20 optimizer steps on 2 and 4 gloo ranks, AdamW (weight decay on matrices
 only: pieces of both groups in one shard) and SGD with momentum, with accumulation, clipping,
 tied, frozen and unused parameters, buckets of one parameter and bf16 communication; optimizer
 state of 1/N per rank; the checkpoint format equal to the unsharded one; bad combinations."""
@@ -12,10 +12,11 @@ import torch.distributed as tdist
 from conftest import free_port, gloo_runtime, spawn
 from test_reducer import MODELS, batch
 
-import mgpu.shard
-from mgpu.comm import wrap_model
-from mgpu.config import (
-    ConfigError,
+import mgpu.comm.shard
+from mgpu.comm.engine import wrap_model
+from mgpu.comm.sharded_optim import ShardedOptimizer, check_shardable
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import (
     DistConfig,
     Engine,
     NonFinite,
@@ -25,10 +26,9 @@ from mgpu.config import (
     ReduceDtype,
     TrainerConfig,
 )
-from mgpu.dist import Runtime
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.shard import ShardedOptimizer, check_shardable
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.runtime.dist import Runtime
+from mgpu.train.trainer import Trainer
 
 MICRO, STEPS = 4, 20
 PER_PARAM = {"bucket_cap_mb": 1e-6}
@@ -95,8 +95,8 @@ def state_bytes(optimizer) -> int:
     )
 
 
-# The collectives as torch 2.10 and 2.11 name them (mgpu.dist picks the newer names where they
-# exist, as on CI's torch): the same collectives, so the same training.
+# The collectives as torch 2.10 and 2.11 name them (mgpu.runtime.dist picks the newer names where
+# they exist, as on CI's torch): the same collectives, so the same training.
 OLD_TORCH_NAMES = {
     "all_gather_single": tdist.all_gather_into_tensor,
     "reduce_scatter_single": tdist.reduce_scatter_tensor,
@@ -107,7 +107,7 @@ def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int):
     with gloo_runtime(rank, port, world) as rt:
         for case in cases:
             if case == "adamw_old_torch_names":
-                with mock.patch.multiple(mgpu.shard, **OLD_TORCH_NAMES):
+                with mock.patch.multiple(mgpu.comm.shard, **OLD_TORCH_NAMES):
                     train_case(rt, out_dir, case, world, rank)
             else:
                 train_case(rt, out_dir, case, world, rank)

@@ -12,8 +12,9 @@ import torch.distributed as tdist
 from conftest import free_port, gloo_runtime, spawn
 from test_gpu import NCCL_ENV
 
-from mgpu.comm import unwrap, wrap_model
-from mgpu.config import (
+from mgpu.comm.engine import unwrap, wrap_model
+from mgpu.comm.sharded_optim import ShardedOptimizer
+from mgpu.config.schema import (
     DistConfig,
     Engine,
     NonFinite,
@@ -22,11 +23,10 @@ from mgpu.config import (
     Precision,
     TrainerConfig,
 )
-from mgpu.dist import Runtime
 from mgpu.models import MLP
-from mgpu.optim import build_optimizer, build_schedule
-from mgpu.shard import ShardedOptimizer
-from mgpu.trainer import Trainer
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.runtime.dist import Runtime
+from mgpu.train.trainer import Trainer
 
 STEPS, MICRO = 12, 4
 INF_STEP, NAN_STEP = 4, 8  # an overflowing gradient on rank 0; a NaN loss on the last rank

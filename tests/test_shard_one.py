@@ -9,7 +9,7 @@ import torch
 from conftest import FAST, free_port, gloo_runtime, run_train, spawn
 from test_shard_fp16 import CASES, train
 
-from mgpu.dist import Runtime
+from mgpu.runtime.dist import Runtime
 
 ADAMW = "adamw_accum_clip"
 
@@ -28,7 +28,7 @@ def compare(results: dict, cases=tuple(CASES)) -> None:
 
 def test_one_process_without_a_process_group_runs_the_sharded_path(caplog):
     rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
-    with caplog.at_level(logging.INFO, logger="mgpu.comm"):
+    with caplog.at_level(logging.INFO, logger="mgpu.comm.engine"):
         results = {(c, s): train(rt, c, s) for c in CASES for s in (False, True)}
     assert "dist.shard_optimizer=true has no one to shard with" in caplog.text
     compare(results)

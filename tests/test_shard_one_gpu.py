@@ -17,7 +17,7 @@ from test_shard_fp16 import CASES as FP16_CASES
 from test_shard_fp16 import assert_same_training
 from test_shard_fp16 import train as train_fp16
 
-from mgpu.dist import Runtime
+from mgpu.runtime.dist import Runtime
 
 PER_PARAM = {"bucket_cap_mb": 1e-6}
 

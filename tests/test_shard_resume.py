@@ -15,7 +15,7 @@ from test_resume import (
     uninterrupted_run,
 )
 
-from mgpu.checkpoint import step_dir
+from mgpu.ckpt.checkpoint import step_dir
 
 SHARDED = [*RUN, "dist.shard_optimizer=true"]
 

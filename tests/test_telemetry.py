@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import read_scalars, run_train
 
-from mgpu.metrics import PARTS
+from mgpu.telemetry.timing import PARTS
 
 # gpt_tiny's vocabulary and context in one narrow layer: rank 0's 60 ms of sleep must outweigh
 # rank 1's own compute, which with gpt_tiny (~150 ms a step on a CPU) a busy machine flipped.

@@ -20,11 +20,12 @@ from conftest import ROOT, run_train
 from hydra import compose, initialize_config_dir
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
 
-from mgpu.checkpoint import load
-from mgpu.config import ConfigError, resolved_yaml, to_config
+from mgpu.ckpt.checkpoint import load
+from mgpu.config.checks import ConfigError
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models import GPT
 from mgpu.restore import Restored, UsageError, saved_config
+from mgpu.run.config import resolved_yaml, to_config
 from mgpu.sample import DEFAULT_TOKENS, parse_args
 
 STEPS = 30

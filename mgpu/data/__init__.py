@@ -1,7 +1,12 @@
-"""Datasets: map-style, deterministic per (args, split, index), each built as Cls(split, ...).
+"""A batch from disk to the device. Datasets, map-style and deterministic per (args, split,
+index), each built as Cls(split, ...) from conf/data's `_target_`: synthetic n-gram tokens
+(ngram), synthetic class-conditional images (images), memory-mapped token files (token_file), and
+images from a class-per-subfolder tree (image_folder, decoded on the GPU by gpu_decode and
+gpu_resize) or from the tar shards prepare_images makes of one (image_shards); tokenizers and the
+prepare command. The data group's schemas (config), each rank's shard of the samples (sampler),
+the pinned DataLoader (loader), the side-stream prefetcher (prefetch), nested batches (batches).
 
-Synthetic n-gram tokens, synthetic class-conditional images, memory-mapped token files, and
-images from a class-per-subfolder tree, or from the tar shards prepare_images makes of one.
+May import: telemetry, config, runtime.
 """
 
 from mgpu.data.image_folder import ImageFolder

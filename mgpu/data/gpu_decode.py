@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
 
-from mgpu.config_checks import ConfigError  # what train.py reports in one line
+from mgpu.config.checks import ConfigError  # what train.py reports in one line
 from mgpu.data.image_folder import REMOVE_OR_SKIP, BadImageFile, EncodedBatch, ImageFolder
-from mgpu.launch import CUDA_CONNECTIONS, cuda_connections_warning
+from mgpu.runtime.launch import CUDA_CONNECTIONS, cuda_connections_warning
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class BatchDecoder:
     Stream rule: torchvision decodes on a stream of its own, waits for it on the host, and makes
     the current stream (the loader's side stream) wait for it too; the crops below run on the
     side stream, so the batch's `ready` event covers all of it. The host wait is why
-    mgpu.loader runs this step on its copy thread, where it overlaps the training loop.
+    mgpu.data.loader runs this step on its copy thread, where it overlaps the training loop.
     """
 
     def __init__(

@@ -23,10 +23,10 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset, get_worker_info
 
-from mgpu.config_checks import ConfigError
+from mgpu.config.checks import ConfigError
 from mgpu.data.images import normalize_uint8
-from mgpu.dist import BAD_INPUT, RunStopped
-from mgpu.sampler import SampleKey
+from mgpu.data.sampler import SampleKey
+from mgpu.runtime.dist import BAD_INPUT, RunStopped
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,16 @@
-"""Model zoo for mgpu: GPT (language), ResNet and MLP (vision), and their training-FLOP counts."""
+"""Model zoo for mgpu: GPT (language), ResNet and MLP (vision), built from conf/model's
+`_target_`; the model group's schemas (config), the loss they train with (loss, fused_loss),
+their training-FLOP counts (flops), and how a model is compiled (here).
+
+May import: config, runtime.
+"""
 
 import torch
 from torch import nn
 
-from mgpu.config import ConfigError, ModelConfig, build_from_target
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import build_from_target
+from mgpu.models.config import ModelConfig
 from mgpu.models.flops import count_training_flops
 from mgpu.models.gpt import GPT
 from mgpu.models.mlp import MLP

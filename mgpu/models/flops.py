@@ -40,25 +40,3 @@ def count_training_flops(
         # sum() has a flop-free backward, so only the model's own ops are counted
         out.float().sum().backward()
     return float(counter.get_total_flops())
-
-
-# Peak dense (no sparsity) TFLOP/s per GPU, looked up by a word of the name CUDA reports:
-# (bf16/fp16 tensor cores, fp32 without TF32). Vendor data sheets; MFU divides by these.
-PEAK_TFLOPS: list[tuple[str, float, float]] = [
-    ("H200", 989.4, 66.9),
-    ("H100 PCIe", 756.5, 51.2),
-    ("H100 80GB HBM3", 989.4, 66.9),  # H100 SXM
-    ("A100", 312.0, 19.5),
-    ("L40S", 362.1, 91.6),
-    ("L4", 121.0, 30.3),
-    ("V100", 125.0, 15.7),  # fp16 only: no bf16 tensor cores
-]
-
-
-def peak_tflops(device_name: str, low_precision: bool) -> float | None:
-    """The table's peak for this device at the training precision, or None if it lacks it."""
-    words = f" {device_name} "
-    for key, half, single in PEAK_TFLOPS:
-        if f" {key} " in words:
-            return half if low_precision else single
-    return None

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from mgpu.models.fused_loss import linear_cross_entropy
-from mgpu.numerics import cross_entropy
+from mgpu.models.loss import cross_entropy
 
 # model.attention -> the SDPA kernels allowed, in the order they are tried. `auto` puts cuDNN's
 # fused attention first, then torch's own order. On one H100 (torch 2.11, cuDNN 9.19) GPT-2-
@@ -121,7 +121,7 @@ class Block(nn.Module):
             # Non-reentrant: the recomputed forward feeds the one backward pass, so each
             # parameter's gradient is accumulated (and mgpu's reducer hook fires) once, as
             # without checkpointing; the reentrant kind runs a backward of its own, whose end
-            # the reducer would take for the step's (mgpu.reducer). Dropout masks are drawn
+            # the reducer would take for the step's (mgpu.comm.reducer). Dropout masks are drawn
             # again from the RNG state saved here (preserve_rng_state), so the recomputed
             # activations are the first ones, bit for bit. Inside forward, so that a compiled
             # block traces the checkpoint with it and stays one compiled region.

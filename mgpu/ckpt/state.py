@@ -1,0 +1,178 @@
+"""What a checkpoint holds and how it goes back into live objects: rank 0's training state (model,
+optimizer, schedule, loss scaler, step, data cursor, resolved config), each rank's RNG states as
+weights_only-loadable types, and restores that name every mismatched key instead of torch's
+generic message. The files themselves are mgpu.ckpt.checkpoint's."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from mgpu.data.sampler import DataCursor
+from mgpu.optim.optimizer import hyperparameters, keep_hyperparameters
+from mgpu.runtime.dist import RunStopped
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointMismatch(ValueError, RunStopped):
+    """Saved model or optimizer state that does not fit the one being restored; names the keys."""
+
+
+def capture_rng(
+    device: torch.device, generators: Mapping[str, torch.Generator] | None = None
+) -> dict:
+    """This rank's RNG states as weights_only-loadable types. CUDA: `device` only, never another
+    GPU; `generators` are extra torch.Generators by name (e.g. the DataLoader's)."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "python": {
+            "version": version,
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "generators": {name: g.get_state() for name, g in (generators or {}).items()},
+    }
+
+
+def restore_rng(
+    state: dict, device: torch.device, generators: Mapping[str, torch.Generator] | None = None
+) -> None:
+    """Undo capture_rng: the next draws equal those the saving process would have made."""
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["internal"].tolist()), py["gauss_next"]))
+    keys = npy["keys"].numpy().astype(np.uint32)
+    np.random.set_state((npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda":
+        if state["cuda"] is None:
+            log.warning("checkpoint has no CUDA RNG state (saved on CPU); CUDA RNG not restored")
+        else:
+            torch.cuda.set_rng_state(state["cuda"], device)
+    for name, g in (generators or {}).items():
+        if name in state["generators"]:
+            g.set_state(state["generators"][name])
+        else:
+            log.warning("checkpoint has no state for generator %r; it keeps its seed", name)
+
+
+def training_state(
+    *,
+    model: nn.Module,
+    optimizer,
+    schedule,
+    scaler,
+    step: int,
+    cursor: DataCursor,
+    config: str | None = None,
+) -> dict:
+    """The replicated state rank 0 saves. `model` is the unwrapped module (comm.unwrap), so the
+    keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML (left out
+    when None: the checkpointer adds the run's)."""
+    state = {
+        "step": step,
+        "data": cursor.to_dict(),  # also holds the epoch
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "scaler": scaler.state_dict(),
+    }
+    if config is not None:
+        state["config"] = config
+    return state
+
+
+def restore_training_state(
+    state: dict, *, model: nn.Module, optimizer, schedule, scaler, source: str = "checkpoint"
+) -> tuple[int, DataCursor]:
+    """Load training_state's output into live objects; returns (step, data cursor). The
+    optimizer and schedule keep the hyperparameters they were built with (this run's config:
+    a new optim.lr on resume takes effect), and take the checkpoint's moments and step counts."""
+    restore_model(model, state["model"], source=source)
+    built = hyperparameters(optimizer)
+    restore_optimizer(optimizer, state["optimizer"], model=model, source=source)
+    schedule.load_state_dict(state["schedule"])
+    keep_hyperparameters(optimizer, schedule, built)
+    if scaler.is_enabled() and not state["scaler"]:
+        log.warning("%s was saved without loss scaling; the fp16 scaler starts afresh", source)
+    else:
+        scaler.load_state_dict(state["scaler"])  # a no-op when this run's scaler is disabled
+    return int(state["step"]), DataCursor.from_dict(state["data"])
+
+
+def _listed(kind: str, keys: list[str], limit: int = 12) -> str:
+    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return f"\n  {kind}: " + ", ".join(keys[:limit]) + more
+
+
+def restore_model(model: nn.Module, state_dict: Mapping, *, source: str = "checkpoint") -> None:
+    """model.load_state_dict after comparing keys and shapes, so that a mismatch names every
+    missing, unexpected and reshaped key instead of torch's generic message."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    reshaped = [
+        f"{k} {list(state_dict[k].shape)} in {source}, {list(v.shape)} in the model"
+        for k, v in own.items()
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or reshaped:
+        msg = f"the model does not match {source}:"
+        msg += _listed("missing from the checkpoint", missing) if missing else ""
+        msg += _listed("not in the model", unexpected) if unexpected else ""
+        msg += _listed("shape differs", reshaped) if reshaped else ""
+        if any(k.startswith(("module.", "_orig_mod.")) for k in [*own, *state_dict]):
+            msg += "\n  (save and restore the unwrapped module: mgpu.comm.engine.unwrap(model))"
+        raise CheckpointMismatch(msg)
+    model.load_state_dict(state_dict, strict=True)
+
+
+def restore_optimizer(
+    optimizer, state_dict: Mapping, *, model: nn.Module | None = None, source: str = "checkpoint"
+) -> None:
+    """optimizer.load_state_dict after comparing parameter groups and state shapes; with `model`
+    a mismatch is named by parameter name, else by index."""
+    # A sharded optimizer's state is in the unsharded format, over the user's parameters.
+    groups = getattr(optimizer, "full_groups", None)
+    own_groups = [{"params": g} for g in groups] if groups else optimizer.param_groups
+    params = [p for group in own_groups for p in group["params"]]
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    label = [names.get(id(p), f"parameter #{i}") for i, p in enumerate(params)]
+    saved_groups = state_dict["param_groups"]
+    problems = []
+    if len(saved_groups) != len(own_groups):
+        n, m = len(saved_groups), len(own_groups)
+        problems.append(f"{n} parameter groups in {source}, {m} in the optimizer")
+    for g, (saved, own) in enumerate(zip(saved_groups, own_groups, strict=False)):
+        if len(saved["params"]) != len(own["params"]):
+            n, m = len(saved["params"]), len(own["params"])
+            problems.append(f"group {g}: {n} parameters in {source}, {m} in the optimizer")
+    for index, per_param in state_dict["state"].items() if not problems else ():
+        p = params[index]
+        # Only states shaped like their parameter (exp_avg, momentum) are compared; scalars
+        # such as Adam's step, and factored states, have other shapes by design.
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and value.dim() == p.dim() > 0:
+                if value.shape != p.shape:
+                    saved_shape, own_shape = list(value.shape), list(p.shape)
+                    problems.append(
+                        f"{label[index]}: {key} {saved_shape} in {source}, parameter {own_shape}"
+                    )
+    if problems:
+        raise CheckpointMismatch(f"the optimizer does not match {source}:" + _listed("", problems))
+    optimizer.load_state_dict(state_dict)

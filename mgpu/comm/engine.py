@@ -1,0 +1,112 @@
+"""Gradient communication across ranks, as `dist.engine` picks it: mgpu's own wrapper around its
+reducer (mgpu.comm.reducer: buckets reduced on a communication stream during backward), torch's
+DistributedDataParallel, or none; and the helpers that see through either wrapper.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mgpu.comm.buckets import FlatBuffers
+from mgpu.comm.reducer import GradReducer
+from mgpu.config.schema import DistConfig, Engine
+from mgpu.runtime.dist import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class MgpuDataParallel(nn.Module):
+    """`dist.engine=mgpu`: the user's module plus a GradReducer; `.module` is the module.
+    `reducer_options`: GradReducer's measuring keywords."""
+
+    def __init__(self, module: nn.Module, rt: Runtime, cfg: DistConfig, **reducer_options):
+        super().__init__()
+        self.module = module
+        self.rt = rt
+        # Every rank starts from rank 0's weights and buffers.
+        if rt.distributed:
+            FlatBuffers([*module.parameters(), *module.buffers()]).broadcast()
+        self.reducer = GradReducer(module, rt, cfg, **reducer_options)
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.training:
+            self.reducer.prepare()
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-steps inside accumulate into the buckets without communicating."""
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = True
+
+
+def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
+    """Wrap for gradient averaging across ranks as `dist.engine` asks.
+
+    A world of one has nothing to average, and `engine=none` trains each rank on its own (useful
+    as the no-communication baseline of a scaling measurement). dist.shard_optimizer on a world
+    of one still runs its sharded path, one shard per bucket (mgpu.comm.shard), so that its cost on
+    one GPU can be measured and a one-process run trains the way its N-process run does.
+    """
+    if cfg.engine is Engine.none:
+        return model
+    if not rt.distributed:
+        if cfg.engine is Engine.mgpu and cfg.shard_optimizer:
+            log.info(
+                "world of one process: dist.shard_optimizer=true has no one to shard with; its "
+                "path runs with one shard per bucket and nothing communicated (only its overhead "
+                "shows; set dist.shard_optimizer=false to train without it)"
+            )
+            return MgpuDataParallel(model, rt, cfg)
+        log.info("world of one process: gradients are not communicated")
+        return model
+    if cfg.engine is Engine.mgpu:
+        return MgpuDataParallel(model, rt, cfg)
+    device_ids = [rt.device.index] if rt.device.type == "cuda" else None
+    # DDP broadcasts rank 0's parameters and buffers here, so every rank starts identical.
+    return DistributedDataParallel(
+        model,
+        device_ids=device_ids,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        gradient_as_bucket_view=cfg.ddp_bucket_view,
+        static_graph=cfg.ddp_static_graph,
+        find_unused_parameters=cfg.find_unused,
+        broadcast_buffers=cfg.broadcast_buffers,
+    )
+
+
+def local_module(model: nn.Module) -> nn.Module:
+    """The module this rank runs, without the data-parallel wrapper (compiled if it was)."""
+    if isinstance(model, (DistributedDataParallel, MgpuDataParallel)):
+        return model.module
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under the data-parallel and torch.compile wrappers."""
+    while True:
+        if isinstance(model, (DistributedDataParallel, MgpuDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
+def sync_gradients(model: nn.Module, enabled: bool) -> AbstractContextManager:
+    """Enter around forward AND backward of a micro-step; `enabled=False` skips the all-reduce.
+
+    Forward must be inside too: DDP decides during forward whether the coming backward reduces.
+    """
+    if enabled or not isinstance(model, (DistributedDataParallel, MgpuDataParallel)):
+        return nullcontext()
+    return model.no_sync()

@@ -1,0 +1,399 @@
+"""mgpu's gradient reducer: keeps gradients in flat buckets (their layout is mgpu.comm.buckets') and
+all-reduces each bucket on a communication stream as soon as backward has produced it.
+
+Stream rules (CUDA), in the order they happen in one optimizer step:
+1. A bucket is complete when the post-accumulate-grad hooks of all its parameters have fired.
+   An event recorded then on the compute stream is waited on by the communication stream, so
+   the all-reduce reads finished gradients; buckets launch in a fixed index order on every rank,
+   because NCCL needs every rank to issue collectives in the same order.
+2. At the end of backward (an autograd final callback), the compute stream waits on the
+   communication stream. Clipping and the optimizer, queued later on the compute stream, see
+   reduced gradients, and the next backward cannot write into a bucket still being reduced.
+3. The buckets are allocated once and never freed while training, so the caching allocator
+   never hands their memory to anyone else mid-flight. A bucket of one parameter has no memory
+   of its own: the all-reduce reads and writes that parameter's .grad, which autograd made on
+   the compute stream. It stays .grad until the optimizer clears it, and the optimizer runs
+   after the wait of rule 2, so its memory, too, is reused only after the reduction is done.
+
+Not supported: reentrant activation checkpointing (torch.utils.checkpoint with
+use_reentrant=True) runs an inner backward whose end the reducer would take for the end of the
+step; use use_reentrant=False, as GPT's model.activation_checkpointing does (its recompute feeds
+the one backward, and each parameter's hook fires once, as without checkpointing).
+
+Buffers (BatchNorm statistics) follow rank 0's: see buckets.FlatBuffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from mgpu.comm.buckets import Bucket, FlatBuffers, assign_buckets
+from mgpu.comm.shard import sharding
+from mgpu.config.schema import DistConfig, ReduceDtype
+from mgpu.runtime.dist import Runtime
+from mgpu.telemetry.profiling import REDUCE, phase
+
+log = logging.getLogger(__name__)
+
+
+class GradReducer:
+    """Averages gradients across ranks, bucket by bucket, overlapped with backward."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rt: Runtime,
+        cfg: DistConfig,
+        *,
+        group: tdist.ProcessGroup | None = None,
+        in_place: bool = True,
+        communicate: bool = True,
+    ):
+        """The keywords are for measuring the reducer (bench/engines.py): `group`, a process
+        group to reduce in instead of the default one (or dist.nccl_max_ctas's); `in_place=False`
+        packs every bucket, a bucket of one parameter too (Bucket.own); `communicate=False` does
+        everything but the buckets' all-reduce (wrong math: for timing only)."""
+        self.rt, self.world = rt, rt.world_size
+        self.find_unused = cfg.find_unused
+        self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
+        self.cap_bytes = int(cfg.bucket_cap_mb * 2**20)
+        self.first_cap_bytes = min(self.cap_bytes, int(cfg.first_bucket_mb * 2**20))
+        # Unique trainable parameters: a tied weight is one Parameter object and is reduced
+        # once; frozen parameters have no gradient and are skipped.
+        seen: dict[int, nn.Parameter] = {}
+        for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+        self.params = list(seen.values())
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        buffers = [b for b in module.buffers() if b.numel() > 0] if cfg.broadcast_buffers else []
+        self.buffers = FlatBuffers(buffers)
+        self.cuda = rt.device.type == "cuda"
+        # One persistent stream per reducer: a stream per step would leak.
+        self.stream = torch.cuda.Stream(device=rt.device) if self.cuda else None
+        self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
+        self.group = group if group is not None else self._communicator(cfg.nccl_max_ctas)
+        self.communicate = communicate
+        self.sync_enabled = True
+        self.step_done = True  # the last synchronised backward finished: next forward is new
+        self.steps_started = 0
+        # ids of parameters whose .grad is their bucket slice in this step
+        self.attached: set[int] = set()
+        # The first step's gradient order; None once learned, or never learned under
+        # dist.shard_optimizer (a relayout would split the shards apart from a resumed run's).
+        self.observed: list[int] | None = None if cfg.shard_optimizer else []
+        # (backward end, reduce end) marks per synchronised step (take_exposed); bounded
+        # so that a run that never reads them does not grow without limit.
+        self.exposed: deque = deque(maxlen=10_000)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        # Buckets of one parameter reduced in its own .grad; never under sharding, whose
+        # buckets are packed and padded to equal shards.
+        self.in_place = in_place and not cfg.shard_optimizer
+        # dist.shard_optimizer: buckets packed, padded and reduce-scattered (mgpu.comm.shard)
+        self.shards = sharding(cfg, module, rt, self.group, self.stream, self.reduce_dtype)
+        # Reverse registration order approximates backward order; the first step checks it.
+        self._build(list(reversed(range(len(self.params)))))
+        # Kept so that remove() can take the reducer off the parameters again.
+        hook = self._on_grad_ready
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+
+    def take_exposed(self) -> list:
+        """The (backward end, communication end) marks of the synchronised steps since the last
+        call (CUDA events, or host times on CPU), for telemetry; the reducer forgets them."""
+        marks = list(self.exposed)
+        self.exposed.clear()
+        return marks
+
+    def remove(self) -> None:
+        """Take this reducer off its parameters: no hook of it runs in a later backward. Before
+        wrapping the same module again (two reducers would both act on every gradient), or to
+        free a wrapped model without a garbage collection (hooks and parameters refer to each
+        other). The parameters' gradients stay as they are."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _communicator(self, max_ctas: int):
+        """The default group, or with dist.nccl_max_ctas a communicator of mgpu's own whose
+        kernels may occupy at most that many SMs, leaving the rest to backward's kernels.
+        Creating a group is a collective: every rank wraps its model at the same point."""
+        if max_ctas == 0:
+            return None
+        if self.rt.backend != "nccl":
+            raise ValueError(
+                f"dist.nccl_max_ctas={max_ctas} needs the nccl backend, not "
+                f"{self.rt.backend}; set dist.nccl_max_ctas=0"
+            )
+        if not self.rt.distributed:  # a world of one (dist.shard_optimizer): no communicator
+            return None
+        options = tdist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = max_ctas
+        return tdist.new_group(backend="nccl", pg_options=options)
+
+    def _build(self, order: list[int]) -> None:
+        ordered = [self.params[i] for i in order]
+        groups = assign_buckets(ordered, self.cap_bytes, self.first_cap_bytes)
+        wire, pad = (self.reduce_dtype, 1) if self.shards is None else (None, self.world)
+        self.buckets = [Bucket(i, g, wire, self.in_place, pad) for i, g in enumerate(groups)]
+        if self.shards is not None:
+            self.shards.build(self.buckets)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.slot = {id(p): i for b in self.buckets for i, p in enumerate(b.params)}
+        self.next_launch = 0
+        self.callback_queued = False
+        self.ready: set[int] = set()  # ids of parameters whose gradient is final this step
+
+    def prepare(self) -> None:
+        """Before a forward: start a new step if the last one ended.
+
+        A step ends when a synchronised backward finishes (or, before the first, at once). If
+        the optimizer cleared the gradients (zero_grad(set_to_none=True)), each parameter's
+        first gradient of the step is copied into its slice when its bucket launches (see _flush);
+        gradients zeroed in place stay attached, and gradients left alone keep accumulating,
+        as they would without data parallelism.
+        """
+        if self.callback_queued:
+            self._recover()  # the last backward raised before its final callback ran
+        if not self.step_done:
+            return
+        self.step_done = False
+        self.steps_started += 1
+        if self.steps_started == 2 and self.observed is not None:
+            self._learn_order()  # every rank at the same step: it broadcasts
+        cleared = [p.grad is None for p in self.params]
+        if any(cleared):
+            if not all(cleared):
+                raise RuntimeError(
+                    "dist.engine=mgpu: some parameters' .grad were set to None and others kept; "
+                    "clear all of them (optimizer.zero_grad()) or none"
+                )
+            self.attached.clear()
+        elif not all(b.is_attached() for b in self.buckets):
+            raise RuntimeError(
+                "dist.engine=mgpu: .grad tensors were replaced by new ones, so they are no "
+                "longer views into the reducer's buckets; clear them with optimizer.zero_grad()"
+            )
+        else:
+            self.attached = set(self.bucket_of)
+
+    def _flush(self, bucket: Bucket) -> None:
+        """Copy the bucket's fresh gradients of this step into their slices, all in one
+        multi-tensor copy, and make the slices their .grad; on the current stream, the one that
+        produced them (the compute stream), before anything reads the bucket. A parameter with
+        no gradient (unused, under find_unused) gets a zeroed slice: it contributes zeros. A
+        bucket of its own (Bucket.own) keeps its fresh gradient as it is (zeros if none came).
+
+        Autograd hands over a fresh gradient when .grad is None, so one copy (read and write
+        once) puts it in the bucket; zeroing the buckets and accumulating into them in place
+        instead writes every gradient twice and reads it twice. One copy per bucket rather than
+        per parameter keeps the host's work per step small: ResNet-50 has 161 parameters in a
+        handful of buckets. Later micro-steps of the step accumulate into the slices in place.
+        """
+        if not bucket.arrived:
+            return
+        if bucket.own:  # its gradient is reduced where autograd put it
+            (p,) = bucket.arrived
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.attached.add(id(p))
+            bucket.arrived.clear()
+            return
+        slot, views = self.slot, bucket.views
+        fresh = [p for p in bucket.arrived if p.grad is not None]
+        if fresh:
+            torch._foreach_copy_([views[slot[id(p)]] for p in fresh], [p.grad for p in fresh])
+        for p in bucket.arrived:
+            if p.grad is None:
+                views[slot[id(p)]].zero_()
+            p.grad = views[slot[id(p)]]
+            self.attached.add(id(p))
+        bucket.arrived.clear()
+
+    def _recover(self) -> None:
+        """After an exception inside backward: autograd dropped the final callback, so finish
+        whatever was launched and start clean. Ranks stay in step only if they all failed at
+        the same point (a rank-local failure desynchronises collectives, as with torch DDP)."""
+        log.warning("mgpu reducer: the previous backward did not finish; resetting its state")
+        self._wait_launched()
+        for b in self.buckets:  # every .grad a slice again, as a finished backward leaves them
+            b.arrived = [p for p in b.params if id(p) not in self.attached]
+            self._flush(b)
+        self._reset()
+        self.callback_queued = False
+        self.step_done = True
+
+    def _learn_order(self) -> None:
+        """Rebuild the buckets once in the order the first backward produced gradients.
+
+        Rank 0's order is used everywhere: the launch order must be identical on all ranks. The
+        broadcast happens on every rank, whatever its own observation: a rank that saw fewer
+        gradients (an unused branch, with find_unused) still takes part. -1 marks "incomplete".
+        """
+        n = len(self.params)
+        observed = torch.full((n,), -1, dtype=torch.int64)
+        if len(self.observed) == n:
+            observed = torch.tensor(self.observed, dtype=torch.int64)
+        self.observed = None
+        if self.rt.distributed:
+            observed = observed.to(self.rt.device)
+            tdist.broadcast(observed, src=0, group=self.group)
+        order = observed.tolist()  # sync point: once, at the start of the second step
+        if -1 in order or sorted(order) != list(range(n)):
+            return  # rank 0 saw an incomplete step: keep the assumed order
+        if order != list(reversed(range(n))):
+            log.info(
+                "mgpu reducer: rebuilding %d buckets in observed gradient order", len(self.buckets)
+            )
+            self._build(order)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: runs in the autograd thread once p.grad is final. Host
+        time here is paid per parameter per backward: bookkeeping only, no kernel launch."""
+        if id(p) not in self.attached:
+            self.bucket_of[id(p)].arrived.append(p)  # copied in by _flush
+        if self.observed is not None and self.sync_enabled:
+            self.observed.append(self._index[id(p)])
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        if not self.sync_enabled:
+            return
+        self.ready.add(id(p))
+        self.bucket_of[id(p)].pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets):
+            bucket = self.buckets[self.next_launch]
+            if bucket.pending > 0:
+                return
+            self._launch(bucket)
+            self.next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._flush(bucket)
+        if not self.cuda:
+            self._all_reduce(bucket)
+            return
+        ready = torch.cuda.Event()
+        ready.record()  # on the compute stream: this bucket's gradients are written
+        self.stream.wait_event(ready)
+        with torch.cuda.stream(self.stream):
+            self._all_reduce(bucket)
+
+    def _all_reduce(self, bucket: Bucket) -> None:
+        if not self.communicate:
+            bucket.work = _NO_WORK
+            return
+        if self.shards is not None:
+            bucket.work = self.shards.reduce_scatter(bucket)
+            return
+        tensor = bucket.tensor()
+        if bucket.wire is not None:
+            bucket.wire.copy_(tensor)
+            tensor = bucket.wire
+        if self.op is tdist.ReduceOp.SUM:
+            # gloo has no average: divide first, as torch DDP does (a sum of averages cannot
+            # overflow). NCCL averages inside its kernel, sparing a pass over the bucket.
+            tensor.div_(self.world)
+        bucket.work = tdist.all_reduce(tensor, op=self.op, group=self.group, async_op=True)
+
+    def _on_backward_end(self) -> None:
+        """Autograd final callback: every hook of this backward has run."""
+        self.callback_queued = False
+        if not self.sync_enabled:
+            for b in self.buckets:  # accumulation micro-step: slices hold the gradients now
+                self._flush(b)
+            return
+        missing = [p for p in self.params if id(p) not in self.ready]
+        if missing and not self.find_unused:
+            names = ", ".join(self.names.get(id(p), "?") for p in missing[:10])
+            # Launched reductions still write into the buckets: let them finish first.
+            self._wait_launched()
+            for b in self.buckets:  # every gradient that came is in its slice, as usual
+                self._flush(b)
+            self._reset()
+            self.step_done = True
+            raise RuntimeError(
+                f"dist.engine=mgpu: {len(missing)} parameter(s) got no gradient this step: "
+                f"{names}. Set dist.find_unused=true to reduce zeros for them, or freeze them "
+                "(requires_grad=False)"
+            )
+        for p in missing:
+            if id(p) not in self.attached:  # zeros, copied in before its bucket launches
+                self.bucket_of[id(p)].arrived.append(p)
+        for b in self.buckets[self.next_launch :]:
+            b.pending = 0  # unused parameters contribute their zeros
+        self._launch_ready()
+        self._finish()
+
+    def _finish(self) -> None:
+        with phase(REDUCE):  # the reductions' share that backward did not hide
+            self._finish_reductions()
+
+    def _finish_reductions(self) -> None:
+        start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+        if self.cuda:
+            start.record()  # backward compute is done here (compute stream)
+            # The buffers were last written by this step's forwards: read them after this.
+            self.stream.wait_event(start)
+            with torch.cuda.stream(self.stream):
+                self._wait_all()
+                self._broadcast_buffers()
+            # The optimizer and the next backward, queued later on the compute stream, run
+            # only after every reduction and copy-back has finished.
+            torch.cuda.current_stream().wait_stream(self.stream)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            self._wait_all()
+            self._broadcast_buffers()
+            end = time.perf_counter()
+        self.exposed.append((start, end))
+        self._reset()
+        self.step_done = True
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers into every rank's, on the current stream (communication)."""
+        if self.rt.distributed:
+            self.buffers.broadcast(self.group)
+
+    def _wait_launched(self) -> None:
+        """Wait for the reductions already launched and order the compute stream after them."""
+        launched = [b for b in self.buckets if b.work is not None]
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                for b in launched:
+                    b.work.wait()
+            torch.cuda.current_stream().wait_stream(self.stream)
+        else:
+            for b in launched:
+                b.work.wait()
+
+    def _wait_all(self) -> None:
+        for b in self.buckets:
+            b.work.wait()  # CUDA: the current (communication) stream waits; no host block
+            if b.wire is not None:
+                b.tensor().copy_(b.wire)
+            b.work = None
+
+    def _reset(self) -> None:
+        self.ready.clear()
+        for b in self.buckets:
+            b.pending = len(b.params)
+            b.work = None
+        self.next_launch = 0
+
+
+class _NoWork:
+    def wait(self) -> None:
+        pass
+
+
+_NO_WORK = _NoWork()  # what a bucket waits on when the reducer does not communicate

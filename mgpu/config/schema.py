@@ -1,0 +1,255 @@
+"""The trainer, dist, optim and ckpt groups' typed schemas behind `conf/`, with their checks, and
+building a `_target_` from config. The data and model groups' schemas are their folders' own
+(mgpu.data.config, mgpu.models.config); the whole Config composes them all (mgpu.run.config).
+
+Every key a user can set is a field with a docstring-comment; a bad value fails before any
+process group or run directory exists, with one line naming the key, the value and how to fix it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import get_object
+
+from mgpu.config.checks import ConfigError, _auto_or_bool, _non_negative, _positive, _require
+
+log = logging.getLogger(__name__)
+
+
+# Enum member names are what users type (`trainer.precision=bf16`); OmegaConf rejects any other
+# value at composition time with the allowed list.
+class Precision(Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+    fp8 = "fp8"  # linear layers' matrix multiplies in fp8 (torchao, mgpu.train.fp8), bf16 elsewhere
+
+
+class Engine(Enum):
+    mgpu = "mgpu"
+    torch_ddp = "torch_ddp"
+    none = "none"
+
+
+class ReduceDtype(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+class Backend(Enum):
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class NonFinite(Enum):
+    stop = "stop"
+    skip = "skip"
+
+
+class OptimizerName(Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300  # optimizer steps to train for
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; gradients sync on the last only
+    # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: the linear layers' matrix multiplies in
+    # fp8 through torchao's float8 training, bf16 elsewhere (Ada/Hopper GPUs only; mgpu.train.fp8)
+    precision: Precision = Precision.auto
+    grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
+    log_every: int = 10  # steps between TensorBoard/console records
+    eval_every: int = 100  # steps between evaluations (also one at the end); 0: only at the end
+    seed: int = 0  # model init, sampler shuffle and dropout all derive from it
+    # torch.compile before wrapping for data parallelism (mgpu.models.compile_model says what is
+    # compiled, and the loss with it): true, false, or auto (on for CUDA, off on CPU, where
+    # compiling costs more than it saves on the small models a CPU trains).
+    compile: Any = "auto"
+    # torch.compile's backend for the model and the loss: inductor generates fused GPU kernels;
+    # aot_eager captures the same graphs without generating code (checks compile on any host).
+    compile_backend: str = "inductor"
+    # torch.compile's mode for the model and the loss (inductor only): default, reduce-overhead
+    # (each compiled region replayed as a CUDA graph: one launch instead of one per kernel, for
+    # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune; auto:
+    # mgpu.models.compile_mode decides (CUDA graphs for a model compiled whole on a GPU).
+    compile_mode: str = "auto"
+    # An uncompiled model's forward, loss and backward captured from the first batch and
+    # replayed as CUDA graphs (mgpu.train.graphs): the eager kernels without launching each from
+    # Python. auto: on a GPU, for a model that is not compiled nor wrapped for data parallelism
+    # (one process); true elsewhere is an error that says why.
+    cuda_graphs: Any = "auto"
+    # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
+    # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.
+    # cudnn_benchmark: cuDNN times its convolution algorithms for each new input shape and keeps
+    # the fastest (the first steps of each shape are slower; results may differ in the last bits
+    # from one process to the next, so set it false for bitwise repeatable convolutions).
+    tf32: bool = True
+    cudnn_benchmark: bool = True
+    # A step whose loss or gradients are NaN/inf, on any rank: stop before the optimizer step,
+    # or skip that step on every rank (at most max_consecutive_skips in a row, then stop).
+    nonfinite: NonFinite = NonFinite.stop
+    max_consecutive_skips: int = 5
+    # fp16 only: the loss scale to start from; overflowing steps halve it, 2000 clean ones
+    # double it (torch's GradScaler). Lower it if the first steps of a run all overflow.
+    loss_scale_init: float = 65536.0
+    # Seconds a rank may make no progress (a data loader that never yields, a stuck evaluation,
+    # a host blocked behind a hung NCCL collective) before it fails naming the phase and the
+    # rank behind; 0 turns it off. Below dist.timeout_s, so that on NCCL it reports before the
+    # NCCL watchdog ends the process without a word about the other ranks.
+    stall_timeout_s: float = 300.0
+    # torch.profiler traces per rank (into <run dir>/profile/) for profile_steps steps from
+    # step profile_start; NVTX ranges mark the phases of each step for Nsight Systems.
+    profile: bool = False
+    profile_start: int = 10
+    profile_steps: int = 5
+    # The device's peak dense TFLOP/s for MFU at the training precision; 0: from mgpu's table
+    # of common GPUs (MFU is not reported on a device the table lacks, unless set here).
+    peak_tflops: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("trainer.max_steps", self.max_steps, "1000")
+        _positive("trainer.max_consecutive_skips", self.max_consecutive_skips, "5")
+        _positive("trainer.loss_scale_init", self.loss_scale_init, "65536")
+        _non_negative("trainer.stall_timeout_s", self.stall_timeout_s, "300 (0 turns it off)")
+        _positive("trainer.profile_start", self.profile_start, "10")
+        _positive("trainer.profile_steps", self.profile_steps, "5")
+        _non_negative("trainer.peak_tflops", self.peak_tflops, "989 (0: mgpu's table)")
+        _positive("trainer.grad_accum_steps", self.grad_accum_steps, "4")
+        _non_negative("trainer.grad_clip", self.grad_clip, "1.0 (0 turns clipping off)")
+        _positive("trainer.log_every", self.log_every, "10")
+        _non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
+        _non_negative("trainer.seed", self.seed, "0")
+        self.compile = _auto_or_bool("trainer.compile", self.compile)
+        self.cuda_graphs = _auto_or_bool("trainer.cuda_graphs", self.cuda_graphs)
+        _require(
+            self.compile_mode in COMPILE_MODES,
+            "trainer.compile_mode",
+            self.compile_mode,
+            f"must be one of {', '.join(COMPILE_MODES)}",
+        )
+        _require(
+            self.compile_mode in ("auto", "default") or self.compile_backend == "inductor",
+            "trainer.compile_mode",
+            self.compile_mode,
+            f"needs trainer.compile_backend=inductor (it is {self.compile_backend}); "
+            "or set trainer.compile_mode=default",
+        )
+        _require(
+            bool(self.compile_backend),
+            "trainer.compile_backend",
+            self.compile_backend,
+            "must name a torch.compile backend, e.g. inductor",
+        )
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether `trainer.compile` means compiling on this device ("cuda", "cpu")."""
+        return device_type == "cuda" if self.compile == "auto" else self.compile
+
+
+@dataclass
+class DistConfig:
+    engine: Engine = Engine.mgpu  # how gradients are averaged across processes
+    backend: Backend = Backend.auto  # auto: nccl when CUDA GPUs are visible, else gloo
+    timeout_s: float = 600.0  # a collective that waits longer than this fails instead of hanging
+    bucket_cap_mb: float = 25.0  # gradient bucket size (mgpu and torch_ddp)
+    first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
+    reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
+    find_unused: bool = False  # reduce zeros for parameters that get no gradient in a step
+    # Buffers (BatchNorm running statistics) follow rank 0's at the start of every optimizer
+    # step. false: each rank keeps its own statistics (one collective less per step; rank 0's
+    # are the ones checkpointed and evaluated).
+    broadcast_buffers: bool = True
+    # Each worker (and its DataLoader workers) on its own equal block of the node's CPUs, so
+    # launch threads of the ranks do not compete or migrate; for launch-bound models.
+    cpu_affinity: bool = False
+    # mgpu: at most this many SMs for NCCL's kernels (on a communicator of mgpu's own), leaving
+    # the rest to the backward kernels they overlap with; 0: NCCL's own choice
+    nccl_max_ctas: int = 0
+    ddp_bucket_view: bool = False  # torch_ddp: gradient_as_bucket_view
+    ddp_static_graph: bool = False  # torch_ddp: static_graph
+    # mgpu: ZeRO-1. Gradients reduce-scattered, each rank steps and keeps optimizer state for
+    # 1/N of the parameters, which are all-gathered back (mgpu.comm.shard). fp16 scales its loss
+    # with mgpu.optim.loss_scale (overflow agreed across ranks); one process runs it with one shard.
+    shard_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("dist.timeout_s", self.timeout_s, "600")
+        _positive("dist.bucket_cap_mb", self.bucket_cap_mb, "25")
+        _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
+        _non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
+        ok = not self.shard_optimizer or self.engine is Engine.mgpu
+        why = f"needs dist.engine=mgpu (not {self.engine.value}); or set dist.shard_optimizer=false"
+        _require(ok, "dist.shard_optimizer", self.shard_optimizer, why)
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = 1e-3  # peak learning rate, reached after warmup
+    weight_decay: float = 0.1  # applied to matrices and embeddings only, not to biases and norms
+    warmup_steps: int = 20  # linear warmup from 0 to optim.lr
+    min_lr_ratio: float = 0.1  # cosine decay ends at optim.lr * min_lr_ratio at trainer.max_steps
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # adamw
+    eps: float = 1e-8  # adamw
+    momentum: float = 0.9  # sgd
+
+    def __post_init__(self) -> None:
+        _positive("optim.lr", self.lr, "3e-4")
+        _non_negative("optim.weight_decay", self.weight_decay, "0.1")
+        _non_negative("optim.warmup_steps", self.warmup_steps, "100")
+        ok = 0 <= self.min_lr_ratio <= 1
+        _require(ok, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1], e.g. 0.1")
+        ok = len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)
+        _require(ok, "optim.betas", self.betas, "must be two numbers in [0, 1), e.g. [0.9,0.95]")
+        _positive("optim.eps", self.eps, "1e-8")
+        ok = 0 <= self.momentum < 1
+        _require(ok, "optim.momentum", self.momentum, "must be in [0, 1), e.g. 0.9")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints; 0: only the final one at the end of training
+    keep_last: int = 3  # newest valid checkpoints kept in <run dir>/checkpoints/; older deleted
+    # auto: the newest valid one in the run dir, if any; never: start at step 0; or a run
+    # directory (its newest valid checkpoint), or one checkpoint (<run dir>/checkpoints/step-N).
+    # After a torchrun restart the newest valid one in the run dir comes first, whatever this is.
+    resume: str = "auto"
+
+    def __post_init__(self) -> None:
+        _non_negative("ckpt.every", self.every, "100 (0: only the final checkpoint)")
+        _positive("ckpt.keep_last", self.keep_last, "3")
+        ok = self.resume in ("auto", "never") or os.path.isdir(self.resume)
+        why = (
+            "must be auto, never, a run directory (its newest valid checkpoint) or one of its "
+            "checkpoints, <run dir>/checkpoints/step-NNNNNNNN"
+        )
+        _require(ok, "ckpt.resume", self.resume, why)
+        path = Path(self.resume)
+        if ok and self.resume not in ("auto", "never") and not path.name.startswith("step-"):
+            has = (path / "checkpoints").is_dir() or path.name == "checkpoints"
+            why = (
+                "is a directory with no checkpoints/ (it is not a run directory, or its run "
+                "saved none yet); name a run directory or <run dir>/checkpoints/step-NNNNNNNN"
+            )
+            _require(has or (path / "manifest.json").is_file(), "ckpt.resume", self.resume, why)
+
+
+def build_from_target(key: str, target: str, kwargs: dict[str, Any], **extra: Any) -> Any:
+    """`target(**extra, **kwargs)` for a `_target_` import path, naming the key if it fails."""
+    try:
+        factory = get_object(target)
+    except Exception as err:
+        raise ConfigError(f"{key}._target_", target, f"cannot be imported: {err}") from err
+    return factory(**extra, **kwargs)

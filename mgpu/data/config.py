@@ -1,0 +1,366 @@
+"""The data group's schemas (`data=...`): one per built-in dataset, plus a user's own; the loader
+keys (batch size, workers, prefetching) are shared by all of them in DataConfig."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from omegaconf import MISSING
+
+from mgpu.config.checks import (
+    ConfigError,
+    _auto_or_positive_int,
+    _non_negative,
+    _positive,
+    _require,
+)
+from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
+from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
+from mgpu.data.image_shards import load_index
+from mgpu.data.token_file import check_token_file
+from mgpu.data.tokenizer import (
+    BYTES,
+    TokenizerError,
+    TokenMeta,
+    load_tokenizer,
+    meta_path,
+    read_meta,
+    sha256_file,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Decode(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    gpu = "gpu"
+
+
+class BadFiles(Enum):
+    error = "error"
+    skip = "skip"
+
+
+@dataclass
+class DataConfig:
+    _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)
+    batch_size: int = 32  # per device, per micro-step
+    # DataLoader worker processes per rank: a number, or auto (this node's CPUs shared out per
+    # local process, less two for the training process's own threads; mgpu.data.loader.worker_count).
+    num_workers: Any = "auto"
+    pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
+    prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)
+    prefetch_depth: int = 2  # batches copied to the GPU ahead of use, on the loader's side stream
+    device_transform: str = "auto"  # auto: the dataset's `device_transform`; none: leave inputs
+
+    def __post_init__(self) -> None:
+        _positive("data.batch_size", self.batch_size, "32")
+        if self.num_workers != "auto":
+            ok = isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
+            why = "must be auto or a number of worker processes >= 0, e.g. data.num_workers=8"
+            _require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
+        _positive("data.prefetch_factor", self.prefetch_factor, "2")
+        _positive("data.prefetch_depth", self.prefetch_depth, "2")
+        _require(
+            self.device_transform in ("auto", "none"),
+            "data.device_transform",
+            self.device_transform,
+            "must be auto (the dataset's own, if it has one) or none",
+        )
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        """The fields a Dataset's constructor receives: everything but the loader keys."""
+        loader_keys = {f.name for f in fields(DataConfig)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in loader_keys}
+
+
+@dataclass
+class NgramDataConfig(DataConfig):
+    _target_: str = "mgpu.data.NgramTokens"
+    vocab_size: int = 256
+    seq_len: int = 64
+    order: int = 1  # tokens of context that decide the next token's successor set
+    branching: int = 4  # successors per context; the source's entropy is ln(branching) nats/token
+    num_samples: int = 100_000
+    eval_samples: int = 1024
+    seed: int = 1234  # fixes the source and the samples (independent of trainer.seed)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _require(
+            self.branching <= self.vocab_size,
+            "data.branching",
+            self.branching,
+            f"must be <= data.vocab_size ({self.vocab_size})",
+        )
+
+
+@dataclass
+class ImageDataConfig(DataConfig):
+    _target_: str = "mgpu.data.SyntheticImages"
+    num_classes: int = 10
+    image_size: int = 32
+    channels: int = 3
+    num_samples: int = 50_000
+    eval_samples: int = 1_000
+    noise: float = 48.0  # pixel noise std around each class template (uint8 scale)
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _non_negative("data.noise", self.noise, "48")
+
+
+@dataclass
+class TokenFileDataConfig(DataConfig):
+    _target_: str = "mgpu.data.TokenFile"
+    path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
+    seq_len: int = 1024
+    eval_samples: int = 256  # the file's last windows, held out for evaluation
+    # Every token id in the file is below this. auto: the size of the file's tokenizer.
+    vocab_size: Any = "auto"
+    # The tokenizer that made the file: auto (the one its metadata, PATH.meta.json, names), bytes
+    # (byte-level tokens), or a tokenizer.json (for a file without metadata). The run's
+    # config.yaml records what was found, and the run directory keeps a copy of the
+    # tokenizer.json (mgpu.sample and mgpu.evaluate decode with it). "": none recorded (a run
+    # saved before runs recorded their tokenizer).
+    tokenizer: str = "auto"
+    tokenizer_sha256: str = ""  # the tokenizer.json's sha256; found and recorded by mgpu
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("seq_len", "eval_samples"):
+            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
+        self._resolve_tokenizer()
+        if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
+            try:
+                check_token_file(self.path, self.seq_len, self.eval_samples)
+            except ValueError as err:
+                raise ConfigError("data.path", self.path, str(err)) from None
+
+    def _resolve_tokenizer(self) -> None:
+        """auto from the file's metadata, a tokenizer.json given by path hashed, and the
+        metadata, where the file has one, checked against what is set. A saved config (every
+        value resolved) reads nothing but the metadata: its token file may be gone."""
+        given = self.tokenizer not in ("auto", BYTES, "") and not self.tokenizer_sha256
+        if (given or "auto" in (self.tokenizer, self.vocab_size)) and not os.path.isfile(self.path):
+            why = "no such file; make one from a text file with python -m mgpu.data.prepare"
+            raise ConfigError("data.path", self.path, why)
+        try:
+            meta = read_meta(self.path)
+        except TokenizerError as err:
+            raise ConfigError("data.path", self.path, str(err)) from None
+        if self.tokenizer == "auto":
+            found = meta_path(self.path)
+            why = (
+                f"reads the file's tokenizer from {found}, which is missing (the file was not "
+                "made by python -m mgpu.data.prepare, or by an older one): prepare it again, or "
+                "set data.tokenizer=bytes (byte-level tokens) or data.tokenizer=TOKENIZER.json"
+            )
+            _require(meta is not None, "data.tokenizer", "auto", why)
+            self.tokenizer = meta.tokenizer_path(self.path)
+            if self.tokenizer != BYTES:
+                self.tokenizer_sha256 = self._hash("data.tokenizer")
+        elif given:
+            self.tokenizer_sha256 = self._hash("data.tokenizer")
+        if meta is not None:
+            self._check_meta(meta)
+        if self.vocab_size == "auto":
+            why = "follows data.tokenizer, and none is recorded; set data.vocab_size"
+            _require(self.tokenizer != "", "data.vocab_size", "auto", why)
+            self.vocab_size = meta.vocab_size if meta else self._tokenizer_size()
+
+    def _tokenizer_size(self) -> int:
+        try:
+            return load_tokenizer(self.tokenizer).vocab_size
+        except TokenizerError as err:
+            raise ConfigError("data.tokenizer", self.tokenizer, str(err)) from None
+
+    def _hash(self, key: str) -> str:
+        _require(os.path.isfile(self.tokenizer), key, self.tokenizer, "no such file")
+        return sha256_file(self.tokenizer)
+
+    def _check_meta(self, meta: TokenMeta) -> None:
+        """What the file's metadata says against the file and what is set."""
+        size = os.path.getsize(self.path)
+        why = (
+            f"holds {size // 2:,} tokens, and its metadata ({meta_path(self.path)}) says "
+            f"{meta.tokens:,}: it was rewritten since; prepare it again"
+        )
+        _require(size == 2 * meta.tokens, "data.path", self.path, why)
+        theirs = meta.tokenizer if meta.tokenizer == BYTES else meta.tokenizer_sha256
+        ours = self.tokenizer if self.tokenizer == BYTES else self.tokenizer_sha256
+        _require(
+            ours == theirs,
+            "data.tokenizer",
+            self.tokenizer,
+            f"is not the tokenizer that made data.path={self.path} (its metadata names "
+            f"{meta.tokenizer_path(self.path)}, sha256 {meta.tokenizer_sha256[:12] or '-'}; "
+            f"this one's is {self.tokenizer_sha256[:12] or '-'}); prepare the file with this "
+            "one (python -m mgpu.data.prepare ... --tokenizer), or to train on the file's own "
+            "tokenizer leave data.tokenizer=auto",
+        )
+        if self.vocab_size != "auto":
+            _require(
+                self.vocab_size >= meta.vocab_size,
+                "data.vocab_size",
+                self.vocab_size,
+                f"is below the {meta.vocab_size} tokens of the file's tokenizer; set "
+                f"data.vocab_size=auto (follows the file) or at least {meta.vocab_size}",
+            )
+
+    def resolved(self) -> dict[str, Any]:
+        """What the file's metadata said, for the run's saved config."""
+        keys = ("vocab_size", "tokenizer", "tokenizer_sha256")
+        return {key: getattr(self, key) for key in keys}
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        kwargs = super().dataset_kwargs()
+        del kwargs["tokenizer"], kwargs["tokenizer_sha256"]  # the config's business, not the data's
+        return kwargs
+
+
+def _no_extra_classes(eval_path: str, found, classes: list[str], what: str, fix: str) -> None:
+    """data.eval_path holds no class that training lacks (its labels would not exist)."""
+    extra = sorted(set(found) - set(classes))
+    why = f"has {what} {extra} that are not among the classes; {fix} them or add them to data.path"
+    _require(not extra, "data.eval_path", eval_path, why)
+
+
+@dataclass
+class ImageFolderDataConfig(DataConfig):
+    """Your own images: `data=image_folder data.path=DIR`, one subfolder of images per class."""
+
+    _target_: str = "mgpu.data.ImageFolder"
+    path: str = MISSING  # DIR/<class>/<image>.jpg|.jpeg|.png: the training images
+    # The same layout for evaluation; empty: eval_samples images of data.path are held out
+    # (spread evenly over its sorted file list) and not trained on.
+    eval_path: str = ""
+    eval_samples: int = 1000
+    # The class folders, in label order. Empty: every subfolder of data.path, sorted by name;
+    # the run's config.yaml records the list, so a later evaluation keeps the same labels.
+    classes: list[str] = field(default_factory=list)
+    image_size: int = 224  # training crops and evaluation crops are image_size x image_size
+    # Where JPEGs are decoded: cpu (Pillow, in the DataLoader workers), gpu (torchvision's
+    # nvJPEG, in the prefetcher; PNGs stay on the CPU), auto (mgpu.data.gpu_decode says which).
+    decode: Decode = Decode.auto
+    # An unreadable image: error stops the run naming the file; skip replaces it by the next
+    # readable one, names it in the rank's log and counts it (data/bad_files_replaced).
+    bad_files: BadFiles = BadFiles.error
+    # Training crops: a random box of scale x the image's area and an aspect ratio log-uniform
+    # in ratio, resized to image_size, flipped half the time (drawn from trainer.seed, the
+    # epoch and the sample). Evaluation: the center square of eval_crop x the shorter side.
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    eval_crop: float = 0.875
+    # JPEGs decoded on the CPU at 1/2, 1/4 or 1/8 size (libjpeg's DCT scaling) when the crop box
+    # is that many times image_size: a 2400x1800 photo costs what a 600x450 one does. Pixels
+    # differ from a full decode by about a level on average (tests/test_image_folder.py).
+    reduced_decode: bool = True
+    # Under data.decode=gpu: this share of the JPEGs (drawn per sample from trainer.seed, the
+    # epoch and the sample, so a resumed run decodes each where it did) is decoded and cropped
+    # by the DataLoader workers instead, which the GPU path otherwise leaves idle; the GPU
+    # decodes the rest. 0: every JPEG nvJPEG takes goes to the GPU. Those samples' pixels are
+    # decode=cpu's (within a level or two of the GPU's; DCT-scaled under reduced_decode),
+    # evaluation's included. Under decode=cpu (or auto resolving to it) it does nothing.
+    cpu_decode_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Built in code (tests, benchmarks) these may come as the names users type.
+        self.decode = Decode(getattr(self.decode, "value", self.decode))
+        self.bad_files = BadFiles(getattr(self.bad_files, "value", self.bad_files))
+        _positive("data.image_size", self.image_size, "224")
+        _positive("data.eval_samples", self.eval_samples, "1000")
+        ok = len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] <= 1
+        _require(ok, "data.scale", self.scale, "must be [min,max] in (0, 1], e.g. [0.08,1.0]")
+        ok = len(self.ratio) == 2 and 0 < self.ratio[0] <= self.ratio[1]
+        _require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
+        ok = 0 < self.eval_crop <= 1
+        _require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
+        ok = 0 <= self.cpu_decode_share < 1
+        why = "must be in [0, 1), e.g. 0.25 (every image on the CPU is data.decode=cpu)"
+        _require(ok, "data.cpu_decode_share", self.cpu_decode_share, why)
+        if self.decode is Decode.gpu:
+            why = gpu_decode_unavailable()
+            _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
+        self._check_folders()
+
+    def _check_folders(self) -> None:
+        """The image tree: missing paths, no class folders, empty ones. A folder listing per
+        class, before any process group exists."""
+        try:
+            check_root("data.path", self.path)
+            discovered = class_folders(self.path)
+            if not self.classes:
+                self.classes = discovered
+            check_layout("data.path", self.path, self.classes)
+            if self.eval_path:
+                check_layout("data.eval_path", self.eval_path, self.classes)
+                found = class_folders(self.eval_path)
+                _no_extra_classes(self.eval_path, found, self.classes, "class folders", "remove")
+        except FolderError as err:
+            raise ConfigError(err.key, err.value, err.why) from None
+
+    def resolved(self) -> dict[str, Any]:
+        """Values found on disk, for the run's saved config: the class list."""
+        return {"classes": list(self.classes)}
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        kwargs = super().dataset_kwargs()
+        kwargs["decode"] = resolve_decode(self.decode.value)
+        if self.cpu_decode_share and kwargs["decode"] == "cpu":
+            log.warning(
+                "data.cpu_decode_share=%g does nothing: data.decode resolved to cpu, where the "
+                "workers decode every image", self.cpu_decode_share,
+            )  # fmt: skip
+        kwargs["bad_files"] = self.bad_files.value
+        return kwargs
+
+
+@dataclass
+class CustomDataConfig(DataConfig):
+    """A user's Dataset: `data=custom data._target_=pkg.MyDataset +data.kwargs.root=/data`."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def dataset_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+
+@dataclass
+class ImageShardsDataConfig(ImageFolderDataConfig):
+    """A prepared image set: `data=image_shards data.path=DST`, written once from an image folder
+    by `python -m mgpu.data.prepare_images SRC DST --max-side N`. Every other key is
+    data=image_folder's and means the same."""
+
+    _target_: str = "mgpu.data.ImageShards"
+    # prepare_images' DST: index.json and shard-NNNNNN.tar files. data.eval_path, if set, is
+    # another prepared set (e.g. of the validation folder).
+    path: str = MISSING
+
+    def _check_folders(self) -> None:
+        """The index of each set, its shard files, and the class list against it: before any
+        process group exists. Empty classes: the index's (SRC's class folders, sorted)."""
+        try:
+            index = load_index("data.path", self.path)
+            self.classes = self.classes or list(index.classes)
+            index.labels_for("data.path", self.classes)
+            if self.eval_path:
+                evals = load_index("data.eval_path", self.eval_path)
+                evals.labels_for("data.eval_path", self.classes)
+                _no_extra_classes(
+                    self.eval_path, evals.classes, self.classes, "classes", "prepare it without"
+                )
+        except FolderError as err:
+            raise ConfigError(err.key, err.value, err.why) from None

@@ -1,0 +1,125 @@
+"""Input pipeline from config: the dataset, the pinned DataLoader over mgpu.data.sampler's rank shard,
+and the side-stream prefetcher (mgpu.data.prefetch.DeviceLoader) put in front of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mgpu.config.checks import ConfigError
+from mgpu.config.schema import build_from_target
+from mgpu.data.batches import (  # noqa: F401 - re-exported: mgpu.data.loader was their home
+    Transform,
+    map_tensors,
+    tensors,
+    to_device,
+    transform_inputs,
+)
+from mgpu.data.config import DataConfig
+from mgpu.data.prefetch import DeviceLoader
+from mgpu.data.sampler import ShardedSampler, epochs  # noqa: F401 - epochs re-exported
+from mgpu.runtime.dist import Runtime
+from mgpu.runtime.preempt import leave_preemption_to_the_trainer
+
+
+def build_dataset(cfg: DataConfig, split: str) -> Dataset:
+    return build_from_target("data", cfg._target_, cfg.dataset_kwargs(), split=split)
+
+
+def build_dataloader(
+    cfg: DataConfig,
+    dataset: Dataset,
+    rt: Runtime,
+    *,
+    seed: int,
+    train: bool,
+    stream: bool | None = None,
+) -> DataLoader:
+    """A DataLoader over this rank's shard; train loaders drop ragged last batches and, unless
+    `stream=False`, iterate epoch after epoch without end (ShardedSampler's stream_batch: the
+    workers run on into the next epoch; set_epoch before iterating says where to start)."""
+    # A dataset that augments per epoch (`sample_keys`) gets SampleKeys from the train sampler.
+    keyed = train and getattr(dataset, "sample_keys", False)
+    stream = train if stream is None else stream and train
+    per_rank = len(dataset) // rt.world_size  # a training shard's samples an epoch
+    if train and per_rank < cfg.batch_size:
+        raise ValueError(
+            f"data.batch_size={cfg.batch_size}: each of the {rt.world_size} processes gets only "
+            f"{per_rank} training samples, less than one batch; lower data.batch_size"
+        )
+    sampler = ShardedSampler(
+        len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed,
+        stream_batch=cfg.batch_size if stream else 0,
+    )  # fmt: skip
+    workers = worker_count(cfg.num_workers, rt.cpu_share)
+    return DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        # Pinned host memory only helps a copy to a GPU; on CPU there is nothing to pin for.
+        # Pinned batches are what make the prefetcher's non_blocking copies asynchronous.
+        pin_memory=cfg.pin_memory and rt.device.type == "cuda",
+        drop_last=train,
+        prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
+        # Persistent where safe: train loaders run for many epochs over a dataset that does not
+        # change, so their workers stay instead of forking anew. Eval loaders run briefly now
+        # and then; kept workers would hold processes and memory through all of training.
+        persistent_workers=train and workers > 0,
+        generator=torch.Generator().manual_seed(seed + rt.rank),
+        worker_init_fn=leave_preemption_to_the_trainer,
+        collate_fn=getattr(dataset, "collate", None),  # a dataset's own batch type, if any
+    )
+
+
+# Cores left to each training process by data.num_workers=auto: its Python thread that launches
+# the GPU work, and the prefetcher's copy thread. A launch-bound model (ResNet-50) slows down when
+# DataLoader workers take every core.
+TRAINER_CORES = 2
+
+
+def worker_count(setting: int | str, cpu_share: int) -> int:
+    """`data.num_workers`: a number as it is; auto, this training process's share of the node's
+    CPUs (Runtime.cpu_share) less TRAINER_CORES, at least 1."""
+    if setting != "auto":
+        return int(setting)
+    return max(1, cpu_share - TRAINER_CORES)
+
+
+def build_loader(
+    cfg: DataConfig,
+    dataset: Dataset,
+    rt: Runtime,
+    *,
+    seed: int,
+    train: bool,
+    layout: torch.memory_format | None = None,
+) -> DeviceLoader:
+    """This rank's batches on its device: the DataLoader behind a side-stream prefetcher.
+    `layout`: the memory format 4-D inputs leave in (the model's, e.g. channels_last)."""
+    loader = build_dataloader(cfg, dataset, rt, seed=seed, train=train)
+    transform = device_transform(cfg, dataset)
+    # A dataset that decodes on the device (image_folder's decode=gpu) makes the decode step.
+    make_decoder = getattr(dataset, "device_decoder", None)
+    decode = make_decoder(rt.device) if make_decoder is not None else None
+    return DeviceLoader(
+        loader,
+        rt.device,
+        depth=cfg.prefetch_depth,
+        transform=transform,
+        memory_format=layout,
+        decode=decode,
+        # A decode step waits on the host for its GPU work (torchvision's nvJPEG does): on the
+        # copy thread that wait overlaps the training loop's launches instead of delaying them.
+        copy_thread=decode is not None,
+    )
+
+
+def device_transform(cfg: DataConfig, dataset: Dataset) -> Transform | None:
+    """`data.device_transform`: auto takes the dataset's `device_transform` attribute, if any."""
+    if cfg.device_transform == "none":
+        return None
+    if cfg.device_transform == "auto":
+        return getattr(dataset, "device_transform", None)
+    raise ConfigError("data.device_transform", cfg.device_transform, "must be auto or none")

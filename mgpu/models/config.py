@@ -1,0 +1,184 @@
+"""The model group's schemas (`model=...`): one per built-in model, plus a user's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from omegaconf import MISSING
+
+from mgpu.config.checks import ConfigError, _auto_or_positive_int, _positive, _require
+from mgpu.models.gpt import (  # the choices live with the model
+    ATTENTION,
+    HEAD_LOSS,
+    checkpointed_blocks,
+)
+
+VOCAB_MULTIPLE = 64  # model.vocab_size=auto rounds the data's vocabulary up to a multiple of this
+
+
+@dataclass
+class ModelConfig:
+    _target_: str = MISSING  # import path of an nn.Module class built as Cls(**kwargs)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_target_"}
+
+
+@dataclass
+class GPTModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.GPT"
+    # Rows of the embedding and the head: auto (the data's vocabulary, data.vocab_size, rounded
+    # up to a multiple of 64 for faster matrix multiplies; the run's config.yaml records the
+    # number) or a number at least data.vocab_size.
+    vocab_size: Any = "auto"
+    block_size: int = 64  # longest sequence the position embedding covers
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = False
+    # Attention kernel: auto (cuDNN first, then torch's order), torch (torch's own choice), or
+    # only one of cudnn, flash, efficient, math.
+    attention: str = "auto"
+    # The head's loss: fused (its matrix multiply and the cross-entropy in one step that never
+    # keeps the logits, a value per token and vocabulary entry), logits (through them, as
+    # F.cross_entropy takes them), auto (fused on a GPU).
+    head_loss: str = "auto"
+    # Activation checkpointing of transformer blocks: none, blocks (every block), or a number N
+    # (the first N blocks). A checkpointed block keeps only its input and runs its forward
+    # again in backward: less activation memory (a bigger batch fits) for about a third more
+    # compute in those blocks.
+    activation_checkpointing: Any = "none"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.head_loss in HEAD_LOSS,
+            "model.head_loss",
+            self.head_loss,
+            f"must be one of {', '.join(HEAD_LOSS)}",
+        )
+        _require(
+            self.attention in ATTENTION,
+            "model.attention",
+            self.attention,
+            f"must be one of {', '.join(ATTENTION)}",
+        )
+        _auto_or_positive_int("model.vocab_size", self.vocab_size, "follows data.vocab_size")
+        for key in ("block_size", "n_layer", "n_head", "n_embd"):
+            _positive(f"model.{key}", getattr(self, key), "a positive integer")
+        _require(
+            self.n_embd % self.n_head == 0,
+            "model.n_embd",
+            self.n_embd,
+            f"must be divisible by model.n_head ({self.n_head})",
+        )
+        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+        try:
+            checkpointed_blocks(self.activation_checkpointing, self.n_layer)
+        except ValueError:
+            raise ConfigError(
+                "model.activation_checkpointing",
+                self.activation_checkpointing,
+                f"must be none, blocks (all model.n_layer={self.n_layer} blocks) or a number "
+                f"of blocks from 0 to {self.n_layer}",
+            ) from None
+
+    def follow_data(self, data_vocab: int | None, data_name: str) -> None:
+        """Resolve vocab_size=auto from the data's vocabulary (None: the data gives none), and
+        check that every token id of the data has a row."""
+        if self.vocab_size == "auto":
+            why = (
+                f"follows the data's vocabulary (data.vocab_size; data.kwargs.vocab_size for "
+                f"data=custom), which {data_name} does not give; set model.vocab_size to its "
+                "number of token ids"
+            )
+            _require(data_vocab is not None, "model.vocab_size", "auto", why)
+            self.vocab_size = -(-data_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        elif data_vocab is not None:
+            _require(
+                self.vocab_size >= data_vocab,
+                "model.vocab_size",
+                self.vocab_size,
+                f"is smaller than data.vocab_size ({data_vocab}): token ids up to "
+                f"{data_vocab - 1} would have no row; set model.vocab_size=auto (follows the "
+                f"data) or at least {data_vocab}",
+            )
+
+    def resolved(self) -> dict[str, Any]:
+        """What follow_data decided, for the run's saved config."""
+        return {"vocab_size": self.vocab_size}
+
+
+@dataclass
+class ResNetModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.ResNet"
+    num_classes: int = 10
+    block: str = "basic"  # basic | bottleneck
+    layers: list[int] = field(default_factory=lambda: [1, 1, 1, 1])  # blocks per stage
+    width: int = 16  # channels of the first stage
+    in_channels: int = 3
+    stem: str = "cifar"  # cifar (3x3, no pool, for small images) | imagenet (7x7 + pool)
+    # none only: activation checkpointing is GPT's (its transformer blocks); a key here so that
+    # asking a ResNet for it says so, rather than that the key is unknown.
+    activation_checkpointing: Any = "none"
+
+    def model_kwargs(self) -> dict[str, Any]:
+        kwargs = super().model_kwargs()
+        del kwargs["activation_checkpointing"]
+        return kwargs
+
+    def __post_init__(self) -> None:
+        _require(
+            self.activation_checkpointing in ("none", 0),
+            "model.activation_checkpointing",
+            self.activation_checkpointing,
+            "is implemented for GPT's transformer blocks only, not for ResNet's residual "
+            "stages; set model.activation_checkpointing=none",
+        )
+        _positive("model.num_classes", self.num_classes, "10")
+        _positive("model.width", self.width, "64")
+        _require(
+            self.block in ("basic", "bottleneck"),
+            "model.block",
+            self.block,
+            "must be basic or bottleneck",
+        )
+        _require(
+            self.stem in ("cifar", "imagenet"), "model.stem", self.stem, "must be cifar or imagenet"
+        )
+        _require(
+            len(self.layers) > 0 and all(n > 0 for n in self.layers),
+            "model.layers",
+            self.layers,
+            "must be a non-empty list of positive block counts",
+        )
+
+
+@dataclass
+class MLPModelConfig(ModelConfig):
+    _target_: str = "mgpu.models.MLP"
+    in_features: int = 3 * 32 * 32
+    num_classes: int = 10
+    hidden: list[int] = field(default_factory=lambda: [256, 256])
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("model.in_features", self.in_features, "3072")
+        _positive("model.num_classes", self.num_classes, "10")
+        _require(
+            all(h > 0 for h in self.hidden),
+            "model.hidden",
+            self.hidden,
+            "must be positive layer widths, e.g. [256,256]",
+        )
+
+
+@dataclass
+class CustomModelConfig(ModelConfig):
+    """A user's module: `model=custom model._target_=pkg.MyNet +model.kwargs.width=64`."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)

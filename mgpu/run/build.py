@@ -1,0 +1,261 @@
+"""One training run assembled from a validated Config: where it resumes, the model (compiled and
+wrapped for data parallelism), data, optimizer, telemetry and the Trainer, in the order train.py
+and the benchmarks share, so that what is measured is what users run.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import Dataset
+
+from mgpu.ckpt.checkpoint import Loaded, checkpoint_root
+from mgpu.ckpt.resume import (
+    Checkpointer,
+    CheckpointPlan,
+    check_same_data,
+    check_settings,
+    resume_point,
+)
+from mgpu.comm.engine import MgpuDataParallel, wrap_model
+from mgpu.comm.sharded_optim import ShardedOptimizer
+from mgpu.config.schema import Engine, Precision
+from mgpu.data.loader import build_dataset, build_loader
+from mgpu.data.prefetch import DeviceLoader
+from mgpu.data.tokenizer import BYTES, copy_to_run
+from mgpu.models import build_model, compile_mode, compile_model
+from mgpu.models.config import VOCAB_MULTIPLE
+from mgpu.optim.optimizer import build_optimizer, build_schedule
+from mgpu.run.config import Config
+from mgpu.runtime.dist import Runtime, waiting
+from mgpu.runtime.preempt import Preemption
+from mgpu.telemetry.board import TensorBoard, set_aside_events
+from mgpu.telemetry.goodput import Goodput
+from mgpu.telemetry.metrics import Recorder
+from mgpu.telemetry.mfu import mfu_inputs
+from mgpu.telemetry.profiling import StepProfiler
+from mgpu.train import fp8
+from mgpu.train.numerics import set_math_modes
+from mgpu.train.trainer import Trainer
+
+log = logging.getLogger("mgpu")
+
+
+def describe(cfg: Config, rt: Runtime, params: int, config_text: str) -> str:
+    """The run in a few lines of Markdown, for TensorBoard's text tab."""
+    device = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "CPU"
+    return "\n".join(
+        [
+            f"- model: `{cfg.model._target_}`, {params / 1e6:.2f}M parameters",
+            f"- {rt.world_size} process(es) on {device}, backend {rt.backend}, "
+            f"engine {cfg.dist.engine.value}, precision {cfg.trainer.precision.value}, "
+            f"compiled {cfg.trainer.compiles(rt.device.type)}",
+            f"- batch {cfg.data.batch_size} per device x {cfg.trainer.grad_accum_steps} "
+            f"accumulation x {rt.world_size} processes per optimizer step",
+            f"- torch {torch.__version__}",
+            "",
+            "```yaml",
+            config_text,
+            "```",
+        ]
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_parallel_model(cfg: Config, model: nn.Module, rt: Runtime) -> nn.Module:
+    """The model compiled as trainer.compile says, then wrapped as dist.engine says."""
+    if cfg.trainer.compiles(rt.device.type):
+        tc = cfg.trainer
+        ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
+        # Gradients reduced while backward runs: the model is wrapped for data parallelism.
+        overlap = cfg.dist.engine is not Engine.none and rt.distributed
+        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap)
+        model = compile_model(model, tc.compile_backend, mode, overlap)
+    return wrap_model(model, cfg.dist, rt)
+
+
+def build_recorder(
+    cfg: Config,
+    rt: Runtime,
+    board: TensorBoard,
+    model: nn.Module,
+    train_set: Dataset,
+    mfu: tuple[float | None, float | None],
+    goodput: Goodput,
+) -> Recorder:
+    """Telemetry: what a step holds (samples, tokens, FLOPs) and where it writes."""
+    flops, peak = mfu
+    return Recorder(
+        rt,
+        board,
+        samples_per_step=cfg.data.batch_size * cfg.trainer.grad_accum_steps * rt.world_size,
+        tokens_per_sample=getattr(train_set, "tokens_per_sample", None),
+        max_steps=cfg.trainer.max_steps,
+        comm_marks=model.reducer.take_exposed if isinstance(model, MgpuDataParallel) else None,
+        flops_per_sample=flops,
+        peak_tflops=peak,
+        goodput=goodput,
+        counters=getattr(train_set, "counters", None),
+    )
+
+
+def unused_vocabulary(cfg: Config) -> str | None:
+    """One line where model.vocab_size was set above what the data's vocabulary needs: rows the
+    data never uses, trained and saved for nothing (model.vocab_size=auto follows the data)."""
+    rows = getattr(cfg.model, "vocab_size", None)
+    tokens = getattr(cfg.data, "vocab_size", None)
+    if not (isinstance(rows, int) and isinstance(tokens, int)):
+        return None
+    padded = -(-tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE  # what model.vocab_size=auto takes
+    if rows <= padded:
+        return None
+    return (
+        f"model.vocab_size={rows} is above data.vocab_size={tokens}: {rows - tokens} embedding "
+        f"rows no token of the data uses; model.vocab_size=auto follows the data ({padded})"
+    )
+
+
+def announce(
+    cfg: Config, rt: Runtime, run_dir: Path, model: nn.Module, board: TensorBoard, text: str
+) -> None:
+    """The run, once: its summary and config in TensorBoard, one line in the log."""
+    params = sum(p.numel() for p in model.parameters())
+    tree = OmegaConf.to_container(OmegaConf.create(text))
+    board.describe_run(tree, describe(cfg, rt, params, text))
+    log.info(
+        "run dir %s | %d process(es), backend %s, device %s | %s, %.2fM parameters",
+        run_dir, rt.world_size, rt.backend, rt.device, cfg.model._target_, params / 1e6,
+    )  # fmt: skip
+    unused = unused_vocabulary(cfg)
+    if unused is not None and rt.is_primary:
+        log.warning("%s", unused)
+
+
+def build_board(run_dir: Path, rt: Runtime, root: Path, loaded: Loaded | None) -> TensorBoard:
+    """Rank 0's TensorBoard writer. A run that continues this directory's own checkpoints drops
+    what an earlier attempt logged after the checkpoint (purge_step); any other start (step 0,
+    or another directory's checkpoint) first moves the event files it finds aside."""
+    if loaded is not None and loaded.path.resolve().parent == root.resolve():
+        return TensorBoard(run_dir, enabled=rt.is_primary, purge_step=loaded.step + 1)
+    if rt.is_primary:
+        aside = set_aside_events(run_dir)
+        if aside is not None:
+            log.warning(
+                "%s holds TensorBoard event files of an earlier run or attempt, whose "
+                "checkpoints this run does not continue: moved them into %s", run_dir, aside,
+            )  # fmt: skip
+    return TensorBoard(run_dir, enabled=rt.is_primary)
+
+
+def keep_tokenizer(cfg: Config, run_dir: Path) -> None:
+    """A copy of the data's tokenizer.json in the run directory, which the after-training
+    commands decode with (config.yaml holds its sha256)."""
+    tokenizer = getattr(cfg.data, "tokenizer", BYTES)
+    if tokenizer not in (BYTES, ""):
+        copy_to_run(tokenizer, run_dir)
+
+
+@dataclass
+class Run:
+    """A built run: fit() trains it to trainer.max_steps (from its checkpoint, if it resumed)."""
+
+    trainer: Trainer
+    train_loader: DeviceLoader
+    eval_loader: DeviceLoader
+    board: TensorBoard
+    goodput: Goodput
+
+    def fit(self) -> None:
+        ended = False
+        try:
+            self.trainer.fit(self.train_loader, self.eval_loader)
+            ended = True
+        finally:
+            self.goodput.save()  # every way out: the end, preemption, an error
+            self.board.close(failing=not ended)
+            # Persistent DataLoader workers left running after an error (a bad image file)
+            # would keep a plain `python train.py` from exiting.
+            self.train_loader.close()
+            self.eval_loader.close()
+
+
+def build_run(
+    cfg: Config,
+    rt: Runtime,
+    run_dir: Path,
+    config_text: str,
+    *,
+    preemption: Preemption | None = None,
+    started_at: float | None = None,
+) -> Run:
+    """Everything a run needs, built in this order on every rank. `started_at` (time.time()
+    when the process started) is where goodput's start-up time counts from."""
+    root = checkpoint_root(run_dir)
+    loaded, token = resume_point(cfg.ckpt, root, rt)  # before anything is written
+    if rt.is_primary:
+        (run_dir / "config.yaml").write_text(config_text)
+        keep_tokenizer(cfg, run_dir)
+    # Rank 0 keeps the run's goodput file; the others count in memory only.
+    goodput = Goodput(run_dir / "goodput.json" if rt.is_primary else None, started_at=started_at)
+    set_math_modes(cfg.trainer, rt.device)
+    seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
+    model = build_model(cfg.model).to(rt.device)
+    if cfg.trainer.precision is Precision.fp8:
+        fp8.check_fp8(rt.device)
+        model = fp8.convert(model)  # its linear layers; names and shapes unchanged
+    # The model's layout, decided here once for the model and its inputs: convolutions run
+    # faster in NHWC on a GPU.
+    layout = None
+    if rt.device.type == "cuda" and getattr(model, "channels_last", False):
+        layout = torch.channels_last
+        model = model.to(memory_format=layout)
+    seed_everything(cfg.trainer.seed + rt.rank)  # then independent dropout per rank
+    train_set = build_dataset(cfg.data, "train")
+    eval_set = build_dataset(cfg.data, "eval")
+    seed = cfg.trainer.seed
+    train_loader = build_loader(cfg.data, train_set, rt, seed=seed, train=True, layout=layout)
+    eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
+    mfu = mfu_inputs(cfg.trainer, model, train_set, rt)
+    optimizer = build_optimizer(cfg.optim, model, rt.device)
+    with waiting(rt.rank, "the broadcast of rank 0's parameters (dist.engine's start)"):
+        model = build_parallel_model(cfg, model, rt)
+    if isinstance(model, MgpuDataParallel) and model.reducer.shards is not None:
+        # dist.shard_optimizer: the optimizer steps this rank's shards of the reducer's buckets
+        optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
+    schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
+    board = build_board(run_dir, rt, root, loaded)
+    recorder = build_recorder(cfg, rt, board, model, train_set, mfu, goodput)
+    tc = cfg.trainer
+    plan = CheckpointPlan(root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text)
+    trainer = Trainer(
+        tc,
+        model,
+        optimizer,
+        schedule,
+        rt,
+        recorder=recorder,
+        input_transform=getattr(train_set, "device_transform", None),
+        checkpointer=Checkpointer(plan, rt, seed=tc.seed, loaded=loaded),
+        preemption=preemption,
+        profiler=StepProfiler(tc.profile, tc.profile_start, tc.profile_steps, run_dir, rt),
+        goodput=goodput,
+    )
+    if loaded is not None:
+        check_same_data(loaded, train_loader.sampler)
+        check_settings(loaded, cfg.optim, tc.max_steps, say=rt.is_primary)
+        trainer.load_state_dict(loaded.shared, source=str(loaded.path))
+        del loaded  # its tensors are in the model and optimizer now
+    announce(cfg, rt, run_dir, model, board, config_text)
+    return Run(trainer, train_loader, eval_loader, board, goodput)

@@ -1,0 +1,200 @@
+"""The whole Config: every group's schema composed into one, the checks across groups (does the
+model fit the data), and the composed Hydra config turned into it (to_config), with unknown keys
+refused; the schemas registered with Hydra. Errors in one line (describe_error)."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass, field, fields
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf, read_write
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from mgpu.config.checks import ConfigError, _require
+from mgpu.config.schema import CheckpointConfig, DistConfig, OptimConfig, TrainerConfig
+from mgpu.data.config import (
+    CustomDataConfig,
+    DataConfig,
+    ImageDataConfig,
+    ImageFolderDataConfig,
+    ImageShardsDataConfig,
+    NgramDataConfig,
+    TokenFileDataConfig,
+)
+from mgpu.models.config import (
+    CustomModelConfig,
+    GPTModelConfig,
+    MLPModelConfig,
+    ModelConfig,
+    ResNetModelConfig,
+)
+from mgpu.runtime import dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Config:
+    # One of the built-in model schemas or CustomModelConfig, chosen by `model=...`. The field
+    # names their base class: OmegaConf 2.3 refuses a Union of dataclasses ("Unions of
+    # containers are not supported"), and a subclass assigned to a base-typed field is allowed.
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING  # likewise: one of the data schemas, chosen by `data=...`
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        _check_model_fits_data(self.model, self.data)
+
+
+def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
+    """Resolve model.vocab_size=auto from the data, and catch a model/data pairing that would
+    only fail deep inside the first step."""
+    if isinstance(data, ImageFolderDataConfig):
+        _check_model_fits_folder(model, data)
+    if isinstance(model, GPTModelConfig):
+        if isinstance(data, ImageDataConfig):
+            raise ConfigError("data", "images", "a GPT model needs token data, e.g. data=ngram")
+        # A user's dataset (data=custom) tells its vocabulary by the kwarg it is built with.
+        custom = isinstance(data, CustomDataConfig)
+        vocab = data.kwargs.get("vocab_size") if custom else getattr(data, "vocab_size", None)
+        model.follow_data(vocab, data._target_)
+        if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
+            _require(
+                data.seq_len <= model.block_size,
+                "data.seq_len",
+                data.seq_len,
+                f"exceeds model.block_size ({model.block_size}); lower it or raise that",
+            )
+    if isinstance(model, (ResNetModelConfig, MLPModelConfig)):
+        if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
+            raise ConfigError("data", "tokens", "an image model needs image data: data=images")
+        if isinstance(data, ImageDataConfig):
+            _require(
+                data.num_classes <= model.num_classes,
+                "model.num_classes",
+                model.num_classes,
+                f"is smaller than data.num_classes ({data.num_classes})",
+            )
+    if isinstance(model, ResNetModelConfig) and isinstance(data, ImageDataConfig):
+        _require(
+            model.in_channels == data.channels,
+            "model.in_channels",
+            model.in_channels,
+            f"must equal data.channels ({data.channels})",
+        )
+    if isinstance(model, MLPModelConfig) and isinstance(data, ImageDataConfig):
+        pixels = data.channels * data.image_size**2
+        _require(
+            model.in_features == pixels,
+            "model.in_features",
+            model.in_features,
+            f"must equal data.channels * data.image_size**2 = {pixels}",
+        )
+
+
+def resolved_yaml(cfg: DictConfig) -> str:
+    """The composed config without Hydra's own node, resolved, as YAML: what the run directory's
+    config.yaml and every checkpoint hold, and what the ranks compare at start-up."""
+    resolved = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return OmegaConf.to_yaml(resolved, resolve=True)
+
+
+def _check_model_fits_folder(model: ModelConfig, data: ImageFolderDataConfig) -> None:
+    classes = len(data.classes)
+    if isinstance(model, GPTModelConfig):
+        raise ConfigError("data", "image_folder", "a GPT model needs token data, e.g. data=tokens")
+    if isinstance(model, (ResNetModelConfig, MLPModelConfig)):
+        _require(
+            model.num_classes >= classes,
+            "model.num_classes",
+            model.num_classes,
+            f"is smaller than the {classes} classes of data.path; set model.num_classes={classes}",
+        )
+    if isinstance(model, ResNetModelConfig):
+        _require(model.in_channels == 3, "model.in_channels", model.in_channels, "must be 3 (RGB)")
+    if isinstance(model, MLPModelConfig):
+        pixels = 3 * data.image_size**2
+        _require(
+            model.in_features == pixels,
+            "model.in_features",
+            model.in_features,
+            f"must equal 3 * data.image_size**2 = {pixels}",
+        )
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Composed Hydra config -> validated typed Config (runs every __post_init__ check)."""
+    _reject_unknown_keys(cfg)
+    # Converting group by group leaves out Hydra's own `hydra` node, and building Config last
+    # runs the cross-group checks in Config.__post_init__.
+    parts = {f.name: OmegaConf.to_object(cfg[f.name]) for f in fields(Config)}
+    config = Config(**parts)
+    _record_resolved(cfg, config)
+    return config
+
+
+def _record_resolved(cfg: DictConfig, config: Config) -> None:
+    """Write what the model and data schemas resolved into the composed config, so that the
+    run's config.yaml, made from it, records it: data=image_folder's class list (the labels must
+    not change when a folder is added later), data=tokens' tokenizer and vocabulary, and
+    model.vocab_size=auto's number."""
+    with read_write(cfg):
+        for group in ("model", "data"):
+            resolved = getattr(getattr(config, group), "resolved", None)
+            for key, value in resolved().items() if resolved else ():
+                cfg[group][key] = value
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """`+optim.lrr=1` adds a key the schema lacks; OmegaConf would drop it without a word."""
+    top = {f.name for f in fields(Config)} | {"hydra"}
+    for key in cfg.keys():
+        _require(key in top, str(key), cfg[key], f"is not an mgpu setting; known: {sorted(top)}")
+    for group in top - {"hydra"}:
+        schema = OmegaConf.get_type(cfg[group])
+        known = {f.name for f in fields(schema)}
+        for key in cfg[group].keys():
+            close = difflib.get_close_matches(str(key), known, n=1)
+            fix = f"did you mean {group}.{close[0]}?" if close else f"known: {sorted(known)}"
+            why = f"is not a key of {group} ({schema.__name__}); {fix}"
+            _require(key in known, f"{group}.{key}", cfg[group][key], why)
+
+
+def describe_error(err: Exception) -> str:
+    """One line for a config error, whether ours or OmegaConf's."""
+    if isinstance(err, OmegaConfBaseException):
+        key = getattr(err, "full_key", None)
+        first = str(err).splitlines()[0]
+        if isinstance(err, MissingMandatoryValue):
+            return f"{key} is required and has no value: set it on the command line, {key}=..."
+        return f"{key}: {first}" if key else first
+    return str(err)
+
+
+def register() -> None:
+    """Put the schemas into Hydra's ConfigStore and the run-name resolver into OmegaConf."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, name, node in [
+        ("model", "gpt_schema", GPTModelConfig),
+        ("model", "resnet_schema", ResNetModelConfig),
+        ("model", "mlp_schema", MLPModelConfig),
+        ("model", "custom_schema", CustomModelConfig),
+        ("data", "ngram_schema", NgramDataConfig),
+        ("data", "images_schema", ImageDataConfig),
+        ("data", "tokens_schema", TokenFileDataConfig),
+        ("data", "image_folder_schema", ImageFolderDataConfig),
+        ("data", "image_shards_schema", ImageShardsDataConfig),
+        ("data", "custom_schema", CustomDataConfig),
+    ]:
+        cs.store(group=group, name=name, node=node)
+    if not OmegaConf.has_resolver("mgpu_run_name"):
+        OmegaConf.register_new_resolver("mgpu_run_name", dist.launch_run_name)
+
+
+register()

@@ -1,0 +1,7 @@
+"""The launch environment and the process group, at the bottom of mgpu: what torchrun or SLURM
+handed this process (launch), device pinning, joining the process group with bounded waits, the
+start-up collectives, exit codes and teardown (dist), SIGTERM/SIGUSR1 preemption (preempt), one
+launch per run directory (run_lock), and workers that end with their agent (orphan).
+
+May import: nothing outside it.
+"""

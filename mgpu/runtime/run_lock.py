@@ -1,0 +1,145 @@
+"""One run directory, one run: rank 0 holds an exclusive lock on `<run dir>/run.lock` for as long
+as its process lives, and a launch that finds the lock held stops before any work (exit code 2),
+naming the directory, the holder and the fix.
+
+Why flock(2): the kernel drops the lock when the holder's last descriptor of the file closes, and
+that happens however its process ends (exit, crash, SIGKILL, the OOM killer), so no dead run can
+leave the directory locked, and after a torchrun restart (`--max-restarts`), whose agent ends
+the old workers before it starts new ones, the new rank 0 takes the lock again. The file stays
+behind; it is never removed, since a process waiting on a removed file would lock a different
+file than the next one to create it. Its text only names the last holder.
+
+Held by global rank 0 alone, not by every node's local rank 0: all ranks of a run resolve one run
+directory (mgpu.runtime.dist.check_same_config), and one holder per run means the lock never has to
+tell this run's processes from another's. On a filesystem shared between nodes, whether a launch
+on another node sees the lock is the filesystem's business: the Linux NFS client emulates flock
+with byte-range locks kept by the server, so every client sees it (unless mounted with
+`local_lock=flock` or `nolock`, which keep locks on one node); a lock whose node crashed (not
+just its process) is freed when the server's lease for that client expires (NFSv4: about 90 s).
+Lustre shares flock only when mounted with `-o flock` (`localflock` keeps it per node, neither
+fails it). Where the filesystem refuses flock, the run goes on unguarded, with a warning.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mgpu.runtime.dist import RunStopped, Runtime, broadcast_object, waiting
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "run.lock"
+
+# How long a restarted rank 0 waits for the attempt before it to let go. torchrun ends the old
+# workers before it starts new ones, so the lock is free at once; a process still exiting (a
+# dead worker's memory being released, a slow filesystem) gets this long.
+RESTART_WAIT_S = 30.0
+
+# Lock files of the run directories this process holds, closed in every process forked from it
+# (DataLoader workers): flock belongs to the open file, which a fork shares, and a worker
+# outliving its parent by a few seconds would keep the lock from a restarted rank 0.
+_held: set[int] = set()
+
+
+def _close_held() -> None:
+    for fd in _held:
+        os.close(fd)  # the child's copy only: the parent's lock stays
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_held)
+
+
+class RunDirInUse(RunStopped):
+    """Another launch holds the run directory's lock; said once, by rank 0, on every rank's exit."""
+
+    exit_code = 2
+
+
+def _holder(fd: int) -> str:
+    text = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    return text or "holder unknown: it has not written its name yet"
+
+
+def _refusal(run_dir: Path, holder: str, waited: float) -> str:
+    where = f"run directory {run_dir.resolve()} is in use by another launch ({holder})"
+    if waited:
+        where += f", still after {waited:g} s of waiting for the attempt before this restart"
+    return (
+        f"{where}: wait until it ends (or stop it), or give this launch a directory of its own "
+        "(RUN_ID=NAME, --rdzv-id=NAME or hydra.run.dir=PATH)"
+    )
+
+
+def acquire(run_dir: Path, wait_s: float = 0.0) -> int | None:
+    """The run directory's lock, taken by this process: the lock file's descriptor, kept open
+    while the run lives (release() lets go sooner). None where the filesystem refuses flock.
+    Raises RunDirInUse, naming the holder, when another process keeps it for `wait_s`."""
+    path = Path(run_dir) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    start = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:  # EWOULDBLOCK: held, by another open file of it
+            if time.monotonic() - start >= wait_s:
+                holder = _holder(fd)
+                os.close(fd)
+                raise RunDirInUse(_refusal(run_dir, holder, wait_s)) from None
+            time.sleep(0.2)
+        except OSError as err:  # ENOLCK, ENOSYS, EOPNOTSUPP: no flock on this filesystem
+            os.close(fd)
+            log.warning(
+                "%s: the filesystem refuses file locks (%s), so a second launch on this run "
+                "directory would not be stopped; make sure none runs",
+                path, errno.errorcode.get(err.errno, err),
+            )  # fmt: skip
+            return None
+    waited = time.monotonic() - start
+    if waited > 0.5:
+        log.info("took %s after %.1f s (the attempt before this restart let go)", path, waited)
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    holder = f"rank 0 on host {socket.gethostname()}, pid {os.getpid()}, since {since}"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{holder}\n".encode(), 0)
+    _held.add(fd)
+    return fd
+
+
+def release(fd: int | None) -> None:
+    if fd is not None and fd in _held:
+        _held.discard(fd)
+        os.close(fd)  # the lock goes with the last descriptor of the open file
+
+
+@contextmanager
+def hold_run_dir(run_dir: Path, rt: Runtime, peer_timeout_s: float) -> Iterator[None]:
+    """Inside: this launch alone uses `run_dir` (rank 0 holds its lock). A collective, before
+    any other work on the directory: where another launch holds it, every rank stops with
+    RunDirInUse (exit code 2), which rank 0 says in one line. `peer_timeout_s` (dist.timeout_s)
+    bounds how long the other ranks wait for that answer, so rank 0's wait for a restarted
+    attempt's lock stays well inside it."""
+    fd, refusal = None, None
+    try:
+        if rt.is_primary:
+            wait_s = min(RESTART_WAIT_S, peer_timeout_s / 2) if rt.restart_count > 0 else 0.0
+            try:
+                fd = acquire(run_dir, wait_s)
+            except RunDirInUse as err:
+                refusal = str(err)
+        with waiting(rt.rank, "the check that no other launch uses the run directory"):
+            refusal = broadcast_object(refusal, rt)
+        if refusal is not None:
+            raise RunDirInUse(refusal)
+        yield
+    finally:
+        release(fd)

@@ -1,0 +1,341 @@
+"""CUDA graphs for a model trained uncompiled (`trainer.cuda_graphs`): its forward with the loss,
+and their backward, captured once from the first batch and replayed at every step after.
+
+Owns: whether a run replays (use_graphs), the capture, and what a replay needs: a batch shaped as
+the captured one, BatchNorm statistics untouched by the capture's warm-up, and gradients that a
+replay cannot overwrite while they are still being summed.
+
+Why: an uncompiled step launches each kernel from Python, one after another. ResNet-50 launches
+~1,500 a step, and the launching thread, not the GPU, bounds it: on one H100 an eager plain loop
+ran 36.08 ms a step and the same kernels replayed as CUDA graphs 33.49 ms; GPT-2-small, whose GPU
+is the bound, ran 51.68 and 51.53 ms (bench/results/vs_plain-NVIDIA_H100_80GB_HBM3-20261125-
+132406.json). The graphs hold the eager kernels themselves, recorded from the eager step, so a
+replayed step computes what the eager step computes.
+
+Lifetime rules. A replay writes the loss, and the gradients it hands to autograd, into buffers the
+graphs own; the next replay overwrites them. The Trainer adds the loss into its step total on the
+same stream before the next micro-step, and the optimizer reads the gradients before the next
+step's forward replay. Autograd may keep a graph's gradient buffer as a parameter's .grad (no
+copy); with several micro-batches a step, the forward replay copies such a .grad out first
+(_Replay.forward): the forward replay may write its temporaries over that buffer (the two graphs
+share one memory pool) and the backward replay writes it anew.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mgpu.config.checks import ConfigError
+from mgpu.runtime.dist import RunStopped
+
+log = logging.getLogger(__name__)
+
+
+class CaptureError(RuntimeError, RunStopped):
+    """The model's step could not be captured as CUDA graphs; the message says how to go on.
+    Said by the rank it happened on: ranks training apart (dist.engine=none) capture apart."""
+
+    every_rank = False
+
+
+def use_graphs(
+    setting: bool | str,
+    device: torch.device,
+    compiled: bool,
+    wrapped: bool,
+    checkpointed: int = 0,
+) -> bool:
+    """Whether the run replays its uncompiled model as CUDA graphs. auto: on a GPU, for a model
+    neither compiled (a compiled model's graphs are trainer.compile_mode's) nor wrapped for data
+    parallelism (whose buckets are reduced while backward runs: a replayed backward hands every
+    gradient over at its end), nor with `checkpointed` blocks (model.activation_checkpointing:
+    torch.utils.checkpoint takes the CUDA generator's state on the host in forward and sets it
+    back before it recomputes, so that dropout draws the same masks; a capture records neither,
+    and torch refuses to set a generator's state while capturing). true where that does not
+    hold is an error that says why."""
+    if setting == "auto":
+        if device.type == "cuda" and not compiled and not wrapped and checkpointed:
+            log.info(
+                "trainer.cuda_graphs=auto: off, since model.activation_checkpointing "
+                "recomputes %d block(s) in backward, which a CUDA graph replay cannot repeat",
+                checkpointed,
+            )
+            return False
+        return device.type == "cuda" and not compiled and not wrapped
+    if not setting:
+        return False
+    key = "trainer.cuda_graphs"
+    if device.type != "cuda":
+        raise ConfigError(key, setting, f"needs a CUDA device (this run is on {device}); use auto")
+    if compiled:
+        raise ConfigError(
+            key,
+            setting,
+            "replays an uncompiled model; a compiled model is replayed as CUDA graphs by "
+            "trainer.compile_mode (reduce-overhead, which auto picks for a model compiled "
+            "whole); set trainer.compile=false or trainer.cuda_graphs=auto",
+        )
+    if wrapped:
+        raise ConfigError(
+            key,
+            setting,
+            "a replayed backward hands every gradient over at its end, so data parallelism "
+            "could not reduce gradient buckets while backward runs; use auto (off here) or false",
+        )
+    if checkpointed:
+        raise ConfigError(
+            key,
+            setting,
+            f"cannot replay model.activation_checkpointing's recompute of {checkpointed} "
+            "block(s) (it sets the CUDA generator's state from the host, which a capture does "
+            "not record); set model.activation_checkpointing=none or trainer.cuda_graphs=auto",
+        )
+    return True
+
+
+class ModelLoss(nn.Module):
+    """The model and its loss as one call: model(inputs, targets) for a model that computes its
+    own loss (GPT's head fused with the cross-entropy), else loss_fn(model(inputs), targets)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None):
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is None:
+            return self.model(inputs, targets)
+        return self.loss_fn(self.model(inputs), targets)
+
+
+def _signature(model: nn.Module, *tensors: torch.Tensor) -> tuple:
+    """What a replay assumes of a call: the batch's shapes, dtypes and devices; each module's
+    train/eval mode; which parameters take gradients; where the parameters and buffers live
+    (the graphs read and write those addresses: a tensor given new storage, as `p.data = ...`
+    or load_state_dict(assign=True) do, would be left behind)."""
+    return (
+        tuple((t.shape, t.dtype, t.device) for t in tensors),
+        tuple(m.training for m in model.modules()),
+        tuple(p.requires_grad for p in model.parameters()),
+        tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())),
+    )
+
+
+def _difference(captured: tuple, now: tuple) -> str:
+    names = (
+        "batch shapes",
+        "a module's train/eval mode",
+        "which parameters take gradients",
+        "the storage of a parameter or buffer",
+    )
+    changed = [n for n, a, b in zip(names, captured, now, strict=True) if a != b]
+    batch = f": {now[0]} against {captured[0]}" if captured[0] != now[0] else ""
+    return ", ".join(changed) + batch
+
+
+def unreplayed_hooks(model: nn.Module) -> list[str]:
+    """Hooks a replay would not run as eager steps do: module hooks run while recording only, and
+    a hook on a parameter's gradient is recorded into the backward graph and then run again when
+    autograd accumulates the replayed gradient. torch lists neither publicly; these dicts are
+    what torch's own make_graphed_callables checks. (Hooks run after accumulation are fine.)"""
+    import torch.nn.modules.module as tm
+
+    found = [
+        f"global module {kind} hooks"
+        for kind, hooks in (
+            ("forward", tm._global_forward_hooks),
+            ("forward pre", tm._global_forward_pre_hooks),
+            ("backward", tm._global_backward_hooks),
+            ("backward pre", tm._global_backward_pre_hooks),
+        )
+        if hooks
+    ]
+    for name, m in model.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            found.append(f"module hooks on {name or type(m).__name__}")
+    for name, p in model.named_parameters():
+        if p._backward_hooks:
+            found.append(f"a gradient hook on {name}")
+    return found
+
+
+WARMUP_STEPS = 3  # uncaptured steps before capturing, on a side stream (see _capture)
+
+
+class _Replay(torch.autograd.Function):
+    """One replay of the captured forward, and of the captured backward when autograd asks for
+    the gradients; the parameters are inputs so that autograd hands them their gradients."""
+
+    @staticmethod
+    def forward(ctx, graphs: GraphedLoss, inputs, targets, *params):  # noqa: ANN001
+        ctx.graphs = graphs
+        # A .grad that autograd kept from the last backward replay is a buffer of the graphs'
+        # memory pool, which this forward replay may write its temporaries into (forward and
+        # backward share the pool) and the backward replay writes anew. Under gradient
+        # accumulation it is copied out first, so that this micro-batch's gradients are added
+        # to it; with one micro-batch a step, the optimizer has read it and zero_grad dropped it.
+        for p, g in zip(graphs.params, graphs.grads, strict=True):
+            if g is not None and p.grad is not None and p.grad.data_ptr() == g.data_ptr():
+                p.grad = p.grad.clone()
+        graphs.inputs.copy_(inputs)
+        graphs.targets.copy_(targets)
+        graphs.forward_graph.replay()
+        return graphs.loss.detach()  # the graph's own buffer: the next replay overwrites it
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):  # noqa: ANN001
+        graphs = ctx.graphs
+        graphs.grad_loss.copy_(grad_loss)
+        graphs.backward_graph.replay()
+        # The graph's gradient buffers, detached: autograd may keep them as .grad (the module
+        # docstring says for how long that is safe).
+        grads = [g.detach() if g is not None else None for g in graphs.grads]
+        return None, None, None, *grads
+
+
+class GraphedLoss:
+    """ModelLoss replayed as CUDA graphs: captured at the first call, from that batch, under
+    autocast to `amp_dtype` (None: fp32); called as ModelLoss is, inside the step's autocast.
+    `required` (trainer.cuda_graphs=true): a model that cannot be replayed is an error; under
+    auto it trains uncaptured, with a warning that says why."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable | None,
+        amp_dtype: torch.dtype | None,
+        required: bool = False,
+    ):
+        self.model, self.amp_dtype, self.required = model, amp_dtype, required
+        self.eager = ModelLoss(model, loss_fn)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.captured: tuple = ()
+        self.off = False  # auto, and the model has hooks a replay would not run
+        self.warned = False
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.off:
+            return self.eager(inputs, targets)
+        if not self.captured:
+            if not self._capture(inputs, targets):
+                return self.eager(inputs, targets)
+        signature = _signature(self.model, inputs, targets)
+        if signature != self.captured:
+            # A graph replays fixed shapes, one train/eval mode, one set of parameters with
+            # gradients, at fixed addresses. Training batches all have one shape (the loader
+            # drops the last partial batch) and fit trains in train mode; a call that differs (a
+            # loader given to fit that keeps partial batches, a module put in eval mode, a
+            # parameter unfrozen or given new storage after the capture) runs uncaptured,
+            # correctly and at eager speed.
+            if not self.warned:
+                log.warning(
+                    "trainer.cuda_graphs: a step differs from the captured one (%s); steps like "
+                    "it run uncaptured",
+                    _difference(self.captured, signature),
+                )
+                self.warned = True
+            return self.eager(inputs, targets)
+        return _Replay.apply(self, inputs, targets, *self.params)
+
+    def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
+        """Record the graphs from this batch; False where hooks keep the model uncaptured."""
+        hooks = unreplayed_hooks(self.model)
+        if hooks:
+            why = (
+                f"{type(self.model).__name__} has {', '.join(hooks[:3])}"
+                f"{' and more' if len(hooks) > 3 else ''}, which a replay would not run as an "
+                "eager step does"
+            )
+            if self.required:
+                raise CaptureError(
+                    f"trainer.cuda_graphs=true: {why}; remove the hooks, or set "
+                    "trainer.cuda_graphs=auto (trains uncaptured) or false"
+                )
+            log.warning("trainer.cuda_graphs=auto: %s; training uncaptured", why)
+            self.off = True
+            return False
+        # The warm-up draws dropout masks as eager steps do; the CUDA generator is put back
+        # after, so that the replays draw what eager steps from here would (a replay advances it
+        # by what its recorded kernels draw), and a run resumed from a checkpoint, which
+        # captures again, draws what the uninterrupted run drew.
+        rng = torch.cuda.get_rng_state(inputs.device)
+        try:
+            self._record(inputs, targets)
+        except Exception as err:
+            raise CaptureError(
+                f"trainer.cuda_graphs: capturing {type(self.model).__name__} and its loss as CUDA "
+                f"graphs failed ({err}); a model whose step reads GPU values on the host or "
+                "changes shape from step to step cannot be replayed, nor can a step recorded "
+                "while another thread draws CUDA random numbers (a random transform on the "
+                "device). Set trainer.cuda_graphs=false to train it uncaptured."
+            ) from err
+        torch.cuda.set_rng_state(rng, inputs.device)
+        self.captured = _signature(self.model, inputs, targets)
+        log.info(
+            "trainer.cuda_graphs: %s and its loss captured as CUDA graphs for batches of %s",
+            type(self.model).__name__,
+            self.captured[0],
+        )
+        return True
+
+    def _record(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Warm up, record the forward and backward graphs, put BatchNorm's statistics back."""
+        # The buffers every replay copies its batch into: copies of the first batch, not the
+        # loader's own tensors, which it reuses for later batches.
+        self.inputs, self.targets = inputs.clone(), targets.clone()
+        # autocast's cache of cast weights is off while recording: a cast cached by an earlier
+        # forward would be read, not recorded, and the replay would reuse a stale copy.
+        autocast = torch.autocast(
+            inputs.device.type,
+            dtype=self.amp_dtype,
+            enabled=self.amp_dtype is not None,
+            cache_enabled=False,
+        )
+        # Warm-up, uncaptured, on a side stream: cuDNN picks its algorithms, cuBLAS its
+        # workspaces, Triton compiles, none of which may happen while recording. It moves
+        # BatchNorm's running statistics WARMUP_STEPS batches on: they are put back after, in
+        # place, since the graphs hold the buffers' addresses. The synchronize calls around it
+        # are the capture's sync points, once, at the first step.
+        buffers = list(self.model.buffers())
+        saved = [b.clone() for b in buffers]
+        torch.cuda.synchronize()
+        # Backward runs outside autocast, as the eager step's does (train_step): autocast would
+        # otherwise recast what backward computes in fp32 (autocast reaches backward's thread).
+        no_autocast = torch.autocast(inputs.device.type, enabled=False)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(WARMUP_STEPS):
+                with autocast:
+                    loss = self.eager(self.inputs, self.targets)
+                with no_autocast:
+                    torch.autograd.grad(loss, self.params, allow_unused=True)
+            del loss
+        torch.cuda.synchronize()
+        # thread_local: the loader's copy thread goes on issuing copies and allocations on its
+        # own stream while this thread records; a process-wide ("global") capture would be
+        # invalidated by them. Forward and backward share one memory pool, recorded in the
+        # order they replay: the backward graph's gradients may sit where the forward graph's
+        # temporaries go (what _Replay.forward copies out under accumulation).
+        pool = torch.cuda.graph_pool_handle()
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+            with autocast:
+                loss = self.eager(self.inputs, self.targets)
+        self.grad_loss = torch.ones_like(loss)
+        with (
+            torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"),
+            no_autocast,
+        ):
+            self.grads = torch.autograd.grad(
+                loss, self.params, grad_outputs=self.grad_loss, allow_unused=True
+            )
+        # The loss's buffer, without the recorded autograd graph behind it (whose gradient
+        # accumulators were made on the capture's stream; the replays make their own).
+        self.loss = loss.detach()
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)

@@ -1,0 +1,375 @@
+"""The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
+precision (the forward and loss eager, or replayed as CUDA graphs: mgpu.train.graphs; the
+optimizer step with its clipping and loss scaling: mgpu.train.update; batches fed to it:
+mgpu.train.feed), periodic and final evaluation, when to record metrics, and when all ranks save a
+checkpoint together (mgpu.ckpt.resume says how) or stop on preemption; the state a checkpoint holds
+(state_dict/load_state_dict).
+
+Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
+on the device and is handed to the Recorder, which reads it a log interval later, with the step's
+timing marks and the loader's data-wait meter; the step's agreement (mgpu.train.guard: the
+non-finite verdict and the preemption flag, one collective) is read two steps late. Checkpoint steps
+are the exception: saving reads everything back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from mgpu.ckpt.resume import Checkpointer, check_resumable
+from mgpu.ckpt.state import restore_training_state, training_state
+from mgpu.comm.engine import MgpuDataParallel, local_module, sync_gradients, unwrap
+from mgpu.comm.sharded_optim import ShardedOptimizer
+from mgpu.config.schema import Precision, TrainerConfig
+from mgpu.data.prefetch import DeviceLoader
+from mgpu.data.sampler import DataCursor, advance, epochs
+from mgpu.models import compile_mode
+from mgpu.models.loss import cross_entropy
+from mgpu.runtime.dist import (
+    Runtime,
+    all_reduce_sum_,
+    is_timeout,
+)
+from mgpu.runtime.preempt import Preempted, Preemption
+from mgpu.telemetry.goodput import Goodput
+from mgpu.telemetry.metrics import Recorder
+from mgpu.telemetry.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
+from mgpu.telemetry.timing import StepTimer
+from mgpu.train import watchdog
+from mgpu.train.feed import Feed, first_batch_everywhere
+from mgpu.train.fp8 import check_fp8
+from mgpu.train.graphs import GraphedLoss, ModelLoss, use_graphs
+from mgpu.train.guard import NonFiniteGuard
+from mgpu.train.numerics import autocast_dtype, training_loss
+from mgpu.train.update import Update, build_scaler
+
+log = logging.getLogger(__name__)
+
+
+def generators(data: DataLoader) -> dict[str, torch.Generator]:
+    """The RNGs a checkpoint carries besides the global ones: the DataLoader's (worker seeds)."""
+    return {"loader": data.generator} if data.generator is not None else {}
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        rt: Runtime,
+        *,
+        recorder: Recorder | None = None,
+        input_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        checkpointer: Checkpointer | None = None,
+        preemption: Preemption | None = None,
+        profiler: StepProfiler | None = None,
+        goodput: Goodput | None = None,
+    ):
+        self.cfg, self.model, self.rt = cfg, model, rt
+        # The parameter objects, listed once: they stay the same objects for the whole run
+        # (sharding and checkpoint loads change their data, not them), and walking the module
+        # tree for them every step cost ResNet-50 ~0.17 ms of host time a step, which a
+        # launch-bound step pays in full.
+        self.params = list(model.parameters())
+        self.profiler, self.goodput = profiler, goodput
+        self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
+        self.preemption = preemption
+        if cfg.precision is Precision.fp8:
+            check_fp8(rt.device)  # train.py checked before starting; a Trainer built in Python
+        self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
+        # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
+        ddp = isinstance(model, DistributedDataParallel)
+        # As build_parallel_model compiled the model: a world of one (wrapped only under
+        # dist.shard_optimizer) reduces nothing during backward.
+        overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel) and rt.distributed
+        mode = compile_mode(
+            cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
+        )
+        # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
+        # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
+        own_loss = getattr(unwrap(model), "computes_loss", False)
+        loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
+        wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
+        compiled = cfg.compiles(rt.device.type)
+        # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
+        checkpointed = getattr(unwrap(model), "checkpointed", 0)
+        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed)
+        # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
+        # graphs (mgpu.train.graphs).
+        self.forward_loss = (
+            GraphedLoss(model, loss_fn, self.amp_dtype, required=cfg.cuda_graphs is True)
+            if graphs
+            else ModelLoss(model, loss_fn)
+        )
+        sharded = isinstance(optimizer, ShardedOptimizer)
+        self.scaler = build_scaler(cfg, rt.device, self.amp_dtype, sharded)
+        self.checkpointer = checkpointer  # None: fit saves nothing
+        # Where fit starts: after step 0, at epoch 0's start, unless load_state_dict says
+        # otherwise; `step` is the last step done.
+        self.start_step, self.start_cursor, self.step = 0, None, 0
+        channels_last = rt.device.type == "cuda" and getattr(unwrap(model), "channels_last", False)
+        self.feed = Feed(rt.device, channels_last, input_transform)
+        # Where this rank is, for hang reports; started by fit (trainer.stall_timeout_s).
+        self.watch = watchdog.Watchdog(rt, cfg.stall_timeout_s)
+        self.guard = NonFiniteGuard(
+            cfg.nonfinite,
+            cfg.max_consecutive_skips,
+            rt,
+            scaler_owns_grads=self.scaler.is_enabled(),
+            # Wrapped for data parallelism: the ranks share their parameters and must agree.
+            agree=wrapped,
+            preemptible=preemption is not None,
+            on_skip=recorder.skipped if recorder is not None else None,
+        )
+        # The step's end: clipping, the agreement, the optimizer and the schedule.
+        self.update = Update(
+            cfg, self.params, optimizer, schedule, self.scaler, self.guard, self._stop_asked
+        )
+        # Where train_step marks the parts of each step for the Recorder's breakdown.
+        self.timer = recorder.timer if recorder is not None else StepTimer(None)
+
+    def _autocast(self) -> AbstractContextManager:
+        return torch.autocast(
+            self.rt.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
+        )
+
+    def train_step(
+        self, batches: Iterator[Any], step: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss and
+        whether the step was skipped as non-finite, both device tensors (reading them on the
+        host would stall the GPU queue).
+
+        `batches` yields (inputs, targets) ready for the model, as a DeviceLoader gives them
+        (on the device, input transform applied); host batches are moved, not transformed."""
+        accum = self.cfg.grad_accum_steps
+        # The step's marks for the Recorder's breakdown (metrics.breakdown): CUDA events on
+        # the compute stream, read a log interval later; host time on CPU.
+        timer = self.timer
+        total = torch.zeros((), device=self.rt.device)
+        watch = self.watch
+        for micro in range(accum):
+            watch.beat(step, watchdog.DATA)
+            timer.data_asked()
+            with phase(DATA):
+                inputs, targets = self.feed.prepare(next(batches))
+            timer.data_ready()
+            watch.beat(step, watchdog.STEP)
+            # Gradients are averaged across ranks on the last micro-step only; the earlier
+            # ones accumulate locally (forward and backward both inside the no-sync region).
+            with sync_gradients(self.model, enabled=micro == accum - 1):
+                with phase(FORWARD), self._autocast():
+                    loss = self.forward_loss(inputs, targets)
+                with phase(BACKWARD):
+                    self.scaler.scale(loss / accum).backward()
+            timer.backward_done()
+            total += loss.detach()
+        watch.beat(step, watchdog.UPDATE)
+        with phase(OPTIMIZER):
+            loss, bad = self.update(total / accum, step)
+        timer.step_done()
+        self.guard.poll()  # verdicts LAG steps old: raises under trainer.nonfinite=stop
+        return loss, bad
+
+    def loss_scale(self) -> torch.Tensor | None:
+        """fp16's current loss scale as a device scalar (no host sync), else None: the scaler
+        multiplies a one by its scale, through its public API."""
+        if not self.scaler.is_enabled():
+            return None
+        return self.scaler.scale(torch.ones((), device=self.rt.device))
+
+    def _stop_asked(self) -> bool:
+        return self.preemption is not None and self.preemption.asked
+
+    @torch.no_grad()
+    def evaluate(self, loader: DataLoader) -> float:
+        """Mean loss over every eval sample exactly once, summed across ranks."""
+        # The module under DDP: eval forward must not take part in DDP's gradient bookkeeping.
+        model = local_module(self.model)
+        model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        step = self.watch.step
+        for batch in self.feed.batches(loader):
+            self.watch.beat(step, watchdog.EVAL)
+            inputs, targets = self.feed.prepare(batch)
+            with self._autocast():
+                logits = model(inputs)
+            sums[0] += cross_entropy(logits, targets, reduction="sum").double()
+            sums[1] += targets.numel()
+        model.train()
+        self.watch.beat(step, watchdog.EVAL)
+        all_reduce_sum_(sums, self.rt)
+        total, count = sums.tolist()  # sync point: evaluation only, not the training loop
+        return total / count
+
+    def fit(self, train_loader: DeviceLoader | DataLoader, eval_loader: Iterable | None) -> None:
+        """Train from start_step to trainer.max_steps. Each step reads: data -> step (its
+        agreement inside, read LAG steps later) -> log -> maybe evaluate and save; all ranks
+        stop together after the step their agreement names on preemption."""
+        cfg, rec = self.cfg, self.recorder
+        if self.start_step >= cfg.max_steps:
+            log.info(
+                "resumed at step %d, trainer.max_steps=%d: done", self.start_step, cfg.max_steps
+            )
+            return
+        train, owned = self.feed.prefetcher(train_loader)
+        batches = self._begin(train)
+        try:
+            self.watch.start()  # the stall clock and progress reports, until the end
+            batches = first_batch_everywhere(batches, self.rt)
+            for step in range(self.start_step + 1, cfg.max_steps + 1):
+                lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
+                loss, bad = self._step(batches, step)  # data, forward/backward, agree, update
+                rec.step(loss, bad)  # on the device: read a log interval later
+                # Agreed in the step's exchange: True on every rank after the same step.
+                stopping = self.guard.preempted
+                last = step == cfg.max_steps
+                save, evaluate = self._due(step, last, stopping, eval_loader is not None)
+                # Saves close a log interval too, so a resumed run logs the same intervals as
+                # an uninterrupted one.
+                if step % cfg.log_every == 0 or last or evaluate or save:
+                    self.watch.beat(step, watchdog.LOG)
+                    # The loader's GPU events in the wait are read at publish, not now.
+                    rec.close_interval(step, lr, train.wait.take(), self.loss_scale())
+                if evaluate or save:
+                    required = last or stopping  # a save that must not fail quietly
+                    self._evaluate_and_save(step, eval_loader if evaluate else None, save, required)
+                if stopping and not last:
+                    self.guard.settle()  # no exchange left running when the group goes
+                    stop = self.preemption
+                    raise Preempted(step, stop.signum if stop is not None else None)
+            self.guard.settle()
+            rec.publish_pending()
+            rec.finish(cfg.max_steps)
+        except Exception as err:
+            if is_timeout(err):
+                raise self.watch.timed_out(err) from err
+            raise
+        finally:
+            self.watch.stop()
+            if self.profiler is not None:
+                self.profiler.close()
+            batches.close()  # ends the running epoch: in-flight batches retired, threads joined
+            if owned:
+                train.close()
+
+    def _step(self, batches: Iterator[Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.profiler is not None:
+            self.profiler.begin_step(step)
+        loss, bad = self.train_step(batches, step)
+        self.step = step
+        if step == self.start_step + 1:
+            # From here on: the first step is where a compiled model compiles, so start-up
+            # includes it.
+            self._enter("training")
+        return loss, bad
+
+    def _due(self, step: int, last: bool, stopping: bool, evaluates: bool) -> tuple[bool, bool]:
+        """Whether this step saves a checkpoint, and whether it evaluates."""
+        cfg = self.cfg
+        save = self.checkpointer is not None and self.checkpointer.due(step, last or stopping)
+        periodic = cfg.eval_every > 0 and step % cfg.eval_every == 0 and not stopping
+        return save, evaluates and (last or periodic)
+
+    def _begin(self, train: DeviceLoader) -> Iterator[Any]:
+        """The batches from where the run stands, with its RNG states; telemetry's clock."""
+        data = train.loader  # the DataLoader: its sampler, batch size and generator
+        if self.checkpointer is not None:
+            check_resumable(data.sampler, data.batch_size)
+        self._data = data
+        self._generators = generators(data)
+        train.wait.take()  # data wait counts from here
+        batches = epochs(train, start=self.start_cursor)
+        self.model.train()
+        if self.checkpointer is not None:
+            self.checkpointer.restore_rng(self._generators)  # the last thing before the first step
+        self.recorder.begin()
+        return batches
+
+    def _evaluate_and_save(
+        self, step: int, eval_loader: Iterable | None, save: bool, required: bool
+    ) -> None:
+        rec = self.recorder
+        # Now, not an interval later: the record is complete up to the step that is evaluated
+        # or saved (and a restart's purge_step starts right after it).
+        rec.publish_pending()
+        if eval_loader is not None:
+            self._enter("eval")  # the interval published above: its GPU work is done
+            rec.eval_loss(step, self.evaluate(eval_loader))
+        if save:
+            # Every verdict up to this step, now: a non-finite step is never saved.
+            self.guard.settle()
+            self._enter("checkpoint")
+            self.watch.beat(step, watchdog.SAVE)
+            rec.flush()  # the record up to this step is on disk, as the checkpoint is
+            saved = self.checkpointer.save(
+                step, self.state_dict, self._generators, required=required
+            )
+            if saved is not None and self.goodput is not None:  # rank 0, the one that counts
+                self.goodput.checkpointed(step)
+            rec.save_goodput()
+        self._enter("training")
+        rec.restart_clock()  # neither is training step time
+
+    def _enter(self, category: str) -> None:
+        if self.goodput is not None:
+            self.goodput.enter(category)
+
+    # ---- state: what a checkpoint holds (mgpu.ckpt.resume saves it, mgpu.ckpt.state puts it back)
+    # ----
+
+    def cursor(self, step: int, data: DataLoader) -> DataCursor:
+        """The position in `data` (the training DataLoader) after `step`: counted from the step
+        number (pure), never from the loader, whose prefetching runs ahead of training."""
+        sampler = data.sampler
+        start = self.start_cursor or DataCursor(sampler.seed, 0, 0, sampler.num_samples)
+        batches = (step - self.start_step) * self.cfg.grad_accum_steps
+        return advance(start, batches, batch_size=data.batch_size, world_size=self.rt.world_size)
+
+    def state_dict(self) -> dict:
+        """The replicated training state after the last step fit did: model (unwrapped: its
+        keys carry no wrapper prefix), optimizer, schedule, loss scaler, step and data cursor.
+        Under dist.shard_optimizer a collective (the optimizer's shards are gathered): every
+        rank calls it."""
+        return self._state(self.step, self._data)
+
+    def _state(self, step: int, data: DataLoader) -> dict:
+        return training_state(
+            model=unwrap(self.model), optimizer=self.optimizer, schedule=self.schedule,
+            scaler=self.scaler, step=step, cursor=self.cursor(step, data),
+        )  # fmt: skip
+
+    def save(self, step: int, loader: DeviceLoader | DataLoader, *, required: bool) -> Path | None:
+        """Every rank together saves the state after `step`, trained from `loader` (its cursor
+        and generator state go in the checkpoint, not the loader). A collective; fit saves
+        through the same checkpointer."""
+        data = loader.loader if isinstance(loader, DeviceLoader) else loader
+        return self.checkpointer.save(
+            step, lambda: self._state(step, data), generators(data), required=required
+        )
+
+    def load_state_dict(self, state: dict, *, source: str = "checkpoint") -> None:
+        """Continue from `state` (a checkpoint's shared state): model, optimizer, schedule and
+        scaler now; fit starts after its step, at its data cursor, on any number of ranks."""
+        self.start_step, self.start_cursor = restore_training_state(
+            state, model=unwrap(self.model), optimizer=self.optimizer,
+            schedule=self.schedule, scaler=self.scaler, source=source,
+        )  # fmt: skip
+        self.step = self.start_step
+        # mgpu's reducer re-attaches its buckets at the first forward after gradients are None.
+        self.optimizer.zero_grad(set_to_none=True)
+        log.info(
+            "resumed from %s: step %d, epoch %d with %d of its samples done",
+            source, self.start_step, self.start_cursor.epoch, self.start_cursor.consumed,
+        )  # fmt: skip

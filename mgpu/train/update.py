@@ -1,0 +1,114 @@
+"""The optimizer step that ends a training step, after the micro-batches' backward: fp16 loss
+scaling (torch's GradScaler, or mgpu's LossScaler on gradient shards), gradient clipping, the
+ranks' agreement on a non-finite step (mgpu.train.guard's one collective), stepping or skipping
+the optimizer, and the schedule. Nothing here reads a GPU value on the host."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_
+
+from mgpu.comm.sharded_optim import ShardedOptimizer
+from mgpu.config.schema import TrainerConfig
+from mgpu.optim.loss_scale import LossScaler
+from mgpu.train.guard import NonFiniteGuard, fused
+
+# clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
+CLIP_EPS = 1e-6
+
+
+def build_scaler(cfg: TrainerConfig, device: torch.device, amp_dtype, sharded: bool):
+    """fp16 gradients underflow without loss scaling; bf16 and fp32 don't need it (the scaler is
+    then disabled, a pass-through). Sharded, each rank sees only its shards' overflows: mgpu's
+    LossScaler, whose verdict the ranks agree on (Update._clipped); else torch's GradScaler on
+    the whole averaged gradients."""
+    fp16 = amp_dtype is torch.float16
+    if sharded:
+        return LossScaler(device, init_scale=cfg.loss_scale_init, enabled=fp16)
+    return torch.amp.GradScaler(device.type, init_scale=cfg.loss_scale_init, enabled=fp16)
+
+
+class Update:
+    """Clip, agree on finiteness, step the optimizer (or skip it) and the schedule: called once
+    per optimizer step with the step's mean loss; returns it and the device flag `bad`."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        params: list[torch.nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        schedule: torch.optim.lr_scheduler.LRScheduler,
+        scaler,
+        guard: NonFiniteGuard,
+        stop_asked: Callable[[], bool],
+    ):
+        self.grad_clip, self.params = cfg.grad_clip, params
+        self.optimizer, self.schedule, self.scaler, self.guard = optimizer, schedule, scaler, guard
+        self.sharded = isinstance(optimizer, ShardedOptimizer)
+        self.stop_asked = stop_asked  # preemption asked on this rank: rides the agreement
+
+    def __call__(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.scaler.is_enabled() and not self.sharded:
+            bad = self._grad_scaler(loss, step)
+        else:
+            bad = self._clipped(loss, step)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        return loss, bad
+
+    def _grad_scaler(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """fp16 without sharding: torch's GradScaler on the averaged gradients, whole on every
+        rank, so that each rank's own overflow check gives the same verdict."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        # Overflowing gradients are the scaler's to skip. A non-finite loss (agreed across
+        # ranks) poisons the gradients so that the scaler skips that step too, on every rank
+        # alike, without a host read.
+        bad = self.guard.check(step, loss, grads, None, self.stop_asked())
+        if grads:
+            grads[0].add_(torch.where(bad, float("nan"), 0.0))
+        if self.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
+            clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        # GradScaler.step reads found-inf on the host unless the optimizer is fused (mgpu's
+        # are): then no sync.
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return bad
+
+    def _clipped(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """fp32 and bf16; and fp16 under dist.shard_optimizer, where the LossScaler unscales
+        this rank's gradient shards and its overflow flag rides the norm's all-reduce, so that
+        an overflow on any rank's shard skips the step (and lowers the scale) on every rank."""
+        overflow = None
+        if self.sharded:  # this rank's averaged shards; the norm sums every rank's (comm.shard)
+            grads = self.optimizer.shard_grads()
+            if self.scaler.is_enabled():
+                overflow = self.scaler.unscale_(grads)  # this rank's shards only
+            # One small all-reduce: the global norm, and the overflow flag agreed across ranks.
+            norm, overflow = self.optimizer.grad_norm(overflow)
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+        scale = None
+        if self.grad_clip > 0 and norm is not None:
+            if fused(self.optimizer):
+                # Clipping rides in the fused update: its kernel divides each gradient by
+                # grad_scale as it reads it, so no pass over the gradients (and none of the
+                # host time that launches it) is spent on scaling them first.
+                scale = (norm + CLIP_EPS).div(self.grad_clip).clamp(min=1.0)
+            else:
+                clip_grads_with_norm_(grads, self.grad_clip, norm, foreach=True)
+        # A collective: every rank learns whether any rank's step went non-finite. Under fp16
+        # it judges the loss only (scaler_owns_grads): an overflow is the scaler's.
+        bad = self.guard.check(step, loss, grads, norm, self.stop_asked())
+        if overflow is None:
+            self.guard.step(self.optimizer, bad, grad_scale=scale)
+            return bad
+        # fp16, sharded: skipped for a non-finite loss or an overflow on any rank, and the
+        # scale lowered for either, as GradScaler does (a non-finite loss poisons its grads).
+        skipped = bad | overflow
+        self.guard.step(self.optimizer, skipped, grad_scale=scale)
+        self.scaler.update(skipped)
+        return bad
