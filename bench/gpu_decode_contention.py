@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from bench.engines import versions  # noqa: E402
 from bench.make_image_folder import write_folder  # noqa: E402
 from mgpu.data import ImageFolder  # noqa: E402
-from mgpu.data.image_folder import collate_encoded  # noqa: E402
+from mgpu.data.encoded import collate_encoded  # noqa: E402
 from mgpu.data.sampler import SampleKey  # noqa: E402
 
 

@@ -382,7 +382,7 @@ def test_without_a_gpu_auto_decodes_on_the_cpu_and_gpu_is_refused(tmp_path):
 def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
     """The worker half of decode=gpu, on any host: a JPEG's bytes and reference crop, a PNG's
     reference pixels, gathered into one batch in their places."""
-    from mgpu.data.image_folder import collate_encoded
+    from mgpu.data.encoded import collate_encoded
 
     files = write_tree(tmp_path / "train")
     kwargs = folder(tmp_path / "train", tmp_path / "train", decode="gpu")
@@ -469,8 +469,8 @@ def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
     """decode=gpu's batch step on the CPU, with Pillow standing in for nvJPEG: the crops match
     decode=cpu's within a level (torch's antialiased resize against Pillow's), in their places,
     with their labels; a JPEG the decoder refuses is named (error) or replaced (skip)."""
+    from mgpu.data.encoded import collate_encoded
     from mgpu.data.gpu_decode import BatchDecoder, resize_each
-    from mgpu.data.image_folder import collate_encoded
 
     write_tree(tmp_path / "train", per_class=6, sizes=((150, 200), (90, 60), (40, 64)))
     kwargs = {**folder(tmp_path / "train", eval_samples=2), "image_size": 32, "classes": CLASSES}

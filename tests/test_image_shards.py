@@ -25,7 +25,7 @@ from test_image_folder import cpu_runtime, reference_pixels, smooth_image
 from mgpu.config.checks import ConfigError
 from mgpu.data import ImageFolder, ImageShards
 from mgpu.data.config import ImageFolderDataConfig, ImageShardsDataConfig
-from mgpu.data.image_folder import Encoded
+from mgpu.data.encoded import Encoded
 from mgpu.data.loader import build_loader
 from mgpu.data.prepare_images import main as prepare
 from mgpu.data.sampler import SampleKey

@@ -51,7 +51,8 @@ class DataConfig:
     _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)
     batch_size: int = 32  # per device, per micro-step
     # DataLoader worker processes per rank: a number, or auto (this node's CPUs shared out per
-    # local process, less two for the training process's own threads; mgpu.data.loader.worker_count).
+    # local process, less two for the training process's own threads;
+    # mgpu.data.loader.worker_count).
     num_workers: Any = "auto"
     pin_memory: bool = True  # page-locked host batches; applies when training on CUDA
     prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)

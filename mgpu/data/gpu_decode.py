@@ -12,6 +12,7 @@ import io
 import logging
 import os
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from PIL import Image
 from torch import Tensor
 
 from mgpu.config.checks import ConfigError  # what train.py reports in one line
-from mgpu.data.image_folder import REMOVE_OR_SKIP, BadImageFile, EncodedBatch, ImageFolder
+from mgpu.data.encoded import REMOVE_OR_SKIP, BadImageFile, EncodedBatch
 from mgpu.runtime.launch import CUDA_CONNECTIONS, cuda_connections_warning
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,17 @@ def _probe_jpeg() -> Tensor:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
+class DecodedSet(Protocol):
+    """What the decode step needs of its image set (ImageFolder and ImageShards have it): the
+    crops' side, the files (to name a bad one), the bad-file policy and its counter."""
+
+    image_size: int
+    files: list[str]
+    bad_files: str
+
+    def count_replaced(self, why: str) -> None: ...
+
+
 JpegDecode = Callable[[list[Tensor]], list[Tensor]]  # JPEG bytes -> [3, H, W] uint8 images
 # (out, images, boxes, flips, slots): each image's box resized into out[slot] (gpu_resize)
 Resize = Callable[[Tensor, list[Tensor], list[tuple], list[bool], list[int]], None]
@@ -107,7 +119,7 @@ def resize_each(
         out[slot] = (crop + 0.5).floor_().clamp_(0, 255).to(torch.uint8)
 
 
-def gpu_decoder(dataset: ImageFolder, device: torch.device | str) -> BatchDecoder:
+def gpu_decoder(dataset: DecodedSet, device: torch.device | str) -> BatchDecoder:
     """data.decode=gpu's step for `device`, with torchvision's nvJPEG, tried once on a tiny
     JPEG: a GPU decode that cannot work stops the run before training, naming the key."""
     why = gpu_decode_unavailable()
@@ -140,7 +152,7 @@ class BatchDecoder:
     """
 
     def __init__(
-        self, dataset: ImageFolder, device: torch.device, decode: JpegDecode, resize: Resize
+        self, dataset: DecodedSet, device: torch.device, decode: JpegDecode, resize: Resize
     ):
         self.dataset, self.device, self.size = dataset, device, dataset.image_size
         self._decode, self._resize = decode, resize

@@ -1,5 +1,5 @@
-"""Input pipeline from config: the dataset, the pinned DataLoader over mgpu.data.sampler's rank shard,
-and the side-stream prefetcher (mgpu.data.prefetch.DeviceLoader) put in front of it.
+"""Input pipeline from config: the dataset, the pinned DataLoader over mgpu.data.sampler's rank
+shard, and the side-stream prefetcher (mgpu.data.prefetch.DeviceLoader) put in front of it.
 """
 
 from __future__ import annotations
