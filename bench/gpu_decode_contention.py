@@ -193,8 +193,8 @@ def main() -> None:
         a @ a
     torch.cuda.synchronize()
     product_ms = (time.perf_counter() - start) / 20 * 1e3
-    # The other work on torch's default stream (the legacy stream 0, where training ran before
-    # mgpu.runtime.dist.own_stream) and on a non-blocking stream of its own (where it runs now).
+    # The other work on torch's default stream (the legacy stream 0, where train.py's step runs)
+    # and on a non-blocking stream of its own: the decode waited behind both alike.
     loops = {"default": torch.cuda.default_stream(device), "own": torch.cuda.Stream(device)}
     phases = {
         "alone": lambda: alone(step, work, stream),

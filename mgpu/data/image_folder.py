@@ -372,7 +372,8 @@ class ImageFolder(Dataset):
         return int(self._replaced.sum())
 
     def counters(self) -> dict[str, float]:
-        """Host counters for TensorBoard (mgpu.metrics.Recorder): this rank's replaced files."""
+        """Host counters for TensorBoard (mgpu.telemetry.metrics.Recorder): this rank's replaced
+        files."""
         return {"data/bad_files_replaced": float(self.replaced())}
 
     def device_decoder(self, device: torch.device):
