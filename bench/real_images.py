@@ -117,15 +117,27 @@ def cpu_decode_rate(folder: Path, n: int) -> float:
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def gpu_decode_rate(folder: Path, batch: int, batches: int) -> dict:
+def gpu_decode_rates(folder: Path, batch: int, batches: int) -> dict:
     """Images a second data.decode=gpu's batch step decodes and crops (pinned host bytes in,
-    uint8 crops out), the workers' part done beforehand."""
+    uint8 crops out), the workers' part done beforehand; and torchvision's decode alone, on the
+    whole batch's JPEGs in one call and in calls of 64 (does the batch's size cost the decode?)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     from bench.gpu_decode_contention import alone, encoded_batches
 
     device = torch.device("cuda", torch.cuda.current_device())
     step, work = encoded_batches(folder, batch, batches, device)
-    rate = alone(step, work, torch.cuda.Stream(device))
-    return {"img_per_s": rate, "jpegs_per_batch": len(work[0].lengths)}
+    stream = torch.cuda.Stream(device)
+    rates = {"step_img_per_s": alone(step, work, stream), "jpegs_per_batch": len(work[0].lengths)}
+    for chunk in sorted({batch, 64}):
+
+        def decode_only(encoded, chunk=chunk):
+            jpegs = encoded.jpegs
+            for at in range(0, len(jpegs), chunk):
+                decode_jpeg(jpegs[at : at + chunk], mode=ImageReadMode.RGB, device=device)
+
+        rates[f"decode_only_calls_of_{chunk}_img_per_s"] = alone(decode_only, work, stream)
+    return rates
 
 
 def main() -> None:
@@ -158,6 +170,14 @@ def main() -> None:
         folder = work / "images"
         made = write_folder(folder, args.images, min(100, args.images // 4), mix="realistic")
         print(f"wrote {made}", flush=True)
+    probes = {}
+    if args.probes and not args.quick:
+        probes["cpu_decode_img_per_s_per_core"] = cpu_decode_rate(folder, 300)
+        if torch.cuda.is_available():
+            probes["gpu_decode_per_gpu"] = {
+                f"batch_{b}": gpu_decode_rates(folder, b, max(10, 2560 // b)) for b in args.batches
+            }
+        print(json.dumps(probes), flush=True)
     runs, ratio = [], {}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     pairs = [(c, b) for c in args.cores for b in args.batches]
@@ -185,13 +205,11 @@ def main() -> None:
                 key = f"resnet50_b{batch}_{cores}cores"
                 key = key if decode == "auto" else f"{key}_{decode}"
                 ratio[key + (f"_cpu{share:g}" if share else "")] = row["ratio"]
-        save(args.out, {"ratio": ratio, "runs": runs, "folder": made or str(folder)}, stamp)
-    probes = {}
-    if args.probes and not args.quick:
-        probes["cpu_decode_img_per_s_per_core"] = cpu_decode_rate(folder, 300)
-        if torch.cuda.is_available():
-            probes["gpu_decode_img_per_s_per_gpu"] = gpu_decode_rate(folder, 128, 20)
-        print(json.dumps(probes), flush=True)
+        save(
+            args.out,
+            {"ratio": ratio, "probes": probes, "runs": runs, "folder": made or str(folder)},
+            stamp,
+        )
     record = {"ratio": ratio, "probes": probes, "runs": runs, "folder": made or str(folder)}
     path = save(args.out, record, stamp)
     print("ratio", json.dumps(ratio, indent=1))
