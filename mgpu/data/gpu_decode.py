@@ -166,8 +166,8 @@ class BatchDecoder:
             out[batch.pixels_at.to(device)] = batch.pixels.to(device, non_blocking=True)
         if batch.lengths:
             images, boxes, flips, labels = self._decoded(batch)
-            # Every crop of the batch in two launches (gpu_resize.resize_into), whatever the
-            # images' sizes: the same filter as the workers' Pillow resize.
+            # Every crop of the batch in at most 6 launches (gpu_resize.resize_into), whatever
+            # the images' sizes: the same filter as the workers' Pillow resize.
             self._resize(out, images, boxes, flips.tolist(), batch.jpeg_at.tolist())
         return out, labels.to(device, non_blocking=True)
 
