@@ -75,7 +75,10 @@ def test_batched_crops_match_the_per_image_reference_in_the_interpreter():
     batch whose passes launch per group, flips, slots out of order, boxes that shrink and grow,
     an output side that is not a power of two. And the same batch in one launch a pass: the
     same pixels, bit for bit."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 9):  # 3.6's interpreter wraps kernel arguments: range(taps) fails
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over a kernel argument")
     pytest.importorskip("numpy")  # the interpreter's
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
