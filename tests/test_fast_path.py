@@ -140,6 +140,20 @@ def test_compile_mode_auto_graphs_whole_models_on_gpus_only():
         "max-autotune-no-cudagraphs"
     )
     assert compile_mode("reduce-overhead", "inductor", resnet, cuda) == "reduce-overhead"
+    # Several micro-batches a step: a replay would overwrite the last one's gradients.
+    assert compile_mode("auto", "inductor", resnet, cuda, accum=2) is None
+    assert compile_mode("auto", "inductor", gpt, cuda, overlap=False, accum=16) is None
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_with_accumulation_are_refused(mode):
+    with pytest.raises(ConfigError) as err:
+        to_config(compose_config(f"trainer.compile_mode={mode}", "trainer.grad_accum_steps=4"))
+    why = str(err.value)
+    assert f"trainer.compile_mode='{mode}'" in why and "trainer.grad_accum_steps=4" in why
+    assert "max-autotune-no-cudagraphs" in why  # says what to set instead
+    cfg = to_config(compose_config(f"trainer.compile_mode={mode}", "trainer.grad_accum_steps=1"))
+    assert cfg.trainer.compile_mode == mode
 
 
 def test_cuda_graphs_auto_replays_uncompiled_unwrapped_models_on_gpus_only():

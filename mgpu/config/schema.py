@@ -60,6 +60,7 @@ class OptimizerName(Enum):
 
 
 COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
 
 
 @dataclass
@@ -83,7 +84,8 @@ class TrainerConfig:
     # torch.compile's mode for the model and the loss (inductor only): default, reduce-overhead
     # (each compiled region replayed as a CUDA graph: one launch instead of one per kernel, for
     # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune; auto:
-    # mgpu.models.compile_mode decides (CUDA graphs for a model compiled whole on a GPU).
+    # mgpu.models.compile_mode decides (CUDA graphs for a model compiled whole on a GPU, one
+    # micro-batch a step).
     compile_mode: str = "auto"
     # An uncompiled model's forward, loss and backward captured from the first batch and
     # replayed as CUDA graphs (mgpu.train.graphs): the eager kernels without launching each from
@@ -138,6 +140,20 @@ class TrainerConfig:
             "trainer.compile_mode",
             self.compile_mode,
             f"must be one of {', '.join(COMPILE_MODES)}",
+        )
+        # torch.compile's CUDA graphs hand backward's gradients over in buffers the next replay
+        # writes again, and autograd keeps such a buffer as a parameter's .grad: a second
+        # micro-batch overwrites the first's gradients before they are summed (GPT-2 XL with 16
+        # micro-batches stopped at its first step on one H100, torch 2.11: "accessing tensor
+        # output of CUDAGraphs that has been overwritten"). auto leaves the graphs out there.
+        _require(
+            self.compile_mode not in CUDA_GRAPH_MODES or self.grad_accum_steps == 1,
+            "trainer.compile_mode",
+            self.compile_mode,
+            f"replays backward as CUDA graphs, which overwrite one micro-batch's gradients with "
+            f"the next's (trainer.grad_accum_steps={self.grad_accum_steps}); use "
+            "trainer.compile_mode=auto or max-autotune-no-cudagraphs, or "
+            "trainer.grad_accum_steps=1",
         )
         _require(
             self.compile_mode in ("auto", "default") or self.compile_backend == "inductor",

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mgpu.config.checks import ConfigError
-from mgpu.config.schema import build_from_target
+from mgpu.config.schema import CUDA_GRAPH_MODES, build_from_target
 from mgpu.models.config import ModelConfig
 from mgpu.models.flops import count_training_flops
 from mgpu.models.gpt import GPT
@@ -42,10 +42,6 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for child in model.children() for block in repeated_blocks(child)]
 
 
-# torch.compile modes that replay the compiled regions as CUDA graphs.
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
 def compiled_whole(model: nn.Module, overlap: bool) -> bool:
     """Whether compile_model compiles `model` as one graph: always where no gradient is
     reduced while backward runs (`overlap` false: one process, or `dist.engine=none`), else
@@ -60,6 +56,7 @@ def compile_mode(
     device: torch.device,
     ddp: bool = False,
     overlap: bool = True,
+    accum: int = 1,
 ) -> str | None:
     """torch.compile's mode for `trainer.compile_mode` (None: torch's default).
 
@@ -72,7 +69,10 @@ def compile_mode(
     replaying them as CUDA graphs failed (an output read after the next replay overwrote it);
     GPT-2-small is GPU-bound anyway (CUDA graphs: 35.2 to 34.7 ms in a plain loop). Nor under
     torch DDP (`ddp`): its compiled graph is split at DDP's buckets by torch, which mgpu does not
-    replay as CUDA graphs unasked. `overlap`: as for compile_model.
+    replay as CUDA graphs unasked. `overlap`: as for compile_model. Nor with several
+    micro-batches a step (`accum`, trainer.grad_accum_steps): a replayed backward's gradients,
+    kept by autograd as .grad, are overwritten by the next micro-batch's replay (TrainerConfig
+    refuses such a mode set by hand, saying so).
 
     Measured and left out of auto (GPT-2-small, one H100, bench/README.md): inductor's
     coordinate-descent tuning of its kernels took 0.4 ms off a 35 ms step but ~95 s onto the
@@ -91,7 +91,7 @@ def compile_mode(
                 "use auto, default or max-autotune-no-cudagraphs",
             )
         return setting
-    graphs = whole and not ddp and device.type == "cuda" and backend == "inductor"
+    graphs = whole and not ddp and accum == 1 and device.type == "cuda" and backend == "inductor"
     return "reduce-overhead" if graphs else None
 
 

@@ -81,7 +81,9 @@ def build_parallel_model(cfg: Config, model: nn.Module, rt: Runtime) -> nn.Modul
         ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
         # Gradients reduced while backward runs: the model is wrapped for data parallelism.
         overlap = cfg.dist.engine is not Engine.none and rt.distributed
-        mode = compile_mode(tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap)
+        mode = compile_mode(
+            tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap, tc.grad_accum_steps
+        )
         model = compile_model(model, tc.compile_backend, mode, overlap)
     return wrap_model(model, cfg.dist, rt)
 

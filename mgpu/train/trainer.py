@@ -94,7 +94,13 @@ class Trainer:
         # dist.shard_optimizer) reduces nothing during backward.
         overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel) and rt.distributed
         mode = compile_mode(
-            cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap
+            cfg.compile_mode,
+            cfg.compile_backend,
+            unwrap(model),
+            rt.device,
+            ddp,
+            overlap,
+            cfg.grad_accum_steps,
         )
         # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
         # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
