@@ -4,6 +4,7 @@ its batches made on the GPU's doorstep, on one GPU, in one job, with the host's 
     python bench/real_images.py                       # 12,000 images, 16 and 8 cores, B=128/256
     python bench/real_images.py --folder DIR --cores 16 --batches 128 --decodes auto cpu
     python bench/real_images.py --quick               # tiny shapes on the CPU: checks the script
+    python bench/real_images.py --only 16:128 --shards 256   # and from the set prepared once
 
 Each run is `taskset -c 0-(N-1) python train.py ...` as a user types it (compiled ResNet-50,
 bf16, channels_last, SGD, the defaults of experiment=resnet50_folder), read back from its own
@@ -56,8 +57,11 @@ def train_args(
     ]
     if kind == "reference":
         return ["experiment=resnet50", *common]
+    # shards: the same images prepared once (prepare_images --max-side), folder = its DST
+    data = ["data=image_shards"] if kind == "shards" else []
     return [
         "experiment=resnet50_folder",
+        *data,
         f"data.path={folder}",
         f"data.decode={decode}",
         f"data.cpu_decode_share={share}",
@@ -140,6 +144,18 @@ def gpu_decode_rates(folder: Path, batch: int, batches: int) -> dict:
     return rates
 
 
+def prepare_shards(folder: Path, dst: Path, max_side: int) -> float:
+    """Seconds python -m mgpu.data.prepare_images takes to write `folder` as shards."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "mgpu.data.prepare_images", str(folder), str(dst)]
+    start = time.perf_counter()
+    subprocess.run([*cmd, "--max-side", str(max_side)], env=env, check=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--folder", type=Path, help="an image tree to use (default: write one)")
@@ -156,6 +172,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=60, help="steps left out of the medians")
     p.add_argument("--every", type=int, default=20, help="steps per log interval")
     p.add_argument("--probes", action="store_true", help="also measure decode rates alone")
+    p.add_argument(
+        "--shards", type=int, metavar="MAX_SIDE",
+        help="also train from the folder prepared once as data=image_shards, images shrunk to "
+        "this shorter side (python -m mgpu.data.prepare_images; its time is recorded)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -178,6 +199,11 @@ def main() -> None:
                 f"batch_{b}": gpu_decode_rates(folder, b, max(10, 2560 // b)) for b in args.batches
             }
         print(json.dumps(probes), flush=True)
+    prepared = None
+    if args.shards:
+        prepared = {"max_side": args.shards, "path": str(work / "shards")}
+        prepared["prepare_s"] = prepare_shards(folder, work / "shards", args.shards)
+        print(json.dumps(prepared), flush=True)
     runs, ratio = [], {}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     pairs = [(c, b) for c in args.cores for b in args.batches]
@@ -188,9 +214,12 @@ def main() -> None:
         # A CPU share means something only where the GPU decodes (not under decode=cpu).
         shares = [(d, x) for d in args.decodes for x in args.cpu_shares]
         folder_runs = [("folder", d, x) for d, x in shares if not (x and d == "cpu")]
+        if prepared:
+            folder_runs.append(("shards", "auto", 0.0))
         for kind, decode, share in [("reference", "-", 0.0), *folder_runs]:
             name = f"b{batch}_{cores}cores_{kind}_{decode}" + (f"_cpu{share:g}" if share else "")
-            cmd = train_args(kind, folder, batch, decode, args.steps, args.every, share)
+            source = Path(prepared["path"]) if kind == "shards" else folder
+            cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
             raw = run_train(cmd, cores, work / name, args.timeout, args.quick)
             row = {"name": name, "cores": cores, "batch": batch, "kind": kind, "decode": decode}
             row.update(cpu_decode_share=share)
@@ -200,18 +229,15 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         reference = results["reference", "-", 0.0]["img_per_s"]
         for (kind, decode, share), row in results.items():
-            if kind == "folder" and reference and row["img_per_s"]:
+            if kind != "reference" and reference and row["img_per_s"]:
                 row["ratio"] = row["img_per_s"] / reference
-                key = f"resnet50_b{batch}_{cores}cores"
+                key = f"resnet50_b{batch}_{cores}cores" + ("_shards" if kind == "shards" else "")
                 key = key if decode == "auto" else f"{key}_{decode}"
                 ratio[key + (f"_cpu{share:g}" if share else "")] = row["ratio"]
-        save(
-            args.out,
-            {"ratio": ratio, "probes": probes, "runs": runs, "folder": made or str(folder)},
-            stamp,
-        )
-    record = {"ratio": ratio, "probes": probes, "runs": runs, "folder": made or str(folder)}
-    path = save(args.out, record, stamp)
+        record = {"ratio": ratio, "probes": probes, "runs": runs, "shards": prepared}
+        save(args.out, {**record, "folder": made or str(folder)}, stamp)
+    record = {"ratio": ratio, "probes": probes, "runs": runs, "shards": prepared}
+    path = save(args.out, {**record, "folder": made or str(folder)}, stamp)
     print("ratio", json.dumps(ratio, indent=1))
     print(f"wrote {path}")
 
