@@ -179,7 +179,9 @@ def make_batch(name: str, device: torch.device, models: dict):
 
 
 def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Module:
-    mode = compile_mode(tcfg.compile_mode, tcfg.compile_backend, model, rt.device)
+    mode = compile_mode(
+        tcfg.compile_mode, tcfg.compile_backend, model, rt.device, accum=tcfg.grad_accum_steps
+    )
     if spec.dist.engine is Engine.mgpu and not spec.whole_compile:
         return compile_model(model, tcfg.compile_backend, mode)  # what train.py does
     if spec.dist.engine is Engine.none:

@@ -140,7 +140,11 @@ def gpu_decode_rates(folder: Path, batch: int, batches: int) -> dict:
             for at in range(0, len(jpegs), chunk):
                 decode_jpeg(jpegs[at : at + chunk], mode=ImageReadMode.RGB, device=device)
 
-        rates[f"decode_only_calls_of_{chunk}_img_per_s"] = alone(decode_only, work, stream)
+        # alone() counts every image of a batch; the decode sees only its JPEGs
+        jpeg_share = sum(len(w.lengths) for w in work) / (len(work) * len(work[0].labels))
+        rates[f"decode_only_calls_of_{chunk}_img_per_s"] = (
+            alone(decode_only, work, stream) * jpeg_share
+        )
     return rates
 
 

@@ -144,6 +144,15 @@ class PlainLoop:
     (`model.head_loss=logits`): a user's own model code does neither."""
 
     def __init__(self, cfg: Config, device: torch.device, compiled: bool, variant: str):
+        graphs = ("cudagraphs", "fused_loss", "coordinate", "autotune")
+        if compiled and variant in graphs and cfg.trainer.grad_accum_steps > 1:
+            # as trainer.compile_mode refuses it: a replayed backward's gradients, kept as
+            # .grad, are overwritten by the next micro-step's replay
+            raise SystemExit(
+                f"--plain-variants {variant}: replays CUDA graphs, which overwrite one "
+                f"micro-step's gradients with the next's (grad_accum_steps="
+                f"{cfg.trainer.grad_accum_steps}); leave it out for this model"
+            )
         torch.manual_seed(cfg.trainer.seed)
         model_cfg = cfg.model
         if hasattr(model_cfg, "attention") and variant != "attention":

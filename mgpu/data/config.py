@@ -273,9 +273,9 @@ class ImageFolderDataConfig(DataConfig):
     # by the DataLoader workers instead, which the GPU path otherwise leaves idle; the GPU
     # decodes the rest. 0: every JPEG nvJPEG takes goes to the GPU. Those samples' pixels are
     # decode=cpu's (within a level or two of the GPU's; DCT-scaled under reduced_decode),
-    # evaluation's included. Under decode=cpu (or auto resolving to it) it does nothing. It
-    # pays only while the workers keep up (about share x the step's images a second): 0.3 gained
-    # 0.025 on one H100 host and lost 0.18 on another with slower cores (bench/README.md).
+    # evaluation's included. Under decode=cpu (or auto resolving to it) it does nothing. Measure
+    # before setting it: 0.3 gained 0.025 on one H100 machine and lost 0.18 on another whose
+    # cores decode a quarter slower (bench/README.md, "Real images").
     cpu_decode_share: float = 0.0
 
     def __post_init__(self) -> None:
