@@ -5,6 +5,7 @@ its batches made on the GPU's doorstep, on one GPU, in one job, with the host's 
     python bench/real_images.py --folder DIR --cores 16 --batches 128 --decodes auto cpu
     python bench/real_images.py --quick               # tiny shapes on the CPU: checks the script
     python bench/real_images.py --only 16:128 --shards 256   # and from the set prepared once
+    python bench/real_images.py --variant keep=data.keep_trainer_cores=true   # and with overrides
 
 Each run is `taskset -c 0-(N-1) python train.py ...` as a user types it (compiled ResNet-50,
 bf16, channels_last, SGD, the defaults of experiment=resnet50_folder), read back from its own
@@ -177,6 +178,11 @@ def main() -> None:
     p.add_argument("--every", type=int, default=20, help="steps per log interval")
     p.add_argument("--probes", action="store_true", help="also measure decode rates alone")
     p.add_argument(
+        "--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+        help="also a folder run (decode=auto) with these train.py overrides, named NAME, e.g. "
+        "keep=data.keep_trainer_cores=true",
+    )  # fmt: skip
+    p.add_argument(
         "--shards", type=int, metavar="MAX_SIDE",
         help="also train from the folder prepared once as data=image_shards, images shrunk to "
         "this shorter side (python -m mgpu.data.prepare_images; its time is recorded)",
@@ -213,31 +219,36 @@ def main() -> None:
     pairs = [(c, b) for c in args.cores for b in args.batches]
     if args.only:
         pairs = [tuple(map(int, x.split(":"))) for x in args.only]
+    variants = dict(v.split("=", 1) for v in args.variant)  # name -> comma-separated overrides
     for cores, batch in pairs:
         results = {}
-        # A CPU share means something only where the GPU decodes (not under decode=cpu).
+        # (kind, decode, CPU share, variant): a CPU share means something only where the GPU
+        # decodes (not under decode=cpu); a variant is the folder run with its overrides.
         shares = [(d, x) for d in args.decodes for x in args.cpu_shares]
-        folder_runs = [("folder", d, x) for d, x in shares if not (x and d == "cpu")]
-        if prepared:
-            folder_runs.append(("shards", "auto", 0.0))
-        for kind, decode, share in [("reference", "-", 0.0), *folder_runs]:
-            name = f"b{batch}_{cores}cores_{kind}_{decode}" + (f"_cpu{share:g}" if share else "")
+        plan = [("reference", "-", 0.0, "")]
+        plan += [("folder", d, x, "") for d, x in shares if not (x and d == "cpu")]
+        plan += [("folder", "auto", 0.0, name) for name in variants]
+        plan += [("shards", "auto", 0.0, "")] if prepared else []
+        for kind, decode, share, variant in plan:
+            suffix = (f"_cpu{share:g}" if share else "") + (f"_{variant}" if variant else "")
+            name = f"b{batch}_{cores}cores_{kind}_{decode}{suffix}"
             source = Path(prepared["path"]) if kind == "shards" else folder
             cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
+            cmd += variants[variant].split(",") if variant else []
             raw = run_train(cmd, cores, work / name, args.timeout, args.quick)
             row = {"name": name, "cores": cores, "batch": batch, "kind": kind, "decode": decode}
-            row.update(cpu_decode_share=share)
+            row.update(cpu_decode_share=share, variant=variant)
             row.update(summarise(raw, args.warmup), cmd=raw["cmd"], wall_s=raw["wall_s"])
-            results[kind, decode, share] = row
+            results[kind, decode, suffix] = row
             runs.append(row)
             print(json.dumps(row), flush=True)
-        reference = results["reference", "-", 0.0]["img_per_s"]
-        for (kind, decode, share), row in results.items():
+        reference = results["reference", "-", ""]["img_per_s"]
+        for (kind, decode, suffix), row in results.items():
             if kind != "reference" and reference and row["img_per_s"]:
                 row["ratio"] = row["img_per_s"] / reference
                 key = f"resnet50_b{batch}_{cores}cores" + ("_shards" if kind == "shards" else "")
                 key = key if decode == "auto" else f"{key}_{decode}"
-                ratio[key + (f"_cpu{share:g}" if share else "")] = row["ratio"]
+                ratio[key + suffix] = row["ratio"]
         record = {"ratio": ratio, "probes": probes, "runs": runs, "shards": prepared}
         save(args.out, {**record, "folder": made or str(folder)}, stamp)
     record = {"ratio": ratio, "probes": probes, "runs": runs, "shards": prepared}

@@ -1,6 +1,8 @@
 """Sharded sampling and evaluation: every rank gets equal training steps, a new shuffle every
 epoch, and evaluation sees each sample exactly once across ranks."""
 
+import os
+
 import pytest
 import torch
 from conftest import free_port, gloo_runtime, spawn
@@ -132,3 +134,42 @@ def test_a_stream_with_no_whole_batch_is_refused():
     """Fewer samples a rank than a batch: an endless stream that never yields; said instead."""
     with pytest.raises(ValueError, match="gets 1 samples an epoch, less than a batch of 2"):
         ShardedSampler(3, 0, 2, shuffle=True, seed=0, even=True, stream_batch=2)
+
+
+def test_spare_cpus_leave_the_trainer_its_first_cores():
+    from mgpu.data.loader import TRAINER_CORES, spare_cpus
+
+    assert TRAINER_CORES == 2
+    assert spare_cpus(list(range(16))) == list(range(2, 16))
+    assert spare_cpus([3, 5, 8]) == [8]  # the process's own set, not the machine's numbering
+    assert spare_cpus([0, 1]) == [0, 1]  # no CPU would be left to the workers: all of them
+    assert spare_cpus([4]) == [4]
+
+
+class _Affinity(torch.utils.data.Dataset):
+    """Each sample: the CPUs of the process that loads it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor(sorted(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_workers_run_on_the_spare_cpus_under_keep_trainer_cores(keep):
+    """Real worker processes from build_dataloader: under data.keep_trainer_cores they run on
+    spare_cpus of the training process's set (on a host of more than two CPUs, fewer CPUs than
+    the trainer), and the training process keeps its own; off, they run where it may."""
+    from mgpu.data.config import DataConfig
+    from mgpu.data.loader import build_dataloader, spare_cpus
+
+    mine = sorted(os.sched_getaffinity(0))
+    cfg = DataConfig(_target_="unused", batch_size=1, num_workers=2, keep_trainer_cores=keep)
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    loader = build_dataloader(cfg, _Affinity(), rt, seed=0, train=False)
+    # the setting reaches the workers on any host (a host of two CPUs narrows nothing)
+    assert loader.worker_init_fn.keywords == {"keep_trainer_cores": keep}
+    seen = {tuple(batch[0].tolist()) for batch in loader}
+    assert seen == {tuple(spare_cpus(mine) if keep else mine)}
+    assert sorted(os.sched_getaffinity(0)) == mine

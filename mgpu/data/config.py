@@ -58,6 +58,11 @@ class DataConfig:
     prefetch_factor: int = 2  # batches each DataLoader worker prepares ahead (with workers > 0)
     prefetch_depth: int = 2  # batches copied to the GPU ahead of use, on the loader's side stream
     device_transform: str = "auto"  # auto: the dataset's `device_transform`; none: leave inputs
+    # DataLoader workers stay off the first two CPUs of this process's share, which stay the
+    # training process's own (its launching thread and the prefetcher's copy thread); without
+    # it the scheduler lets busy workers take them (mgpu.data.loader.spare_cpus). Off until
+    # measured: bench/real_images.py --variant keep=data.keep_trainer_cores=true.
+    keep_trainer_cores: bool = False
 
     def __post_init__(self) -> None:
         _positive("data.batch_size", self.batch_size, "32")

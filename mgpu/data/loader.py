@@ -4,6 +4,9 @@ shard, and the side-stream prefetcher (mgpu.data.prefetch.DeviceLoader) put in f
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -68,7 +71,7 @@ def build_dataloader(
         # and then; kept workers would hold processes and memory through all of training.
         persistent_workers=train and workers > 0,
         generator=torch.Generator().manual_seed(seed + rt.rank),
-        worker_init_fn=leave_preemption_to_the_trainer,
+        worker_init_fn=functools.partial(start_worker, keep_trainer_cores=cfg.keep_trainer_cores),
         collate_fn=getattr(dataset, "collate", None),  # a dataset's own batch type, if any
     )
 
@@ -77,6 +80,22 @@ def build_dataloader(
 # the GPU work, and the prefetcher's copy thread. A launch-bound model (ResNet-50) slows down when
 # DataLoader workers take every core.
 TRAINER_CORES = 2
+
+
+def spare_cpus(allowed: list[int], keep: int = TRAINER_CORES) -> list[int]:
+    """The CPUs a DataLoader worker may run on under data.keep_trainer_cores: those its training
+    process may use (`allowed`, sorted) but the first `keep`; all of them where no CPU would be
+    left to the workers."""
+    return allowed[keep:] if len(allowed) > keep else allowed
+
+
+def start_worker(worker_id: int, keep_trainer_cores: bool = False) -> None:
+    """Each DataLoader worker's first act: SIGTERM and SIGUSR1 left to the trainer, and under
+    `keep_trainer_cores` its CPUs narrowed to spare_cpus (the training process, which forked
+    it, keeps the whole set)."""
+    leave_preemption_to_the_trainer(worker_id)
+    if keep_trainer_cores:
+        os.sched_setaffinity(0, spare_cpus(sorted(os.sched_getaffinity(0))))
 
 
 def worker_count(setting: int | str, cpu_share: int) -> int:
