@@ -6,6 +6,7 @@ its batches made on the GPU's doorstep, on one GPU, in one job, with the host's 
     python bench/real_images.py --quick               # tiny shapes on the CPU: checks the script
     python bench/real_images.py --only 16:128 --shards 256   # and from the set prepared once
     python bench/real_images.py --variant keep=data.keep_trainer_cores=true   # and with overrides
+    python bench/real_images.py --only 16:128 --trace   # and where each run's GPU time went
 
 Each run is `taskset -c 0-(N-1) python train.py ...` as a user types it (compiled ResNet-50,
 bf16, channels_last, SGD, the defaults of experiment=resnet50_folder), read back from its own
@@ -149,6 +150,27 @@ def gpu_decode_rates(folder: Path, batch: int, batches: int) -> dict:
     return rates
 
 
+def trace_args(args) -> list[str]:
+    """train.py overrides that trace args.trace_steps steps after the warm-up."""
+    start = args.warmup + args.every if not args.quick else 2
+    steps = min(args.trace_steps, args.steps - start)
+    return [
+        "trainer.profile=true",
+        f"trainer.profile_start={start}",
+        f"trainer.profile_steps={steps}",
+    ]
+
+
+def traced_streams(run_dir: Path, steps: int) -> dict:
+    """bench/trace_streams.py's summary of the trace a traced run wrote (rank 0's)."""
+    from bench.trace_streams import stream_summary
+
+    found = sorted((run_dir / "profile" / "rank0").glob("*.pt.trace.json*"))
+    if not found:
+        return {"note": f"no trace under {run_dir / 'profile' / 'rank0'}"}
+    return stream_summary(found[-1], steps)
+
+
 def prepare_shards(folder: Path, dst: Path, max_side: int) -> float:
     """Seconds python -m mgpu.data.prepare_images takes to write `folder` as shards."""
     env = {
@@ -182,6 +204,12 @@ def main() -> None:
         help="also a folder run (decode=auto) with these train.py overrides, named NAME, e.g. "
         "keep=data.keep_trainer_cores=true",
     )  # fmt: skip
+    p.add_argument(
+        "--trace", action="store_true",
+        help="also a traced run of the reference and of the folder (trainer.profile): each "
+        "CUDA stream's busy time a step and costliest kernels (bench/trace_streams.py)",
+    )  # fmt: skip
+    p.add_argument("--trace-steps", type=int, default=5, help="steps a traced run traces")
     p.add_argument(
         "--shards", type=int, metavar="MAX_SIDE",
         help="also train from the folder prepared once as data=image_shards, images shrunk to "
@@ -229,17 +257,23 @@ def main() -> None:
         plan += [("folder", d, x, "") for d, x in shares if not (x and d == "cpu")]
         plan += [("folder", "auto", 0.0, name) for name in variants]
         plan += [("shards", "auto", 0.0, "")] if prepared else []
+        # traced twins of the reference and the folder run: where each one's GPU time went
+        plan += [("reference", "-", 0.0, "traced"), ("folder", "auto", 0.0, "traced")] * args.trace
         for kind, decode, share, variant in plan:
             suffix = (f"_cpu{share:g}" if share else "") + (f"_{variant}" if variant else "")
             name = f"b{batch}_{cores}cores_{kind}_{decode}{suffix}"
             source = Path(prepared["path"]) if kind == "shards" else folder
             cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
-            cmd += variants[variant].split(",") if variant else []
+            traced = variant == "traced"
+            cmd += trace_args(args) if traced else variants[variant].split(",") if variant else []
             raw = run_train(cmd, cores, work / name, args.timeout, args.quick)
             row = {"name": name, "cores": cores, "batch": batch, "kind": kind, "decode": decode}
             row.update(cpu_decode_share=share, variant=variant)
             row.update(summarise(raw, args.warmup), cmd=raw["cmd"], wall_s=raw["wall_s"])
-            results[kind, decode, suffix] = row
+            if traced:  # its rates carry the profiler's cost: not a ratio
+                row["trace"] = traced_streams(work / name, args.trace_steps)
+            else:
+                results[kind, decode, suffix] = row
             runs.append(row)
             print(json.dumps(row), flush=True)
         reference = results["reference", "-", ""]["img_per_s"]

@@ -74,15 +74,59 @@ def test_optim_step_quick_runs(tmp_path):
 
 
 def test_real_images_quick_runs(tmp_path):
-    """train.py on a written realistic folder against the synthetic reference, tiny shapes."""
+    """train.py on a written realistic folder against the synthetic reference, tiny shapes: a CPU
+    share, a named variant, the prepared shards and the traced twins."""
     cmd = [sys.executable, "bench/real_images.py", "--quick", "--cpu-shares", "0", "0.5"]
+    cmd += ["--variant", "keep=data.keep_trainer_cores=true", "--shards", "24", "--trace"]
     result = run(cmd, tmp_path)
-    assert set(result["ratio"]) == {"resnet50_b8_1cores", "resnet50_b8_1cores_cpu0.5"}
+    assert set(result["ratio"]) == {
+        "resnet50_b8_1cores",
+        "resnet50_b8_1cores_cpu0.5",
+        "resnet50_b8_1cores_keep",
+        "resnet50_b8_1cores_shards",
+    }
     assert result["folder"]["kinds"]["png"] > 0 and result["folder"]["kinds"]["cmyk"] > 0
-    runs = {(r["kind"], r["cpu_decode_share"]): r for r in result["runs"]}
-    assert set(runs) == {("reference", 0.0), ("folder", 0.0), ("folder", 0.5)}, runs
+    assert result["shards"]["max_side"] == 24 and result["shards"]["prepare_s"] > 0
+    runs = {(r["kind"], r["cpu_decode_share"], r["variant"]): r for r in result["runs"]}
+    assert set(runs) == {
+        ("reference", 0.0, ""),
+        ("folder", 0.0, ""),
+        ("folder", 0.5, ""),
+        ("folder", 0.0, "keep"),
+        ("shards", 0.0, ""),
+        ("reference", 0.0, "traced"),
+        ("folder", 0.0, "traced"),
+    }, runs
     assert all(r["img_per_s"] > 0 for r in runs.values()), runs
-    assert "data.cpu_decode_share=0.5" in runs["folder", 0.5]["cmd"]
+    assert "data.cpu_decode_share=0.5" in runs["folder", 0.5, ""]["cmd"]
+    assert "data.keep_trainer_cores=true" in runs["folder", 0.0, "keep"]["cmd"]
+    assert "data=image_shards" in runs["shards", 0.0, ""]["cmd"]
+    for kind in ("reference", "folder"):  # a CPU trace holds no GPU work, but was found
+        trace = runs[kind, 0.0, "traced"]["trace"]
+        assert trace["path"].endswith(".pt.trace.json") and trace["streams"] == {}, trace
+
+
+def test_trace_streams_sums_each_streams_kernels_per_step(tmp_path):
+    """bench/trace_streams.py on a written trace: the busiest stream is the training one, the
+    rest is what ran beside it, per step."""
+    sys.path.insert(0, str(ROOT))
+    from bench.trace_streams import stream_summary
+
+    def kernel(name, stream, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream}}  # fmt: skip
+
+    events = [kernel("conv", 7, 0, 800), kernel("conv", 7, 900, 800), kernel("gemm", 7, 1700, 300)]
+    events += [kernel("_resize_rows", 20, 100, 150), kernel("rgba2rgb", 33, 50, 10)]
+    events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = stream_summary(path, steps=2)
+    assert s["streams"]["7"]["main"] and not s["streams"]["20"]["main"]
+    assert s["main_busy_ms_per_step"] == 1.9 / 2
+    assert s["side_busy_ms_per_step"] == (0.15 + 0.01) / 2
+    assert s["streams"]["7"]["top"][0] == {"name": "conv", "count": 2, "ms_per_step": 0.8}
+    assert s["window_ms_per_step"] == 2.0 / 2
 
 
 def test_head_loss_quick_checks_every_side_against_fp32(tmp_path):
