@@ -219,6 +219,12 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args()
+    variants = {}  # name -> comma-separated overrides
+    for v in args.variant:
+        name, _, overrides = v.partition("=")
+        if not name or "=" not in overrides or name in variants or name == "traced":
+            p.error(f"--variant {v}: give NAME=KEY=VALUE[,KEY=VALUE], each NAME once (not traced)")
+        variants[name] = overrides
     if args.quick:
         args.images, args.cores, args.batches = 60, [1], [8]
         args.steps, args.warmup, args.every = 6, 2, 2
@@ -247,7 +253,6 @@ def main() -> None:
     pairs = [(c, b) for c in args.cores for b in args.batches]
     if args.only:
         pairs = [tuple(map(int, x.split(":"))) for x in args.only]
-    variants = dict(v.split("=", 1) for v in args.variant)  # name -> comma-separated overrides
     for cores, batch in pairs:
         results = {}
         # (kind, decode, CPU share, variant): a CPU share means something only where the GPU
