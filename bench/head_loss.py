@@ -131,6 +131,14 @@ def library_versions() -> dict:
 
 def step_fn(fn, h, w, y, amp: bool):
     def step():
+        # Each call is one training step: gradients start at None, as a training step's
+        # zero_grad(set_to_none=True) leaves them, so backward writes them instead of adding
+        # into the last call's. Under CUDA graphs the last call's gradients live in the graphs'
+        # memory pool, which the next replay overwrites: adding into them stopped both
+        # CUDA-graph sides in job 21:27 ("accessing tensor output of CUDAGraphs that has been
+        # overwritten"). The mark tells the graphs a new step begins (a no-op for the others).
+        h.grad = w.grad = None
+        torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(h.device.type, dtype=torch.bfloat16, enabled=amp):
             loss = fn(h, w, y)
         loss.backward()

@@ -5,18 +5,19 @@
 #   bash bench/issue25.sh all                   # every part (longer than one 10-minute call)
 #   bash bench/issue25.sh summary [DIR]         # the summary lines of the JSON files in DIR
 #
-# parts (wall time on one H100, estimated, compile included; a warm machine's inductor cache
-# shortens a repeated compile):
+# parts (wall time on one H100, compile included: measured in job 21:20 where it says so,
+# else estimated; a warm machine's inductor cache shortens a repeated compile):
 #   head       bench/head_loss.py: mgpu's fused loss, the compiled logits, Liger-Kernel and
-#              cut cross-entropy, GPT-2-small and XL shapes                          ~2-4 min
+#              cut cross-entropy, GPT-2-small and XL shapes                      65 s (21:27)
 #   xl_bf16    bench/vs_plain.py gpt2_xl compiled: train.py against the plain loop,
-#              experiment=gpt2_xl's batch (8 x 16 micro-steps), bf16                  ~5-7 min
-#   xl_fp8     the same under trainer.precision=fp8 (torchao), both sides             ~5-7 min
+#              experiment=gpt2_xl's batch (8 x 16 micro-steps), bf16, and the plain loop's
+#              kernels by group over one step (--profile)              350 s (21:20, unprofiled)
+#   xl_fp8     the same under trainer.precision=fp8 (torchao), both sides 497 s (21:27, unprof.)
 #   loss_bf16  GPT-2 XL, 300 steps of 8 x 1024 byte tokens of Python's own sources,
 #              train.py's path, bf16                                                 ~3-5 min
 #   loss_fp8   the same in fp8 (same seed and data order)                            ~3-5 min
 #   loss       loss_bf16 and loss_fp8 in one process (one file with the differences) ~7-9 min
-#   small      bench/vs_plain.py gpt2_small compiled (the small model's targets)     ~2-3 min
+#   small      bench/vs_plain.py gpt2_small compiled (the small model's targets)  61 s (21:36)
 #
 # Wheels: every *.whl in $WHEELS (default .whl25: torchao, liger-kernel, cut-cross-entropy,
 # and hydra-core, omegaconf, antlr4 where the machine lacks them) is installed into $SITE
@@ -44,7 +45,8 @@ import json, pathlib, sys
 def f(v, spec):
     return format(v, spec) if isinstance(v, (int, float)) else "-"
 
-for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+folder = pathlib.Path(sys.argv[1])  # the files of this script's parts only
+for path in sorted([*folder.glob("head_loss-*.json"), *folder.glob("vs_plain-*.json")]):
     r = json.loads(path.read_text())
     print(f"== {path.name} ({r.get('device')}, torch {r.get('torch')}, {r.get('git_commit', '')})")
     for name, shape in r.get("shapes", {}).items():
@@ -55,7 +57,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
                   f"w {f(s.get('grad_w_rel_err'), '.1e')}")
         for side, why in shape["absent"].items():
             print(f"head {name:5s} {side:18s} absent: {why[:150]}")
-    for row in r.get("rows", []):
+    # head_loss.py's files before the libraries were added keep "rows" as a dict: no table here
+    for row in r.get("rows", []) if isinstance(r.get("rows"), list) else []:
         p, m = row["plain"]["whole"], row["mgpu"]
         print(f"{row['model']} {row['mode']}: ratio {f(row['ratio'], '.3f')}x | plain "
               f"{f(p['ms_per_step'], '.1f')} ms {f(p.get('tokens_per_s'), '.0f')} tok/s "
@@ -63,6 +66,9 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
               f"{f(m['ms_per_step'], '.1f')} ms {f(m.get('tokens_per_s'), '.0f')} tok/s "
               f"MFU {f(m.get('mfu_pct'), '.1f')}% peak {f(m.get('peak_mem_gib'), '.1f')} GiB "
               f"| {row.get('settings', {})}")
+        for side, table in row.get("kernels", {}).items():
+            print(f"  {side}'s kernels: {f(table['gpu_work_ms'], '.1f')} ms of GPU work a step: "
+                  + ", ".join(f"{g} {ms:.1f}" for g, ms in table.get("groups_ms", {}).items()))
     for key, s in r.get("fp8_over_bf16", {}).items():
         print(f"{key}: fp8/bf16 throughput plain {s['plain']:.3f}x mgpu {s['mgpu']:.3f}x")
     for prec, run in r.get("runs", {}).items():
@@ -112,8 +118,8 @@ for part in "${parts[@]}"; do
     log=$RES/$part.log
     case $part in
         head) cmd=(python3 bench/head_loss.py) ;;
-        xl_bf16) cmd=(python3 bench/vs_plain.py --models gpt2_xl --modes compiled) ;;
-        xl_fp8) cmd=(python3 bench/vs_plain.py --models gpt2_xl_fp8 --modes compiled) ;;
+        xl_bf16) cmd=(python3 bench/vs_plain.py --models gpt2_xl --modes compiled --profile) ;;
+        xl_fp8) cmd=(python3 bench/vs_plain.py --models gpt2_xl_fp8 --modes compiled --profile) ;;
         loss) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS") ;;
         loss_bf16) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS" --loss-precisions bf16) ;;
         loss_fp8) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS" --loss-precisions fp8) ;;

@@ -157,3 +157,28 @@ def test_vs_plain_quick_runs_the_xl_paths_and_the_loss_comparison(tmp_path):
     assert set(runs) == {"bf16", "fp32"} and all(r["steps"] == 4 for r in runs.values())
     # the same seed and data in both precisions: the same losses, to bf16's rounding
     assert abs(result["fp32_vs_bf16"]["eval_loss"]) < 0.01, result["fp32_vs_bf16"]
+
+
+def test_vs_plain_profile_groups_kernels_by_what_bounds_a_step():
+    """--profile's groups: attention kernels (whose names carry cutlass types) before the
+    matrix multiplies, inductor's matrix-multiply templates among the multiplies, its fused
+    elementwise kernels apart, and an unknown kernel under `other`, never dropped."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from vs_plain import kernel_group
+
+    names = {
+        "void flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, cutlass::bfloat16_t>>": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16": "attention",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80": "attention",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "triton_tem_fused_mm_t_12": "matmul",
+        "loss_grad_rows_0d1d2d": "head_loss",
+        "triton_red_fused__log_softmax_3": "head_loss",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "triton_poi_fused_add_gelu_native_layer_norm_7": "inductor_fused",
+        "Memcpy DtoD (Device -> Device)": "copy_memset",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "nccl",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    }
+    assert {name: kernel_group(name) for name in names} == names
