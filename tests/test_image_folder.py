@@ -5,6 +5,7 @@ files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same cro
 
 import io
 import math
+import re
 from itertools import islice
 from pathlib import Path
 
@@ -253,6 +254,29 @@ def test_corrupt_file_before_the_first_step_is_one_line_exit_2_from_every_rank(t
     line = one_line_under_torchrun(proc, None, prefix="not a readable image")
     assert "ant/img00.jpg: not a readable image" in line, line
     assert "Caught BadImageFile" not in proc.stderr  # the DataLoader worker's traceback
+
+
+def test_corrupt_file_after_the_first_step_is_one_line_from_each_rank(tmp_path):
+    """The rank that reads the bad file mid-run stops with its one line (exit 2); the other,
+    whose gradient all-reduce then loses its peer, says in one line that it stopped with it
+    (exit 1) instead of gloo's traceback."""
+    write_tree(tmp_path / "train", per_class=20)  # 58 training images: 14 steps an epoch
+    (tmp_path / "train" / "cow" / "img18.jpg").write_bytes(b"garbage")
+    args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.eval_samples=2"]
+    args += ["data.batch_size=2", "data.num_workers=1", "data.prefetch_factor=1"]
+    args += ["data.decode=cpu", "model=resnet_tiny", "trainer.max_steps=40"]
+    args += ["trainer.log_every=1", "trainer.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_train(args, cwd=tmp_path, nproc=2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
+    output = proc.stdout + proc.stderr
+    bad = [line for line in output.splitlines() if "not a readable image" in line]
+    gone = [line for line in output.splitlines() if "another rank's process ended" in line]
+    assert len(bad) == 1 and "cow/img18.jpg" in bad[0], output
+    assert len(gone) == 1 and "connection closed by peer" in gone[0], output
+    assert "step 2/40" in output.split(bad[0])[0], output  # read after training had begun
+    assert output.count("Traceback") == 1, output  # torchrun's own summary only
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, output
+    # the reader's 2 (torchrun's root cause) and the other rank's 1; neither killed by SIGTERM
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)) == {"1", "2"}, output
 
 
 def test_skip_replaces_and_counts(tmp_path):

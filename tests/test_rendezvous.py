@@ -107,3 +107,29 @@ def _one_rank_waits(rank: int, port: int, what: str, root: str) -> None:
 @pytest.mark.parametrize("what", ["config", "resume"])
 def test_a_start_up_collective_that_times_out_names_the_rank_and_the_wait(tmp_path, what):
     spawn(_one_rank_waits, free_port(), what, str(tmp_path / "checkpoints"))
+
+
+def test_stopped_turns_a_lost_peer_into_one_line_and_keeps_its_own_stops():
+    """mgpu.runtime.dist.stopped: a collective whose peer process ended (gloo's and NCCL's words
+    for it) becomes exit 1 and one line naming this rank; a stop of mgpu's own that is also a
+    RuntimeError (PeerTimeout) keeps its exit code; any other error is raised as it was."""
+    from mgpu.runtime.dist import Runtime, peer_gone, stopped
+
+    gloo = "[pair.cc:553] Connection closed by peer [127.0.0.1]:36074. This is typically caused"
+    nccl = "NCCL error: remote process exited or there was a network error, NCCL version 2.28"
+    assert peer_gone(RuntimeError(gloo)) == "connection closed by peer"
+    assert peer_gone(tdist.DistBackendError(nccl)) == "remote process exited"
+    assert peer_gone(RuntimeError("CUDA out of memory")) is None
+    assert peer_gone(ValueError(gloo)) is None
+    rt = Runtime(1, 1, 2, "gloo", torch.device("cpu"), has_process_group=False)
+    with pytest.raises(SystemExit) as stop:
+        with stopped(rt):
+            raise RuntimeError(gloo)
+    assert stop.value.code == 1
+    with pytest.raises(SystemExit) as stop:
+        with stopped(rt):
+            raise PeerTimeout("rank 1: timed out (dist.timeout_s) waiting for the other ranks")
+    assert stop.value.code == PeerTimeout.exit_code
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with stopped(rt):
+            raise RuntimeError("CUDA out of memory")

@@ -73,6 +73,25 @@ def is_timeout(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
 
 
+# What a backend says when a collective's peer process has ended: gloo's TCP pairs, NCCL's
+# remote-error report and the abort of its communicator (lower case, as matched).
+PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """The backend's words for a collective whose peer process ended, or None: how a rank
+    learns that another one stopped (a bad image after the first step, a crash) mid-run."""
+    if isinstance(err, RuntimeError):
+        text = str(err).lower()
+        return next((words for words in PEER_GONE if words in text), None)
+    return None
+
+
 def first_line(err: Exception) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
@@ -337,10 +356,13 @@ def quiet_other_ranks(rt: Runtime) -> None:
 
 @contextmanager
 def stopped(rt: Runtime) -> Iterator[None]:
-    """A RunStopped raised inside becomes its one-line report and SystemExit(its exit code)."""
+    """A RunStopped raised inside becomes its one-line report and SystemExit(its exit code); so
+    does a collective that failed because another rank's process ended: that rank says why
+    (its own stop, or its crash's traceback), this one says only that it stopped with it, in
+    one line with exit code 1, instead of a second traceback that would bury the first."""
     try:
         yield
-    except RunStopped as err:
+    except RunStopped as err:  # first: PeerTimeout is a RuntimeError too
         if err.exit_code == BAD_INPUT and threading.current_thread() is threading.main_thread():
             # Every rank stops on its own, with this code: torchrun's SIGTERM, sent as the
             # first of them exits, would turn the others' into -15 on their way out.
@@ -348,6 +370,17 @@ def stopped(rt: Runtime) -> Iterator[None]:
         loud = rt.is_primary or not err.every_rank  # an agreed stop is said once
         logging.getLogger("mgpu").log(err.level if loud else logging.INFO, "%s", err.report())
         raise SystemExit(err.exit_code) from None
+    except RuntimeError as err:
+        words = peer_gone(err)
+        if words is None:
+            raise
+        logging.getLogger("mgpu").error(
+            "rank %d: stopped: another rank's process ended under a collective (the backend: "
+            "%s); that rank's log and torchrun's summary ('Root Cause') say why",
+            rt.rank,
+            words,
+        )
+        raise SystemExit(1) from None
 
 
 def _exit_code(stop: SystemExit) -> int:
