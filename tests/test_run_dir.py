@@ -111,6 +111,9 @@ def test_a_second_launch_on_a_run_directory_in_use_stops_in_one_line(tmp_path):
     assert holder and int(holder.group(1)) in workers, (said[0], workers)
     # no worker's traceback: torchrun's own report of the failed workers is the only one
     assert "RunDirInUse" not in text and text.count("Traceback") == text.count("ChildFailedError:")
+    # nor a line of the second launch's in the first's rank logs (Hydra opened them for it)
+    for log_file in ("rank0.log", "rank1.log"):
+        assert IN_USE not in (run_dir / log_file).read_text(), log_file
     # The first launch, untouched: its settings, every checkpoint it saved, each step once.
     assert first.returncode == 0, first_out.read_text()[-3000:]
     assert (run_dir / "config.yaml").read_text() == config and "lr: 0.001" in config

@@ -121,6 +121,18 @@ def release(fd: int | None) -> None:
         os.close(fd)  # the lock goes with the last descriptor of the open file
 
 
+def leave_logs_of(run_dir: Path) -> None:
+    """Close this process's log files inside `run_dir`. Hydra opened them (`rank<N>.log`, in
+    append mode) before the lock was asked for; a launch refused the directory must leave the
+    running launch's logs as they are, so its own lines go to the console only."""
+    root, inside = logging.getLogger(), run_dir.resolve()
+    for handler in list(root.handlers):
+        path = Path(handler.baseFilename) if isinstance(handler, logging.FileHandler) else None
+        if path is not None and inside in path.parents:
+            root.removeHandler(handler)
+            handler.close()
+
+
 @contextmanager
 def hold_run_dir(run_dir: Path, rt: Runtime, peer_timeout_s: float) -> Iterator[None]:
     """Inside: this launch alone uses `run_dir` (rank 0 holds its lock). A collective, before
@@ -139,6 +151,7 @@ def hold_run_dir(run_dir: Path, rt: Runtime, peer_timeout_s: float) -> Iterator[
         with waiting(rt.rank, "the check that no other launch uses the run directory"):
             refusal = broadcast_object(refusal, rt)
         if refusal is not None:
+            leave_logs_of(run_dir)  # the refusal is said on the console, not in the run's logs
             raise RunDirInUse(refusal)
         yield
     finally:
