@@ -1,7 +1,8 @@
 """The process's place in the run and the process group's lifetime: the pinned device, joining
 and leaving the group, the few collectives start-up and checkpoints use, the check that all
-ranks resolved the same config, and how the process ends (exit codes, the teardown rule). What
-the launch environment says is mgpu.runtime.launch's (its names are importable from here too).
+ranks resolved the same config, and how the process ends (the teardown rule). What the launch
+environment says is mgpu.runtime.launch's, and the stops said in one line with an exit code are
+mgpu.runtime.stops' (the names of both are importable from here too).
 """
 
 from __future__ import annotations
@@ -9,10 +10,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -37,79 +36,21 @@ from mgpu.runtime.launch import (  # noqa: F401 - re-exported: mgpu.runtime.dist
     pin_host_cpus,
     restart_hazard,
 )
+from mgpu.runtime.stops import (  # noqa: F401 - re-exported: mgpu.runtime.dist was their home
+    BAD_INPUT,
+    PeerTimeout,
+    RunStopped,
+    first_line,
+    is_timeout,
+    peer_gone,
+    stopped,
+    waiting,
+)
 
 log = logging.getLogger(__name__)
 
 # Whether this process joined a process group (the teardown rule in exit_process).
 _joined = False
-
-
-BAD_INPUT = 2  # the exit code of a stop for input that cannot work (a config, a data file)
-
-
-class RunStopped(Exception):
-    """An error that ends the run with a message and an exit code, not a traceback (stopped()
-    turns it into the exit). `every_rank`: every rank meets it at the same point, so no
-    collective is left waiting; rank 0 says it on the console, every rank in its log file."""
-
-    exit_code = 1
-    every_rank = True
-    level = logging.ERROR
-
-    def report(self) -> str:
-        return str(self)
-
-
-class PeerTimeout(RuntimeError, RunStopped):
-    """A wait on the other ranks outside the training loop (joining the process group, the
-    first collective, agreeing on the checkpoint to resume from) ended without them. Said by
-    the rank that waited, whichever it is."""
-
-    every_rank = False
-
-
-def is_timeout(err: BaseException) -> bool:
-    # Backends raise DistBackendError (a RuntimeError) or plain RuntimeError, both saying so.
-    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
-
-
-# What a backend says when a collective's peer process has ended: gloo's TCP pairs, NCCL's
-# remote-error report and the abort of its communicator (lower case, as matched).
-PEER_GONE = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "remote process exited",
-    "communicator was aborted",
-)
-
-
-def peer_gone(err: BaseException) -> str | None:
-    """The backend's words for a collective whose peer process ended, or None: how a rank
-    learns that another one stopped (a bad image after the first step, a crash) mid-run."""
-    if isinstance(err, RuntimeError):
-        text = str(err).lower()
-        return next((words for words in PEER_GONE if words in text), None)
-    return None
-
-
-def first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-@contextmanager
-def waiting(rank: int, what: str) -> Iterator[None]:
-    """Around a wait on the other ranks: one that times out (dist.timeout_s bounds every
-    collective) becomes one line naming this rank and `what` it waited in."""
-    try:
-        yield
-    except RuntimeError as err:
-        if isinstance(err, RunStopped) or not is_timeout(err):
-            raise
-        raise PeerTimeout(
-            f"rank {rank}: timed out (dist.timeout_s) waiting for the other ranks in {what}; "
-            f"a rank that is stuck or gone is why (its log says where). The backend said: "
-            f"{first_line(err)}"
-        ) from err
 
 
 @dataclass(frozen=True)
@@ -352,35 +293,6 @@ def quiet_other_ranks(rt: Runtime) -> None:
         for handler in logging.getLogger().handlers:
             if type(handler) is logging.StreamHandler:
                 handler.setLevel(logging.WARNING)
-
-
-@contextmanager
-def stopped(rt: Runtime) -> Iterator[None]:
-    """A RunStopped raised inside becomes its one-line report and SystemExit(its exit code); so
-    does a collective that failed because another rank's process ended: that rank says why
-    (its own stop, or its crash's traceback), this one says only that it stopped with it, in
-    one line with exit code 1, instead of a second traceback that would bury the first."""
-    try:
-        yield
-    except RunStopped as err:  # first: PeerTimeout is a RuntimeError too
-        if err.exit_code == BAD_INPUT and threading.current_thread() is threading.main_thread():
-            # Every rank stops on its own, with this code: torchrun's SIGTERM, sent as the
-            # first of them exits, would turn the others' into -15 on their way out.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        loud = rt.is_primary or not err.every_rank  # an agreed stop is said once
-        logging.getLogger("mgpu").log(err.level if loud else logging.INFO, "%s", err.report())
-        raise SystemExit(err.exit_code) from None
-    except RuntimeError as err:
-        words = peer_gone(err)
-        if words is None:
-            raise
-        logging.getLogger("mgpu").error(
-            "rank %d: stopped: another rank's process ended under a collective (the backend: "
-            "%s); that rank's log and torchrun's summary ('Root Cause') say why",
-            rt.rank,
-            words,
-        )
-        raise SystemExit(1) from None
 
 
 def _exit_code(stop: SystemExit) -> int:

@@ -1,0 +1,121 @@
+"""How a run's process stops on purpose: RunStopped (an error said in one line with an exit code,
+not a traceback), waits on the other ranks that time out (PeerTimeout), a collective whose peer
+process ended, and stopped(), which turns each into its line and its exit code. The process
+group and the teardown rule are mgpu.runtime.dist's.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+
+class Place(Protocol):
+    """What stopped() reads of mgpu.runtime.dist.Runtime (which imports this module)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def is_primary(self) -> bool: ...
+
+
+BAD_INPUT = 2  # the exit code of a stop for input that cannot work (a config, a data file)
+
+
+class RunStopped(Exception):
+    """An error that ends the run with a message and an exit code, not a traceback (stopped()
+    turns it into the exit). `every_rank`: every rank meets it at the same point, so no
+    collective is left waiting; rank 0 says it on the console, every rank in its log file."""
+
+    exit_code = 1
+    every_rank = True
+    level = logging.ERROR
+
+    def report(self) -> str:
+        return str(self)
+
+
+class PeerTimeout(RuntimeError, RunStopped):
+    """A wait on the other ranks outside the training loop (joining the process group, the
+    first collective, agreeing on the checkpoint to resume from) ended without them. Said by
+    the rank that waited, whichever it is."""
+
+    every_rank = False
+
+
+def is_timeout(err: BaseException) -> bool:
+    # Backends raise DistBackendError (a RuntimeError) or plain RuntimeError, both saying so.
+    return isinstance(err, RuntimeError) and "timed out" in str(err).lower()
+
+
+# What a backend says when a collective's peer process has ended: gloo's TCP pairs, NCCL's
+# remote-error report and the abort of its communicator (lower case, as matched).
+PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """The backend's words for a collective whose peer process ended, or None: how a rank
+    learns that another one stopped (a bad image after the first step, a crash) mid-run."""
+    if isinstance(err, RuntimeError):
+        text = str(err).lower()
+        return next((words for words in PEER_GONE if words in text), None)
+    return None
+
+
+def first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+@contextmanager
+def waiting(rank: int, what: str) -> Iterator[None]:
+    """Around a wait on the other ranks: one that times out (dist.timeout_s bounds every
+    collective) becomes one line naming this rank and `what` it waited in."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, RunStopped) or not is_timeout(err):
+            raise
+        raise PeerTimeout(
+            f"rank {rank}: timed out (dist.timeout_s) waiting for the other ranks in {what}; "
+            f"a rank that is stuck or gone is why (its log says where). The backend said: "
+            f"{first_line(err)}"
+        ) from err
+
+
+@contextmanager
+def stopped(rt: Place) -> Iterator[None]:
+    """A RunStopped raised inside becomes its one-line report and SystemExit(its exit code); so
+    does a collective that failed because another rank's process ended: that rank says why
+    (its own stop, or its crash's traceback), this one says only that it stopped with it, in
+    one line with exit code 1, instead of a second traceback that would bury the first."""
+    try:
+        yield
+    except RunStopped as err:  # first: PeerTimeout is a RuntimeError too
+        if err.exit_code == BAD_INPUT and threading.current_thread() is threading.main_thread():
+            # Every rank stops on its own, with this code: torchrun's SIGTERM, sent as the
+            # first of them exits, would turn the others' into -15 on their way out.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        loud = rt.is_primary or not err.every_rank  # an agreed stop is said once
+        logging.getLogger("mgpu").log(err.level if loud else logging.INFO, "%s", err.report())
+        raise SystemExit(err.exit_code) from None
+    except RuntimeError as err:
+        words = peer_gone(err)
+        if words is None:
+            raise
+        logging.getLogger("mgpu").error(
+            "rank %d: stopped: another rank's process ended under a collective (the backend: "
+            "%s); that rank's log and torchrun's summary ('Root Cause') say why",
+            rt.rank,
+            words,
+        )
+        raise SystemExit(1) from None
