@@ -6,13 +6,15 @@ files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same cro
 import io
 import math
 import re
+import subprocess
+import sys
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import gloo_runtime, one_line_under_torchrun, read_scalars, run_train, spawn
+from conftest import ROOT, gloo_runtime, one_line_under_torchrun, read_scalars, run_train, spawn
 from PIL import Image
 
 from mgpu.config.checks import ConfigError
@@ -592,3 +594,39 @@ def test_reduced_decode_stays_close_to_a_full_decode(tmp_path):
     for i in range(len(evals[0])):
         diff = (evals[0][i][0].int() - evals[1][i][0].int()).abs().float()
         assert diff.mean() < 1, (i, diff.mean())
+
+
+def test_check_images_names_every_unreadable_file_as_training_would_meet_it(tmp_path):
+    """python -m mgpu.data.check_images: the files it names are exactly those the training
+    path's reading refuses (BadImageFile), every one of them; exit 1, then 0 once they are
+    gone, and 2 for a folder that is not an image folder."""
+    files = write_tree(tmp_path / "train", per_class=6)
+    Path(files[1][0]).write_bytes(b"\x89PNG\r\n\x1a\n" + b"not really" * 20)  # a broken PNG
+    whole = Path(files[8][0]).read_bytes()
+    Path(files[8][0]).write_bytes(whole[: len(whole) // 2])  # a JPEG cut short
+    Path(files[13][0]).write_bytes(b"garbage")
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train", eval_root=tmp_path / "train"))
+    dataset = ImageFolder("eval", **cfg.dataset_kwargs())  # every file, in write_tree's order
+    refused = set()
+    for i, path in enumerate(dataset.files):
+        try:
+            dataset.__getitems__([i])
+        except BadImageFile:
+            refused.add(path)
+    assert refused == {files[1][0], files[8][0], files[13][0]}
+
+    def check(*args):
+        command = [sys.executable, "-m", "mgpu.data.check_images", *args]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    proc = check(str(tmp_path / "train"), "--workers", "2")
+    named = {line.strip().split(": not a readable image")[0] for line in proc.stdout.splitlines()
+             if "not a readable image" in line}  # fmt: skip
+    assert proc.returncode == 1 and named == refused, proc.stdout + proc.stderr
+    assert "3 of 18 images unreadable" in proc.stdout and "data.bad_files=skip" in proc.stderr
+    for path in refused:
+        Path(path).unlink()
+    proc = check(str(tmp_path / "train"), "--workers", "1")
+    assert proc.returncode == 0 and "all 15 images readable" in proc.stdout, proc.stderr
+    proc = check(str(tmp_path / "nowhere"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr

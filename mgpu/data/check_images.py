@@ -1,0 +1,93 @@
+"""`python -m mgpu.data.check_images DIR [DIR ...]`: every image of an image folder read and
+decoded whole, before a run, so that an unreadable file is found in minutes rather than hours
+into training (where `data.bad_files=error` stops the run at it, and `skip` replaces it).
+
+A file counts as readable as data=image_folder reads it on the CPU: Pillow identifies it,
+decodes all of it and converts it to RGB. Exit 0 when every file is readable, 1 listing every
+one that is not, 2 for a folder that is not an image folder. It writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from multiprocessing import Pool
+
+from PIL import Image, UnidentifiedImageError
+
+from mgpu.data.image_folder import (
+    UNREADABLE,
+    FolderError,
+    check_layout,
+    class_folders,
+    list_images,
+)
+
+PROG = "python -m mgpu.data.check_images"
+
+
+def unreadable(path: str) -> str | None:
+    """Why `path` is not a readable image, or None."""
+    try:
+        with Image.open(path) as image:
+            image.load()  # the whole file: one cut short fails here, not in the header
+            image.convert("RGB")  # CMYK, palette and alpha as the training path converts them
+    except UNREADABLE as err:
+        why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err
+        return f"{path}: not a readable image ({why})"
+    return None
+
+
+def check(root: str, workers: int) -> tuple[int, list[str]]:
+    """(images in `root`, why each unreadable one is), in the folder's order."""
+    classes = class_folders(root) if os.path.isdir(root) else []
+    check_layout("DIR", root, classes)  # FolderError, said as a usage error
+    files, _ = list_images(root, classes)
+    if workers == 1:
+        found = list(map(unreadable, files))
+    else:
+        with Pool(workers) as pool:
+            found = pool.map(unreadable, files, chunksize=64)
+    return len(files), [why for why in found if why is not None]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="an image folder (DIR/<class>/...)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="decoding processes (default: every CPU)",
+    )
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers={args.workers}: must be a positive number of processes")
+    failed = 0
+    for root in args.dirs:
+        started = time.monotonic()
+        try:
+            n, bad = check(root, args.workers)
+        except FolderError as err:
+            print(f"{PROG}: {err}", file=sys.stderr)
+            sys.exit(2)
+        took = time.monotonic() - started
+        if not bad:
+            print(f"{root}: all {n:,} images readable ({took:.0f} s)")
+            continue
+        failed += len(bad)
+        print(f"{root}: {len(bad):,} of {n:,} images unreadable ({took:.0f} s):")
+        print("\n".join(f"  {why}" for why in bad))
+    if failed:
+        print(
+            f"{failed:,} unreadable image(s): remove them, or train with data.bad_files=skip "
+            "to replace each with the next readable one",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
