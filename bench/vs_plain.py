@@ -397,17 +397,18 @@ def loss_runs(args, rt) -> dict:
     return result
 
 
-# --profile's groups of kernels, matched in this order on a kernel's name (lower case): the
-# attention kernels' template arguments name cutlass types, so attention is tried before the
-# matrix multiplies; inductor's own kernels (triton_poi/red/per: fused elementwise and
-# reductions, LayerNorm, GELU, casts, fp8 scaling) after both, since inductor's matrix-multiply
-# templates are triton_tem_*mm*.
+# --profile's groups of kernels, by name (lower case). Inductor's own kernels first: its
+# matrix-multiply templates (triton_tem_*) are matrix multiplies, and its fused elementwise and
+# reduction kernels (triton_poi/red/per: LayerNorm, GELU, casts, fp8 scaling, the logits'
+# softmax) take the names of the ops they fuse, which may say "attention" or "softmax". The
+# attention kernels' template arguments name cutlass types, so attention comes before the
+# matrix multiplies among the rest.
+HEAD_LOSS_WORDS = ("loss_grad_rows", "cross_entropy", "log_softmax", "nll_loss")
 KERNEL_GROUPS = (
     ("attention", ("flash", "fmha", "sdpa", "attention")),
-    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "triton_tem", "scaled_mm", "s16816")),
-    ("head_loss", ("loss_grad_rows", "cross_entropy", "log_softmax", "nll_loss")),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "scaled_mm", "s16816")),
+    ("head_loss", HEAD_LOSS_WORDS),
     ("optimizer", ("adam", "multi_tensor")),
-    ("inductor_fused", ("triton_",)),
     ("copy_memset", ("memcpy", "memset")),
     ("nccl", ("nccl",)),
 )
@@ -415,6 +416,10 @@ KERNEL_GROUPS = (
 
 def kernel_group(name: str) -> str:
     low = name.lower()
+    if low.startswith("triton_tem"):
+        return "matmul"
+    if low.startswith("triton_"):  # inductor's fused kernels: the logits' loss, or the rest
+        return "head_loss" if any(w in low for w in HEAD_LOSS_WORDS) else "inductor_fused"
     for group, needles in KERNEL_GROUPS:
         if any(n in low for n in needles):
             return group
@@ -428,14 +433,17 @@ def kernel_table(step, steps: int = 3, top: int = 15) -> dict:
 
     step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # The GPU's activity only (as bench/profile_tables.py takes it): with the host's too, each
+    # compiled kernel's launch is a host event of the kernel's own name, which key_averages()
+    # merges with the kernel and whose device time is the kernel's: counted twice.
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     rows = [
         (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
         for e in prof.key_averages()
-        # kernels, copies and memsets; the ops that launched them would count them twice
+        # kernels, copies and memsets; any op that launched them would count them twice
         if e.self_device_time_total > 0 and not e.key.startswith(("aten::", "Optimizer."))
     ]
     rows.sort(key=lambda r: -r[1])

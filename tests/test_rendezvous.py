@@ -109,27 +109,42 @@ def test_a_start_up_collective_that_times_out_names_the_rank_and_the_wait(tmp_pa
     spawn(_one_rank_waits, free_port(), what, str(tmp_path / "checkpoints"))
 
 
-def test_stopped_turns_a_lost_peer_into_one_line_and_keeps_its_own_stops():
+def test_stopped_turns_a_lost_peer_into_one_line_and_keeps_its_own_stops(caplog):
     """mgpu.runtime.dist.stopped: a collective whose peer process ended (gloo's and NCCL's words
     for it) becomes exit 1 and one line naming this rank; a stop of mgpu's own that is also a
-    RuntimeError (PeerTimeout) keeps its exit code; any other error is raised as it was."""
+    RuntimeError (PeerTimeout) keeps its own line, even where its text holds the same words;
+    the same words from outside the backends, and any other error, are raised as they were."""
+    import signal
+
     from mgpu.runtime.dist import Runtime, peer_gone, stopped
 
-    gloo = "[pair.cc:553] Connection closed by peer [127.0.0.1]:36074. This is typically caused"
+    gloo = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:36074."
     nccl = "NCCL error: remote process exited or there was a network error, NCCL version 2.28"
     assert peer_gone(RuntimeError(gloo)) == "connection closed by peer"
     assert peer_gone(tdist.DistBackendError(nccl)) == "remote process exited"
     assert peer_gone(RuntimeError("CUDA out of memory")) is None
+    assert peer_gone(RuntimeError("upload failed: connection reset by peer")) is None  # not ours
     assert peer_gone(ValueError(gloo)) is None
     rt = Runtime(1, 1, 2, "gloo", torch.device("cpu"), has_process_group=False)
-    with pytest.raises(SystemExit) as stop:
-        with stopped(rt):
-            raise RuntimeError(gloo)
-    assert stop.value.code == 1
-    with pytest.raises(SystemExit) as stop:
-        with stopped(rt):
-            raise PeerTimeout("rank 1: timed out (dist.timeout_s) waiting for the other ranks")
-    assert stop.value.code == PeerTimeout.exit_code
-    with pytest.raises(RuntimeError, match="out of memory"):
-        with stopped(rt):
-            raise RuntimeError("CUDA out of memory")
+    held = signal.getsignal(signal.SIGTERM)  # stopped() ignores SIGTERM on its way out
+    try:
+        with pytest.raises(SystemExit) as stop, caplog.at_level("INFO", logger="mgpu"):
+            with stopped(rt):
+                raise RuntimeError(gloo)
+        assert stop.value.code == 1
+        assert caplog.messages == [
+            "rank 1: stopped: another rank's process ended under a collective (the backend: "
+            "connection closed by peer); that rank's log and torchrun's summary ('Root Cause') "
+            "say why"
+        ]
+        caplog.clear()
+        own = f"rank 1: timed out (dist.timeout_s) waiting for the other ranks; {gloo}"
+        with pytest.raises(SystemExit) as stop, caplog.at_level("INFO", logger="mgpu"):
+            with stopped(rt):
+                raise PeerTimeout(own)
+        assert stop.value.code == PeerTimeout.exit_code and caplog.messages == [own]
+        with pytest.raises(RuntimeError, match="out of memory"):
+            with stopped(rt):
+                raise RuntimeError("CUDA out of memory")
+    finally:
+        signal.signal(signal.SIGTERM, held)

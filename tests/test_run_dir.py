@@ -237,3 +237,37 @@ def test_a_worker_ends_when_its_parent_dies(tmp_path, mode):
     finally:
         if alive(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_refused_launch_closes_its_log_files_in_the_directory_only(tmp_path):
+    """leave_logs_of: this process's log files inside the run directory are closed and
+    removed, whether the directory or the file's path goes through a symbolic link; a log file
+    elsewhere stays."""
+    import logging
+
+    from mgpu.runtime.run_lock import leave_logs_of
+
+    real, link, elsewhere = tmp_path / "real", tmp_path / "link", tmp_path / "elsewhere"
+    real.mkdir()
+    elsewhere.mkdir()
+    link.symlink_to(real)
+    root = logging.getLogger()
+    handlers = {
+        "through the link": logging.FileHandler(link / "rank0.log"),
+        "direct": logging.FileHandler(real / "rank1.log"),
+        "elsewhere": logging.FileHandler(elsewhere / "other.log"),
+    }
+    for handler in handlers.values():
+        root.addHandler(handler)
+    try:
+        leave_logs_of(real)
+        kept = {name for name, handler in handlers.items() if handler in root.handlers}
+        assert kept == {"elsewhere"}
+        assert handlers["direct"].stream is None  # closed, not only detached
+        root.addHandler(handlers["direct"])
+        leave_logs_of(link)  # the run directory named through the link
+        assert handlers["direct"] not in root.handlers
+    finally:
+        for handler in handlers.values():
+            root.removeHandler(handler)
+            handler.close()

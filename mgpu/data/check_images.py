@@ -3,8 +3,9 @@ decoded whole, before a run, so that an unreadable file is found in minutes rath
 into training (where `data.bad_files=error` stops the run at it, and `skip` replaces it).
 
 A file counts as readable as data=image_folder reads it on the CPU: Pillow identifies it,
-decodes all of it and converts it to RGB. Exit 0 when every file is readable, 1 listing every
-one that is not, 2 for a folder that is not an image folder. It writes nothing.
+decodes all of it and converts it to RGB. Every DIR is checked; exit 0 when every file is
+readable, 1 listing every one that is not, 2 where a DIR is not an image folder. It writes
+nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def check(root: str, workers: int) -> tuple[int, list[str]]:
     classes = class_folders(root) if os.path.isdir(root) else []
     check_layout("DIR", root, classes)  # FolderError, said as a usage error
     files, _ = list_images(root, classes)
+    workers = min(workers, len(files))
     if workers == 1:
         found = list(map(unreadable, files))
     else:
@@ -59,20 +61,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workers",
         type=int,
-        default=os.cpu_count() or 1,
-        help="decoding processes (default: every CPU)",
+        default=len(os.sched_getaffinity(0)),
+        help="decoding processes (default: every CPU this process may use)",
     )
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers={args.workers}: must be a positive number of processes")
-    failed = 0
-    for root in args.dirs:
+    failed, code = 0, 0
+    for root in args.dirs:  # every folder, whatever an earlier one showed
         started = time.monotonic()
         try:
             n, bad = check(root, args.workers)
         except FolderError as err:
             print(f"{PROG}: {err}", file=sys.stderr)
-            sys.exit(2)
+            code = 2
+            continue
         took = time.monotonic() - started
         if not bad:
             print(f"{root}: all {n:,} images readable ({took:.0f} s)")
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             "to replace each with the next readable one",
             file=sys.stderr,
         )
-        sys.exit(1)
+    sys.exit(code or (1 if failed else 0))
 
 
 if __name__ == "__main__":

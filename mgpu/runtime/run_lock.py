@@ -127,8 +127,10 @@ def leave_logs_of(run_dir: Path) -> None:
     running launch's logs as they are, so its own lines go to the console only."""
     root, inside = logging.getLogger(), run_dir.resolve()
     for handler in list(root.handlers):
-        path = Path(handler.baseFilename) if isinstance(handler, logging.FileHandler) else None
-        if path is not None and inside in path.parents:
+        if not isinstance(handler, logging.FileHandler):
+            continue
+        # both resolved: the directory may be reached through a symbolic link
+        if inside in Path(handler.baseFilename).resolve().parents:
             root.removeHandler(handler)
             handler.close()
 

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+import torch.distributed as tdist
+
 
 class Place(Protocol):
     """What stopped() reads of mgpu.runtime.dist.Runtime (which imports this module)."""
@@ -65,11 +67,15 @@ PEER_GONE = (
 
 def peer_gone(err: BaseException) -> str | None:
     """The backend's words for a collective whose peer process ended, or None: how a rank
-    learns that another one stopped (a bad image after the first step, a crash) mid-run."""
-    if isinstance(err, RuntimeError):
-        text = str(err).lower()
-        return next((words for words in PEER_GONE if words in text), None)
-    return None
+    learns that another one stopped (a bad image after the first step, a crash) mid-run. Only
+    the communication backends' errors count (NCCL's DistBackendError, gloo's RuntimeError that
+    names its source file): the same words from elsewhere keep their traceback."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err).lower()
+    if not isinstance(err, tdist.DistBackendError) and "gloo" not in text:
+        return None
+    return next((words for words in PEER_GONE if words in text), None)
 
 
 def first_line(err: Exception) -> str:
@@ -112,6 +118,10 @@ def stopped(rt: Place) -> Iterator[None]:
         words = peer_gone(err)
         if words is None:
             raise
+        if threading.current_thread() is threading.main_thread():
+            # torchrun's SIGTERM, sent as the first rank exited, must not end this one as -15
+            # before it has said why it stops (the SIGTERM handler of a run is gone by now)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         logging.getLogger("mgpu").error(
             "rank %d: stopped: another rank's process ended under a collective (the backend: "
             "%s); that rank's log and torchrun's summary ('Root Cause') say why",
