@@ -32,22 +32,62 @@ def profiled(trainer: Trainer, batch, steps: int, warmup: int = 2):
     return prof
 
 
-def kernel_table(trainer: Trainer, batch, steps: int = 3, top: int = 25) -> dict:
-    """GPU time per step by kernel (and copy/memset), from torch.profiler over `steps` steps
-    taken after the timed rounds. Kernels on different streams can run at once, so the total
-    is GPU work, not step time: it shows what an engine adds to the GPU's work."""
-    prof = profiled(trainer, batch, steps)
+# Groups of kernels, by name (lower case). Inductor's own kernels first: its matrix-multiply
+# templates (triton_tem_*) are matrix multiplies, and its fused elementwise and reduction
+# kernels (triton_poi/red/per: LayerNorm, GELU, casts, fp8 scaling, the logits' softmax) take
+# the names of the ops they fuse, which may say "attention" or "softmax". The attention
+# kernels' template arguments name cutlass types, so attention comes before the matrix
+# multiplies among the rest.
+HEAD_LOSS_WORDS = ("loss_grad_rows", "cross_entropy", "log_softmax", "nll_loss")
+KERNEL_GROUPS = (
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "scaled_mm", "s16816")),
+    ("head_loss", HEAD_LOSS_WORDS),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy_memset", ("memcpy", "memset")),
+    ("nccl", ("nccl",)),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    if low.startswith("triton_tem"):
+        return "matmul"
+    if low.startswith("triton_"):  # inductor's fused kernels: the logits' loss, or the rest
+        return "head_loss" if any(w in low for w in HEAD_LOSS_WORDS) else "inductor_fused"
+    for group, needles in KERNEL_GROUPS:
+        if any(n in low for n in needles):
+            return group
+    return "other"
+
+
+def table_of(prof, steps: int, top: int, width: int = 120) -> dict:
+    """GPU time per step by kernel (and copy/memset) and by group (KERNEL_GROUPS), from a
+    torch.profiler profile of the GPU's activity over `steps` steps. Kernels on different
+    streams can run at once, so the total is GPU work, not step time."""
     rows = [
         (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
         for e in prof.key_averages()
-        if e.self_device_time_total > 0
+        # kernels, copies and memsets; an op or annotation around them would count them twice
+        if e.self_device_time_total > 0 and not e.key.startswith(("aten::", "Optimizer."))
     ]
     rows.sort(key=lambda r: -r[1])
+    groups: dict[str, float] = {}
+    for key, ms, _ in rows:
+        group = kernel_group(key)
+        groups[group] = groups.get(group, 0.0) + ms
     return {
         "gpu_work_ms": sum(ms for _, ms, _ in rows),
         "kernels_per_step": sum(n for _, _, n in rows),
-        "top": [{"kernel": k[:120], "ms": ms, "calls": n} for k, ms, n in rows[:top]],
+        "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+        "top": [{"kernel": k[:width], "ms": ms, "calls": n} for k, ms, n in rows[:top]],
     }
+
+
+def kernel_table(trainer: Trainer, batch, steps: int = 3, top: int = 25) -> dict:
+    """GPU time per step by kernel and by group, from torch.profiler over `steps` steps taken
+    after the timed rounds: what an engine adds to the GPU's work (table_of)."""
+    return table_of(profiled(trainer, batch, steps), steps, top)
 
 
 def idle_table(trainer: Trainer, batch, steps: int = 3, top: int = 12) -> dict:

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
+from bench.profile_tables import table_of  # noqa: E402
 from mgpu.config.schema import Precision  # noqa: E402
 from mgpu.data.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
@@ -397,65 +398,21 @@ def loss_runs(args, rt) -> dict:
     return result
 
 
-# --profile's groups of kernels, by name (lower case). Inductor's own kernels first: its
-# matrix-multiply templates (triton_tem_*) are matrix multiplies, and its fused elementwise and
-# reduction kernels (triton_poi/red/per: LayerNorm, GELU, casts, fp8 scaling, the logits'
-# softmax) take the names of the ops they fuse, which may say "attention" or "softmax". The
-# attention kernels' template arguments name cutlass types, so attention comes before the
-# matrix multiplies among the rest.
-HEAD_LOSS_WORDS = ("loss_grad_rows", "cross_entropy", "log_softmax", "nll_loss")
-KERNEL_GROUPS = (
-    ("attention", ("flash", "fmha", "sdpa", "attention")),
-    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "scaled_mm", "s16816")),
-    ("head_loss", HEAD_LOSS_WORDS),
-    ("optimizer", ("adam", "multi_tensor")),
-    ("copy_memset", ("memcpy", "memset")),
-    ("nccl", ("nccl",)),
-)
-
-
-def kernel_group(name: str) -> str:
-    low = name.lower()
-    if low.startswith("triton_tem"):
-        return "matmul"
-    if low.startswith("triton_"):  # inductor's fused kernels: the logits' loss, or the rest
-        return "head_loss" if any(w in low for w in HEAD_LOSS_WORDS) else "inductor_fused"
-    for group, needles in KERNEL_GROUPS:
-        if any(n in low for n in needles):
-            return group
-    return "other"
-
-
 def kernel_table(step, steps: int = 3, top: int = 15) -> dict:
     """GPU time per step by kernel over `steps` steps of `step()` (torch.profiler), and by
-    group of kernels (KERNEL_GROUPS): what bounds a step's MFU."""
+    group of kernels (profile_tables.KERNEL_GROUPS): what bounds a step's MFU."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
-    # The GPU's activity only (as bench/profile_tables.py takes it): with the host's too, each
+    # The GPU's activity only (as profile_tables.profiled takes it): with the host's too, each
     # compiled kernel's launch is a host event of the kernel's own name, which key_averages()
     # merges with the kernel and whose device time is the kernel's: counted twice.
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    rows = [
-        (e.key, e.self_device_time_total / steps / 1e3, e.count / steps)
-        for e in prof.key_averages()
-        # kernels, copies and memsets; any op that launched them would count them twice
-        if e.self_device_time_total > 0 and not e.key.startswith(("aten::", "Optimizer."))
-    ]
-    rows.sort(key=lambda r: -r[1])
-    groups: dict[str, float] = {}
-    for key, ms, _ in rows:
-        groups[kernel_group(key)] = groups.get(kernel_group(key), 0.0) + ms
-    return {
-        "gpu_work_ms": sum(ms for _, ms, _ in rows),
-        "kernels_per_step": sum(n for _, _, n in rows),
-        "groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-        "top": [{"kernel": k[:100], "ms": round(ms, 3), "calls": n} for k, ms, n in rows[:top]],
-    }
+    return table_of(prof, steps, top, width=100)
 
 
 def mgpu_trainer(overrides: list[str], rt, tmp: str):

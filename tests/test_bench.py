@@ -159,13 +159,13 @@ def test_vs_plain_quick_runs_the_xl_paths_and_the_loss_comparison(tmp_path):
     assert abs(result["fp32_vs_bf16"]["eval_loss"]) < 0.01, result["fp32_vs_bf16"]
 
 
-def test_vs_plain_profile_groups_kernels_by_what_bounds_a_step(monkeypatch):
-    """--profile's groups: attention kernels (whose names carry cutlass types) before the
-    matrix multiplies, inductor's matrix-multiply templates among the multiplies, its fused
-    kernels apart whatever ops their names fuse (but the logits' softmax, the head's loss),
-    and an unknown kernel under `other`, never dropped."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    from vs_plain import kernel_group
+def test_profile_tables_group_kernels_by_what_bounds_a_step(monkeypatch):
+    """vs_plain --profile's and engines --kernels' groups: attention kernels (whose names
+    carry cutlass types) before the matrix multiplies, inductor's matrix-multiply templates
+    among the multiplies, its fused kernels apart whatever ops their names fuse (but the
+    logits' softmax, the head's loss), and an unknown kernel under `other`, never dropped."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.profile_tables import kernel_group
 
     names = {
         "void flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, cutlass::bfloat16_t>>": "attention",

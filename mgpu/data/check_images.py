@@ -16,7 +16,7 @@ import sys
 import time
 from multiprocessing import Pool
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from mgpu.data.image_folder import (
     UNREADABLE,
@@ -24,6 +24,7 @@ from mgpu.data.image_folder import (
     check_layout,
     class_folders,
     list_images,
+    unreadable_line,
 )
 
 PROG = "python -m mgpu.data.check_images"
@@ -36,8 +37,7 @@ def unreadable(path: str) -> str | None:
             image.load()  # the whole file: one cut short fails here, not in the header
             image.convert("RGB")  # CMYK, palette and alpha as the training path converts them
     except UNREADABLE as err:
-        why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err
-        return f"{path}: not a readable image ({why})"
+        return unreadable_line(path, err)
     return None
 
 

@@ -52,6 +52,13 @@ class FolderError(ValueError):
         self.key, self.value, self.why = key, value, why
 
 
+def unreadable_line(path: str, err: BaseException) -> str:
+    """What is said of a file Pillow cannot read: in training (BadImageFile) and by
+    `python -m mgpu.data.check_images`."""
+    why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err
+    return f"{path}: not a readable image ({why})"
+
+
 def _is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
 
@@ -339,8 +346,7 @@ class ImageFolder(Dataset):
                 box = draft_for_crop(image, box, self.image_size)
             pixels = crop_resize(image.convert("RGB"), box, flip, self.image_size)
         except UNREADABLE as err:
-            why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err
-            raise BadImageFile(f"{path}: not a readable image ({why})") from None
+            raise BadImageFile(unreadable_line(path, err)) from None
         if self.decode == "gpu":
             return Encoded(label, i, pixels=pixels)
         return pixels, torch.tensor(label, dtype=torch.int64)
