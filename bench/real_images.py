@@ -88,7 +88,11 @@ def run_train(args: list[str], cores: int, out: Path, timeout: float, quick: boo
         tail = (done.stdout + done.stderr)[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{tail}")
     scalars = read_scalars(out)
-    return {"cmd": " ".join(cmd[len(pin) + 1 :]), "wall_s": time.perf_counter() - start, **scalars}
+    # data.cpu_decode_share=auto's line: the share it chose and the rates it measured
+    said = done.stdout + done.stderr
+    split = [line for line in said.splitlines() if "data.cpu_decode_share=auto:" in line][:1]
+    wall = time.perf_counter() - start
+    return {"cmd": " ".join(cmd[len(pin) + 1 :]), "wall_s": wall, "split": split, **scalars}
 
 
 def summarise(scalars: dict, warmup: int) -> dict:
@@ -275,6 +279,7 @@ def main() -> None:
             row = {"name": name, "cores": cores, "batch": batch, "kind": kind, "decode": decode}
             row.update(cpu_decode_share=share, variant=variant)
             row.update(summarise(raw, args.warmup), cmd=raw["cmd"], wall_s=raw["wall_s"])
+            row.update(decode_split=raw["split"][0].split("auto: ", 1)[1] if raw["split"] else "")
             if traced:  # its rates carry the profiler's cost: not a ratio
                 row["trace"] = traced_streams(work / name, args.trace_steps)
             else:

@@ -429,9 +429,13 @@ def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
 
 def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     """decode=cpu: a run resumed from its step-4 checkpoint logs the losses of the run that went
-    on, to the bit (the crops of the steps after 4 are drawn from the same keys)."""
+    on, to the bit (the crops of the steps after 4 are drawn from the same keys). Its checkpoint
+    keeps the data set's decode share, which data.cpu_decode_share=auto takes back on resume."""
+    from mgpu.ckpt.checkpoint import load
+
     write_tree(tmp_path / "train", per_class=6)
     args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.decode=cpu"]
+    args += ["data.cpu_decode_share=auto"]
     args += ["data.image_size=16", "data.batch_size=4", "data.num_workers=1"]
     args += ["data.eval_samples=2", "model=resnet_tiny", "trainer.max_steps=10"]
     args += ["trainer.log_every=2", "trainer.eval_every=0", "ckpt.every=4"]
@@ -441,6 +445,9 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     args += [f"ckpt.resume={start}", f"hydra.run.dir={tmp_path / 'b'}"]
     resumed = train_on_cpu(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert load(start, rank=0).shared["dataset"] == {"cpu_decode_share": 0.0}
+    assert "auto: 0 (nothing is decoded on the GPU)" in whole.stdout + whole.stderr
+    assert "the share the checkpoint's run measured" in resumed.stdout + resumed.stderr
     losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
     # 16 training images, 4 steps an epoch: steps 5-10 cross into a third epoch
     assert [losses[1][s] for s in (6, 8, 10)] == [losses[0][s] for s in (6, 8, 10)], losses
@@ -488,7 +495,8 @@ def test_a_cpu_share_of_the_jpegs_is_decoded_by_the_workers_as_decode_cpu_does(t
     assert picked[0] != picked[1]  # drawn anew each epoch
     png = next(i for i, f in enumerate(gpu.files) if f.endswith(".png"))
     assert gpu[SampleKey(png, 0, 5)].data is None and shared[SampleKey(png, 0, 5)].data is None
-    with pytest.raises(ConfigError, match=r"data.cpu_decode_share=1.0: must be in \[0, 1\)"):
+    must = r"data.cpu_decode_share=1.0: must be auto or in \[0, 1\)"
+    with pytest.raises(ConfigError, match=must):
         ImageFolderDataConfig(**folder(tmp_path / "train"), cpu_decode_share=1.0)
 
 

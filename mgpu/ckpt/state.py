@@ -80,10 +80,12 @@ def training_state(
     step: int,
     cursor: DataCursor,
     config: str | None = None,
+    dataset: dict | None = None,
 ) -> dict:
     """The replicated state rank 0 saves. `model` is the unwrapped module (comm.unwrap), so the
     keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML (left out
-    when None: the checkpointer adds the run's)."""
+    when None: the checkpointer adds the run's); `dataset`: the training data set's own state
+    (its state_dict, e.g. image_folder's decode share), left out when None."""
     state = {
         "step": step,
         "data": cursor.to_dict(),  # also holds the epoch
@@ -94,6 +96,8 @@ def training_state(
     }
     if config is not None:
         state["config"] = config
+    if dataset is not None:
+        state["dataset"] = dataset
     return state
 
 

@@ -278,10 +278,13 @@ class ImageFolderDataConfig(DataConfig):
     # by the DataLoader workers instead, which the GPU path otherwise leaves idle; the GPU
     # decodes the rest. 0: every JPEG nvJPEG takes goes to the GPU. Those samples' pixels are
     # decode=cpu's (within a level or two of the GPU's; DCT-scaled under reduced_decode),
-    # evaluation's included. Under decode=cpu (or auto resolving to it) it does nothing. Measure
-    # before setting it: 0.3 gained 0.025 on one H100 machine and lost 0.18 on another whose
-    # cores decode a quarter slower (bench/README.md, "Real images").
-    cpu_decode_share: float = 0.0
+    # evaluation's included. Under decode=cpu (or auto resolving to it) it does nothing. A fixed
+    # share is a bet on the host's cores: 0.3 gained 0.025 on one H100 machine and lost 0.18 on
+    # another whose cores decode a quarter slower (bench/README.md, "Real images"). auto:
+    # measured at start-up on this host and the run's own JPEGs, each side's share in
+    # proportion to its rate (mgpu.data.decode_split); the log says the rates and the share,
+    # and checkpoints keep it, so a resumed run decodes each image where it was decoded before.
+    cpu_decode_share: Any = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -296,9 +299,11 @@ class ImageFolderDataConfig(DataConfig):
         _require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
         ok = 0 < self.eval_crop <= 1
         _require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
-        ok = 0 <= self.cpu_decode_share < 1
-        why = "must be in [0, 1), e.g. 0.25 (every image on the CPU is data.decode=cpu)"
-        _require(ok, "data.cpu_decode_share", self.cpu_decode_share, why)
+        share = self.cpu_decode_share
+        number = isinstance(share, int | float) and not isinstance(share, bool)
+        ok = share == "auto" or (number and 0 <= share < 1)
+        why = "must be auto or in [0, 1), e.g. 0.25 (every image on the CPU is data.decode=cpu)"
+        _require(ok, "data.cpu_decode_share", share, why)
         if self.decode is Decode.gpu:
             why = gpu_decode_unavailable()
             _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
@@ -327,11 +332,15 @@ class ImageFolderDataConfig(DataConfig):
     def dataset_kwargs(self) -> dict[str, Any]:
         kwargs = super().dataset_kwargs()
         kwargs["decode"] = resolve_decode(self.decode.value)
-        if self.cpu_decode_share and kwargs["decode"] == "cpu":
+        share = self.cpu_decode_share
+        if share and kwargs["decode"] == "cpu" and share != "auto":
             log.warning(
-                "data.cpu_decode_share=%g does nothing: data.decode resolved to cpu, where the "
-                "workers decode every image", self.cpu_decode_share,
+                "data.cpu_decode_share=%s does nothing: data.decode resolved to cpu, where the "
+                "workers decode every image", share,
             )  # fmt: skip
+        # auto: the data sets start at 0, and mgpu.data.decode_split gives them the measured
+        # share before their workers start.
+        kwargs["cpu_decode_share"] = 0.0 if share == "auto" else float(share)
         kwargs["bad_files"] = self.bad_files.value
         return kwargs
 

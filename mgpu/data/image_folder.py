@@ -255,10 +255,7 @@ class ImageFolder(Dataset):
         self.image_size, self.decode, self.bad_files = image_size, decode, bad_files
         self.scale, self.ratio, self.eval_crop = tuple(scale), tuple(ratio), eval_crop
         self.reduced_decode = reduced_decode
-        if not 0 <= cpu_decode_share < 1:
-            raise ValueError(f"cpu_decode_share={cpu_decode_share}: use a share in [0, 1)")
-        # Compared with a 32-bit hash of the sample (on_cpu), as an integer threshold.
-        self._cpu_below = round(cpu_decode_share * 2**32) if decode == "gpu" else 0
+        self.set_cpu_decode_share(cpu_decode_share)
         self.num_classes = len(self.classes)
         self.tokens_per_sample = None
         self.sample_shape = (3, image_size, image_size)  # an input's shape (for FLOPs)
@@ -331,14 +328,16 @@ class ImageFolder(Dataset):
         box = random_resized_crop(width, height, rng, self.scale, self.ratio)
         return box, bool(rng.random() < 0.5)
 
-    def _sample(self, i: int, epoch: int, seed: int):
+    def _sample(self, i: int, epoch: int, seed: int, cpu: bool | None = None):
+        """`cpu`: decode a JPEG the GPU could take on this CPU (True) or not (False); None:
+        as on_cpu draws it."""
         path, label = self.files[i], self.labels[i]
         try:
             data = self.read_bytes(i)
             image = Image.open(io.BytesIO(data))
             box, flip = self.crop(i, *image.size, epoch, seed)
             gpu = self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L")
-            if gpu and not self.on_cpu(i, epoch, seed):
+            if gpu and not (self.on_cpu(i, epoch, seed) if cpu is None else cpu):
                 # nvJPEG's baseline and progressive YCbCr/gray JPEGs: the GPU decodes these.
                 # Only the header was read here; a file broken further in fails on the GPU.
                 return Encoded(label, i, data=data, box=box, flip=flip)
@@ -350,6 +349,24 @@ class ImageFolder(Dataset):
         if self.decode == "gpu":
             return Encoded(label, i, pixels=pixels)
         return pixels, torch.tensor(label, dtype=torch.int64)
+
+    def set_cpu_decode_share(self, share: float) -> None:
+        """Under decode=gpu, the share of the JPEGs the workers decode (cpu_decode_share; auto's
+        measured one, mgpu.data.decode_split). Before the DataLoader's workers start: they take
+        the data set as it is then."""
+        if not 0 <= share < 1:
+            raise ValueError(f"cpu_decode_share={share}: use a share in [0, 1)")
+        # Compared with a 32-bit hash of the sample (on_cpu), as an integer threshold.
+        self._cpu_below = round(share * 2**32) if self.decode == "gpu" else 0
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint keeps of the data set: the share of JPEGs decoded on the CPU."""
+        return {"cpu_decode_share": self._cpu_below / 2**32}
+
+    def probe_item(self, i: int, *, cpu: bool) -> Encoded | None:
+        """Sample i of epoch 0 as decode=gpu hands it over, its JPEG decoded here (`cpu`) or left
+        as bytes: what mgpu.data.decode_split times. None under decode=cpu."""
+        return self._sample(i, 0, 0, cpu=cpu) if self.decode == "gpu" else None
 
     def on_cpu(self, i: int, epoch: int, seed: int) -> bool:
         """Whether this worker decodes sample i's JPEG under decode=gpu (cpu_decode_share):

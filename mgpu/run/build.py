@@ -27,6 +27,7 @@ from mgpu.ckpt.resume import (
 from mgpu.comm.engine import MgpuDataParallel, wrap_model
 from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import Engine, Precision
+from mgpu.data import decode_split
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.tokenizer import BYTES, copy_to_run
@@ -229,6 +230,11 @@ def build_run(
     seed = cfg.trainer.seed
     train_loader = build_loader(cfg.data, train_set, rt, seed=seed, train=True, layout=layout)
     eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
+    # data.cpu_decode_share=auto: measured (or the checkpoint's) before any worker starts
+    decode_split.resolve_auto(
+        getattr(cfg.data, "cpu_decode_share", None), cfg.data.num_workers, [train_set, eval_set],
+        rt, loaded.shared.get("dataset") if loaded is not None else None,
+    )  # fmt: skip
     mfu = mfu_inputs(cfg.trainer, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     with waiting(rt.rank, "the broadcast of rank 0's parameters (dist.engine's start)"):

@@ -351,9 +351,13 @@ class Trainer:
         return self._state(self.step, self._data)
 
     def _state(self, step: int, data: DataLoader) -> dict:
+        # A data set with state of its own (image_folder's decode share) keeps it in the
+        # checkpoint; build_run hands it back to the resumed run's data sets.
+        dataset_state = getattr(data.dataset, "state_dict", None)
         return training_state(
             model=unwrap(self.model), optimizer=self.optimizer, schedule=self.schedule,
             scaler=self.scaler, step=step, cursor=self.cursor(step, data),
+            dataset=dataset_state() if dataset_state is not None else None,
         )  # fmt: skip
 
     def save(self, step: int, loader: DeviceLoader | DataLoader, *, required: bool) -> Path | None:

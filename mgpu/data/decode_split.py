@@ -1,0 +1,206 @@
+"""data.cpu_decode_share=auto: the share of the JPEGs that the DataLoader workers decode beside
+the GPU under data.decode=gpu, from the rates measured at start-up on this host, with the run's
+own images: one core's decode-and-crop rate, times the workers, against the GPU's decode step.
+
+Why a split at all: the GPU decode step costs the training step GPU time (nvJPEG's kernels and
+the crops run beside it), while the workers sit idle. Why measured: the cores' rate differs by
+2-3x between hosts of the same GPU (bench/README.md, "Real images"); a fixed share of 0.3
+gained 0.025 on one H100 host and lost 0.18 on a slower one, where it asked the workers for
+more than they could give.
+
+The rule: each side takes the JPEGs in proportion to its measured rate (the workers' counted at
+WORKER_EFFICIENCY of a core alone), so that, whatever the step consumes, the workers run out of
+rate no sooner than the GPU does. The share is agreed over ranks (their mean) and saved in
+checkpoints: a resumed run decodes each image where the first run did, so it sees the same
+pixels, even on another host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mgpu.data.encoded import BadImageFile, Encoded, EncodedBatch, collate_encoded
+from mgpu.data.loader import worker_count
+from mgpu.runtime.dist import Runtime, all_reduce_sum_
+
+log = logging.getLogger(__name__)
+
+# A worker's decode rate beside its peers, the prefetcher and the training process, as a share
+# of one core's rate measured alone: a margin, not a measurement. It keeps the workers' load at
+# most about three quarters of what they can do, so a slower stretch of images or a busy core
+# shows as less head room, not as data wait.
+WORKER_EFFICIENCY = 0.75
+PROBE_IMAGES = 24  # decoded on one core: ~0.1-0.25 s at 100-300 images/s
+PROBE_BATCH = 64  # JPEGs a GPU decode call; three timed calls after one to warm up
+STATE_KEY = "cpu_decode_share"  # in a checkpoint's "dataset" state
+# The largest share: a data set takes shares below 1 (every JPEG on the CPU is data.decode=cpu).
+MAX_SHARE = 0.99
+
+
+class SplitSet(Protocol):
+    """What the measurement needs of an image set (ImageFolder and ImageShards have it)."""
+
+    files: list[str]
+
+    def __len__(self) -> int: ...
+
+    def probe_item(self, i: int, *, cpu: bool) -> Encoded | None: ...
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Images a second, measured on this rank: one core decoding and cropping (Pillow, as a
+    worker does), and the GPU's decode step (decode and crops, a batch a call)."""
+
+    core: float
+    gpu: float
+    images: int  # JPEGs the probes used
+
+
+def split_share(workers: int, core_rate: float, gpu_rate: float) -> float:
+    """The workers' share of the JPEGs: their counted rate over both sides' (0 without workers,
+    at most MAX_SHARE)."""
+    cpu = workers * core_rate * WORKER_EFFICIENCY
+    if cpu <= 0:
+        return 0.0
+    return min(cpu / (cpu + gpu_rate), MAX_SHARE)
+
+
+def probe_jpegs(dataset: SplitSet, count: int) -> list[int]:
+    """Up to `count` indices of JPEGs the GPU path would take, spread over the data set (its
+    files are in class order: neighbours would all be one class's)."""
+    step = max(1, len(dataset) // (4 * count))
+    picked = []
+    for i in range(0, len(dataset), step):
+        try:
+            item = dataset.probe_item(i, cpu=False)
+        except BadImageFile:
+            continue  # the run's bad_files policy meets it later; a probe skips it
+        if item is not None and item.data is not None:
+            picked.append(i)
+        if len(picked) == count:
+            break
+    return picked
+
+
+def measure(
+    dataset: SplitSet,
+    decode: Callable[[EncodedBatch], object],
+    device: torch.device,
+    *,
+    images: int = PROBE_IMAGES,
+    batch: int = PROBE_BATCH,
+) -> Rates | None:
+    """One core's rate and the GPU decode step's, on the data set's own JPEGs; None if it has
+    too few for a measurement (fewer than 4)."""
+    chosen = probe_jpegs(dataset, max(images, batch))
+    if len(chosen) < 4:
+        return None
+    on_core = chosen[:images]
+    dataset.probe_item(on_core[0], cpu=True)  # Pillow's first call pays its imports
+    start = time.perf_counter()
+    for i in on_core:
+        dataset.probe_item(i, cpu=True)
+    core = len(on_core) / (time.perf_counter() - start)
+    items = [dataset.probe_item(i, cpu=False) for i in chosen[:batch]]
+    encoded = collate_encoded(items)
+    if device.type == "cuda":
+        encoded = encoded.pin_memory()  # as the DataLoader hands it over
+    decode(encoded)  # the first call sets nvJPEG's buffers up
+    calls = 3
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        decode(encoded)
+    # Sync point (start-up, before training): the decode's GPU work must be done to be timed.
+    _sync(device)
+    gpu = calls * len(items) / (time.perf_counter() - start)
+    return Rates(core=core, gpu=gpu, images=len(chosen))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def agreed(share: float, rt: Runtime) -> float:
+    """The ranks' mean share, the same number on every rank (a collective at start-up: every
+    rank calls it). Rounded to 3 places, so the log and the checkpoint say what is used."""
+    if rt.distributed:
+        device = rt.device if rt.backend == "nccl" else torch.device("cpu")
+        total = all_reduce_sum_(torch.tensor([share], dtype=torch.float64, device=device), rt)
+        # Sync point (start-up): the agreed share is needed on the host, by the dataset.
+        share = float(total.item()) / rt.world_size
+    return min(round(share, 3), MAX_SHARE)
+
+
+def resolve_share(
+    dataset: SplitSet,
+    decode: Callable[[EncodedBatch], object] | None,
+    workers: int,
+    rt: Runtime,
+    saved: float | None = None,
+) -> float:
+    """data.cpu_decode_share=auto's share for this run, logged with why: the checkpoint's when
+    resuming (`saved`), else measured here and agreed over ranks. 0 where nothing is decoded on
+    the GPU (`decode` None) or no worker runs. Every rank calls it (a collective)."""
+    if saved is not None:
+        log.info(
+            "data.cpu_decode_share=auto: %.3f, the share the checkpoint's run measured (each "
+            "image is decoded where it was then)", saved,
+        )  # fmt: skip
+        return float(saved)
+    rates = measure(dataset, decode, rt.device) if decode is not None and workers > 0 else None
+    share = split_share(workers, rates.core, rates.gpu) if rates is not None else 0.0
+    share = agreed(share, rt)
+    if decode is None or workers == 0:
+        why = "nothing is decoded on the GPU" if decode is None else "data.num_workers is 0"
+        log.info("data.cpu_decode_share=auto: 0 (%s)", why)
+    elif rates is None:
+        log.info("data.cpu_decode_share=auto: %.3f (too few JPEGs on this rank to measure)", share)
+    else:
+        log.info(
+            "data.cpu_decode_share=auto: %.3f of the JPEGs decoded by the %d workers, the rest "
+            "on the GPU: one core decodes and crops %.0f images/s (counted at %.0f%% a worker), "
+            "the GPU's decode step %.0f images/s, measured on %d of the run's JPEGs%s",
+            share, workers, rates.core, 100 * WORKER_EFFICIENCY, rates.gpu, rates.images,
+            " (the ranks' mean)" if rt.distributed else "",
+        )  # fmt: skip
+    return share
+
+
+def shared_split(datasets: Sequence[object], share: float) -> None:
+    """Give every data set of the run (training and evaluation) the same share."""
+    for dataset in datasets:
+        setter = getattr(dataset, "set_cpu_decode_share", None)
+        if setter is not None:
+            setter(share)
+
+
+def resolve_auto(
+    share_setting: object,
+    num_workers: object,
+    datasets: Sequence[object],
+    rt: Runtime,
+    saved_state: dict | None,
+) -> None:
+    """data.cpu_decode_share=auto: the share resolved once for the run (training's data set
+    measured) and given to every data set (training and evaluation), before their workers
+    start. `saved_state`: the checkpoint's "dataset" state when resuming. Anything but auto:
+    nothing to do (the data sets took the number)."""
+    if share_setting != "auto" or not datasets:
+        return
+    train = datasets[0]
+    saved = (saved_state or {}).get(STATE_KEY)
+    decode = None
+    if saved is None:  # the decode step is made only to be measured
+        make_decoder = getattr(train, "device_decoder", None)
+        decode = make_decoder(rt.device) if make_decoder is not None else None
+    workers = worker_count(num_workers, rt.cpu_share)
+    shared_split(datasets, resolve_share(train, decode, workers, rt, saved))

@@ -1,0 +1,113 @@
+"""data.cpu_decode_share=auto (mgpu.data.decode_split): the rule (both sides run out of rate
+together), the measurement on the run's own JPEGs with decode=gpu's step on the CPU (Pillow
+standing in for nvJPEG), a slower decode step giving the workers more, two gloo ranks agreeing
+on one share, and a resumed run taking its checkpoint's share instead of measuring."""
+
+import logging
+import time
+
+import pytest
+import torch
+from conftest import free_port, gloo_runtime, spawn
+from test_image_folder import CLASSES, folder, pillow_jpegs, write_tree
+
+from mgpu.config.checks import ConfigError
+from mgpu.data import decode_split
+from mgpu.data.config import ImageFolderDataConfig
+from mgpu.data.gpu_decode import BatchDecoder, resize_each
+from mgpu.data.image_folder import ImageFolder
+from mgpu.data.sampler import SampleKey
+from mgpu.runtime.dist import Runtime
+
+ONE = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+
+
+@pytest.mark.parametrize("workers,core,gpu", [(14, 311, 15036), (6, 107, 6839), (1, 50, 20000)])
+def test_each_side_runs_out_of_rate_at_the_same_consumption(workers, core, gpu):
+    """At any rate R the step consumes, the share s loads the workers' counted rate and the
+    GPU's to the same fraction: s*R / (workers*core*efficiency) == (1-s)*R / gpu."""
+    s = decode_split.split_share(workers, core, gpu)
+    assert 0 < s < 1
+    cpu_rate = workers * core * decode_split.WORKER_EFFICIENCY
+    for consumed in (1000.0, 5300.0):
+        assert s * consumed / cpu_rate == pytest.approx((1 - s) * consumed / gpu)
+    assert decode_split.split_share(0, core, gpu) == 0.0
+
+
+def gpu_mode_set(root, size=12):
+    write_tree(root, per_class=12, sizes=((60, 80), (44, 36)))
+    kwargs = {**folder(root, eval_samples=2), "image_size": size, "classes": CLASSES}
+    return ImageFolder("train", **{**kwargs, "decode": "gpu"})
+
+
+def test_the_measured_share_grows_when_the_gpu_decodes_slower(tmp_path, caplog):
+    """The share is measured, not assumed: the same images, a decode step made slower by a
+    pause a call, give the workers a larger share; the log names the rates and the share, and
+    the data set then decodes about that share of its JPEGs in the workers."""
+    dataset = gpu_mode_set(tmp_path / "train")
+    fast = BatchDecoder(dataset, torch.device("cpu"), pillow_jpegs, resize_each)
+
+    def paused(data):
+        time.sleep(0.05)
+        return pillow_jpegs(data)
+
+    slow = BatchDecoder(dataset, torch.device("cpu"), paused, resize_each)
+    rates = decode_split.measure(dataset, fast, torch.device("cpu"))
+    jpegs = sum(f.endswith(".jpg") for f in dataset.files)
+    assert rates is not None and rates.core > 0 and rates.gpu > 0
+    assert rates.images == min(jpegs, decode_split.PROBE_BATCH)
+    with caplog.at_level(logging.INFO, logger="mgpu.data.decode_split"):
+        share_fast = decode_split.resolve_share(dataset, fast, 2, ONE)
+        share_slow = decode_split.resolve_share(dataset, slow, 2, ONE)
+    assert 0 < share_fast < share_slow < 1, (share_fast, share_slow)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"auto: {share_slow:.3f} of the JPEGs decoded by the 2 workers" in m for m in said)
+    decode_split.shared_split([dataset], share_slow)
+    assert dataset.state_dict()["cpu_decode_share"] == pytest.approx(share_slow, abs=1e-9)
+    jpegs = [i for i, f in enumerate(dataset.files) if f.endswith(".jpg")]
+    keys = [SampleKey(i, e, 3) for e in range(8) for i in jpegs]
+    on_cpu = sum(dataset[k].data is None for k in keys) / len(keys)
+    assert abs(on_cpu - share_slow) < 0.12, (on_cpu, share_slow)
+
+
+def test_no_workers_or_no_gpu_decode_means_no_share(tmp_path):
+    dataset = gpu_mode_set(tmp_path / "train")
+    step = BatchDecoder(dataset, torch.device("cpu"), pillow_jpegs, resize_each)
+    assert decode_split.resolve_share(dataset, step, 0, ONE) == 0.0
+    assert decode_split.resolve_share(dataset, None, 4, ONE) == 0.0
+
+
+def test_a_resumed_run_takes_its_checkpoints_share_without_measuring(tmp_path, caplog):
+    """resolve_auto with a checkpoint's state: the saved share, given to every data set; the
+    decode step is not even made (on this CPU making it would fail: no GPU to decode on)."""
+    train = gpu_mode_set(tmp_path / "train")
+    evaluation = ImageFolder("eval", **{**folder(tmp_path / "train"), "decode": "gpu"})
+    with caplog.at_level(logging.INFO, logger="mgpu.data.decode_split"):
+        decode_split.resolve_auto("auto", 3, [train, evaluation], ONE, {"cpu_decode_share": 0.37})
+    for dataset in (train, evaluation):
+        assert dataset.state_dict()["cpu_decode_share"] == pytest.approx(0.37, abs=1e-9)
+    assert "0.370, the share the checkpoint's run measured" in caplog.text
+    # anything but auto leaves the configured number alone
+    decode_split.resolve_auto(0.0, 3, [train], ONE, {"cpu_decode_share": 0.5})
+    assert train.state_dict()["cpu_decode_share"] == pytest.approx(0.37, abs=1e-9)
+
+
+def test_auto_is_a_setting_and_bad_values_are_one_line(tmp_path):
+    write_tree(tmp_path / "train")
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train"), cpu_decode_share="auto")
+    assert cfg.dataset_kwargs()["cpu_decode_share"] == 0.0  # measured later, before workers
+    for bad in ("half", True, -0.1):
+        with pytest.raises(ConfigError, match=r"data.cpu_decode_share=.*must be auto or in"):
+            ImageFolderDataConfig(**folder(tmp_path / "train"), cpu_decode_share=bad)
+
+
+def _agree(rank: int, port: int, out: str) -> None:
+    with gloo_runtime(rank, port) as rt:
+        share = decode_split.agreed(0.1 + 0.2 * rank, rt)
+    torch.save(share, f"{out}/share{rank}.pt")
+
+
+def test_two_ranks_agree_on_their_mean_share(tmp_path):
+    spawn(_agree, free_port(), str(tmp_path))
+    shares = [torch.load(tmp_path / f"share{r}.pt") for r in (0, 1)]
+    assert shares == [0.2, 0.2]
