@@ -7,6 +7,7 @@ its batches made on the GPU's doorstep, on one GPU, in one job, with the host's 
     python bench/real_images.py --only 16:128 --shards 256   # and from the set prepared once
     python bench/real_images.py --variant keep=data.keep_trainer_cores=true   # and with overrides
     python bench/real_images.py --only 16:128 --trace   # and where each run's GPU time went
+    python bench/real_images.py --cpu-shares auto 0 0.3  # the default share (auto) and fixed ones
 
 Each run is `taskset -c 0-(N-1) python train.py ...` as a user types it (compiled ResNet-50,
 bf16, channels_last, SGD, the defaults of experiment=resnet50_folder), read back from its own
@@ -21,7 +22,9 @@ one CPU core decodes and crops a second (a worker's loop, in one process pinned 
 what the GPU decodes and crops a second (data.decode=gpu's batch step, batches of 128).
 
 Writes bench/results/real_images-<device>-<time>.json with a top-level "ratio" object:
-resnet50_b<B>_<N>cores (img/s through train.py with data.decode=auto over the reference's).
+resnet50_b<B>_<N>cores (img/s through train.py with data.decode=auto and the default
+data.cpu_decode_share=auto over the reference's; a fixed share adds _cpu<share>, a variant
+_<name>). Each folder run records the share auto chose and the rates it measured (decode_split).
 """
 
 from __future__ import annotations
@@ -46,8 +49,21 @@ from bench.make_image_folder import write_folder  # noqa: E402
 from tests.conftest import read_scalars  # noqa: E402
 
 
+def share_arg(value: str) -> str:
+    """--cpu-shares: auto, or a share in [0, 1) as data.cpu_decode_share takes it."""
+    if value != "auto" and not 0 <= float(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give auto or a share in [0, 1)")
+    return value
+
+
 def train_args(
-    kind: str, folder: Path, batch: int, decode: str, steps: int, every: int, share: float = 0.0
+    kind: str,
+    folder: Path,
+    batch: int,
+    decode: str,
+    steps: int,
+    every: int,
+    share: str | None = None,
 ):
     common = [
         f"data.batch_size={batch}",
@@ -66,7 +82,7 @@ def train_args(
         *data,
         f"data.path={folder}",
         f"data.decode={decode}",
-        f"data.cpu_decode_share={share}",
+        *([f"data.cpu_decode_share={share}"] if share is not None else []),  # None: the default
         "data.eval_samples=16",
         *common,
     ]
@@ -196,8 +212,9 @@ def main() -> None:
     p.add_argument("--decodes", nargs="+", default=["auto"], help="data.decode values to run")
     p.add_argument("--only", nargs="*", default=[], help="cores:batch pairs to run, e.g. 8:128")
     p.add_argument(
-        "--cpu-shares", type=float, nargs="+", default=[0.0],
-        help="data.cpu_decode_share values to run each decode with (the workers' share)",
+        "--cpu-shares", type=share_arg, nargs="+", default=["auto"],
+        help="data.cpu_decode_share values to run each decode with: auto (the default path's: "
+        "measured at start-up) or a share, e.g. 0 0.3",
     )  # fmt: skip
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=60, help="steps left out of the medians")
@@ -262,14 +279,16 @@ def main() -> None:
         # (kind, decode, CPU share, variant): a CPU share means something only where the GPU
         # decodes (not under decode=cpu); a variant is the folder run with its overrides.
         shares = [(d, x) for d in args.decodes for x in args.cpu_shares]
-        plan = [("reference", "-", 0.0, "")]
-        plan += [("folder", d, x, "") for d, x in shares if not (x and d == "cpu")]
-        plan += [("folder", "auto", 0.0, name) for name in variants]
-        plan += [("shards", "auto", 0.0, "")] if prepared else []
+        plan = [("reference", "-", None, "")]
+        plan += [("folder", d, x, "") for d, x in shares if not (x != "auto" and d == "cpu")]
+        plan += [("folder", "auto", None, name) for name in variants]  # the default's share
+        plan += [("shards", "auto", None, "")] if prepared else []
         # traced twins of the reference and the folder run: where each one's GPU time went
-        plan += [("reference", "-", 0.0, "traced"), ("folder", "auto", 0.0, "traced")] * args.trace
+        twins = [("reference", "-", None, "traced"), ("folder", "auto", None, "traced")]
+        plan += twins * args.trace
         for kind, decode, share, variant in plan:
-            suffix = (f"_cpu{share:g}" if share else "") + (f"_{variant}" if variant else "")
+            suffix = "" if share in (None, "auto") else f"_cpu{share}"
+            suffix += f"_{variant}" if variant else ""
             name = f"b{batch}_{cores}cores_{kind}_{decode}{suffix}"
             source = Path(prepared["path"]) if kind == "shards" else folder
             cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)

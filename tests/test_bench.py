@@ -74,9 +74,10 @@ def test_optim_step_quick_runs(tmp_path):
 
 
 def test_real_images_quick_runs(tmp_path):
-    """train.py on a written realistic folder against the synthetic reference, tiny shapes: a CPU
-    share, a named variant, the prepared shards and the traced twins."""
-    cmd = [sys.executable, "bench/real_images.py", "--quick", "--cpu-shares", "0", "0.5"]
+    """train.py on a written realistic folder against the synthetic reference, tiny shapes: the
+    default share (auto) and a fixed one, a named variant, the prepared shards and the traced
+    twins; runs without a share of their own leave the default alone."""
+    cmd = [sys.executable, "bench/real_images.py", "--quick", "--cpu-shares", "auto", "0.5"]
     cmd += ["--variant", "keep=data.keep_trainer_cores=true", "--shards", "24", "--trace"]
     result = run(cmd, tmp_path)
     assert set(result["ratio"]) == {
@@ -89,20 +90,24 @@ def test_real_images_quick_runs(tmp_path):
     assert result["shards"]["max_side"] == 24 and result["shards"]["prepare_s"] > 0
     runs = {(r["kind"], r["cpu_decode_share"], r["variant"]): r for r in result["runs"]}
     assert set(runs) == {
-        ("reference", 0.0, ""),
-        ("folder", 0.0, ""),
-        ("folder", 0.5, ""),
-        ("folder", 0.0, "keep"),
-        ("shards", 0.0, ""),
-        ("reference", 0.0, "traced"),
-        ("folder", 0.0, "traced"),
+        ("reference", None, ""),
+        ("folder", "auto", ""),
+        ("folder", "0.5", ""),
+        ("folder", None, "keep"),
+        ("shards", None, ""),
+        ("reference", None, "traced"),
+        ("folder", None, "traced"),
     }, runs
     assert all(r["img_per_s"] > 0 for r in runs.values()), runs
-    assert "data.cpu_decode_share=0.5" in runs["folder", 0.5, ""]["cmd"]
-    assert "data.keep_trainer_cores=true" in runs["folder", 0.0, "keep"]["cmd"]
-    assert "data=image_shards" in runs["shards", 0.0, ""]["cmd"]
+    assert "data.cpu_decode_share=0.5" in runs["folder", "0.5", ""]["cmd"]
+    assert "data.cpu_decode_share=auto" in runs["folder", "auto", ""]["cmd"]
+    assert "data.keep_trainer_cores=true" in runs["folder", None, "keep"]["cmd"]
+    assert "cpu_decode_share" not in runs["folder", None, "keep"]["cmd"]
+    # on a CPU decode=auto decodes in the workers: auto's line says no share, and why
+    assert runs["folder", "auto", ""]["decode_split"] == "0 (nothing is decoded on the GPU)"
+    assert "data=image_shards" in runs["shards", None, ""]["cmd"]
     for kind in ("reference", "folder"):  # a CPU trace holds no GPU work, but was found
-        trace = runs[kind, 0.0, "traced"]["trace"]
+        trace = runs[kind, None, "traced"]["trace"]
         assert trace["path"].endswith(".pt.trace.json") and trace["streams"] == {}, trace
 
 

@@ -111,3 +111,15 @@ def test_two_ranks_agree_on_their_mean_share(tmp_path):
     spawn(_agree, free_port(), str(tmp_path))
     shares = [torch.load(tmp_path / f"share{r}.pt") for r in (0, 1)]
     assert shares == [0.2, 0.2]
+
+
+def test_the_probe_takes_jpegs_from_the_whole_set(tmp_path):
+    """Files are in class order and sizes can go by class: the probe's JPEGs span every class,
+    each the GPU path's (JPEG bytes), none a PNG."""
+    write_tree(tmp_path / "train", per_class=30, sizes=((20, 24),))
+    dataset = ImageFolder("train", **{**folder(tmp_path / "train"), "decode": "gpu"})
+    picked = decode_split.probe_jpegs(dataset, 6)
+    assert len(picked) == 6 and picked == sorted(set(picked))
+    assert {dataset.labels[i] for i in picked} == set(range(len(CLASSES)))
+    assert all(dataset.files[i].endswith(".jpg") for i in picked)
+    assert picked[-1] >= 0.75 * len(dataset)

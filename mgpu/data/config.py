@@ -280,11 +280,11 @@ class ImageFolderDataConfig(DataConfig):
     # decode=cpu's (within a level or two of the GPU's; DCT-scaled under reduced_decode),
     # evaluation's included. Under decode=cpu (or auto resolving to it) it does nothing. A fixed
     # share is a bet on the host's cores: 0.3 gained 0.025 on one H100 machine and lost 0.18 on
-    # another whose cores decode a quarter slower (bench/README.md, "Real images"). auto:
-    # measured at start-up on this host and the run's own JPEGs, each side's share in
+    # another whose cores decode a quarter slower (bench/README.md, "Real images"). auto (the
+    # default): measured at start-up on this host and the run's own JPEGs, each side's share in
     # proportion to its rate (mgpu.data.decode_split); the log says the rates and the share,
     # and checkpoints keep it, so a resumed run decodes each image where it was decoded before.
-    cpu_decode_share: Any = 0.0
+    cpu_decode_share: Any = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # most about three quarters of what they can do, so a slower stretch of images or a busy core
 # shows as less head room, not as data wait.
 WORKER_EFFICIENCY = 0.75
-PROBE_IMAGES = 24  # decoded on one core: ~0.1-0.25 s at 100-300 images/s
+PROBE_IMAGES = 48  # decoded on one core: ~0.15-0.5 s at 100-300 images/s
 PROBE_BATCH = 64  # JPEGs a GPU decode call; three timed calls after one to warm up
 STATE_KEY = "cpu_decode_share"  # in a checkpoint's "dataset" state
 # The largest share: a data set takes shares below 1 (every JPEG on the CPU is data.decode=cpu).
@@ -73,20 +73,28 @@ def split_share(workers: int, core_rate: float, gpu_rate: float) -> float:
 
 
 def probe_jpegs(dataset: SplitSet, count: int) -> list[int]:
-    """Up to `count` indices of JPEGs the GPU path would take, spread over the data set (its
-    files are in class order: neighbours would all be one class's)."""
-    step = max(1, len(dataset) // (4 * count))
+    """Up to `count` indices of JPEGs the GPU path would take, spread evenly over the whole
+    data set: its files are in class order, and image sizes can go by class (in
+    bench/make_image_folder's realistic mix every 2400x1800 photo is in the first three of 100
+    classes; a probe of the first quarter measured one core at half its rate)."""
+    n = len(dataset)
+    candidates = sorted({k * n // (2 * count) for k in range(2 * count)})
     picked = []
-    for i in range(0, len(dataset), step):
+    for i in candidates:
         try:
             item = dataset.probe_item(i, cpu=False)
         except BadImageFile:
             continue  # the run's bad_files policy meets it later; a probe skips it
         if item is not None and item.data is not None:
             picked.append(i)
-        if len(picked) == count:
-            break
-    return picked
+    return spread(picked, count)
+
+
+def spread(items: list[int], count: int) -> list[int]:
+    """`count` of `items`, evenly spaced over them (all of them if there are no more)."""
+    if len(items) <= count:
+        return items
+    return [items[k * len(items) // count] for k in range(count)]
 
 
 def measure(
@@ -102,7 +110,7 @@ def measure(
     chosen = probe_jpegs(dataset, max(images, batch))
     if len(chosen) < 4:
         return None
-    on_core = chosen[:images]
+    on_core = spread(chosen, images)
     # One thread, as in a DataLoader worker (torch sets it there): the training process's
     # thread pool would make each small resize dearer (87-117 images/s at start-up against
     # 212 in a one-thread probe on one H200 host).
@@ -116,7 +124,7 @@ def measure(
         core = len(on_core) / (time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    items = [dataset.probe_item(i, cpu=False) for i in chosen[:batch]]
+    items = [dataset.probe_item(i, cpu=False) for i in spread(chosen, batch)]
     encoded = collate_encoded(items)
     if device.type == "cuda":
         encoded = encoded.pin_memory()  # as the DataLoader hands it over
