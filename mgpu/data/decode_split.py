@@ -111,9 +111,8 @@ def measure(
     if len(chosen) < 4:
         return None
     on_core = spread(chosen, images)
-    # One thread, as in a DataLoader worker (torch sets it there): the training process's
-    # thread pool would make each small resize dearer (87-117 images/s at start-up against
-    # 212 in a one-thread probe on one H200 host).
+    # One thread, as in a DataLoader worker (torch sets it there), not the training process's
+    # pool: the resize runs as the workers will run it.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
