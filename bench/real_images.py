@@ -280,7 +280,8 @@ def main() -> None:
         # decodes (not under decode=cpu); a variant is the folder run with its overrides.
         shares = [(d, x) for d in args.decodes for x in args.cpu_shares]
         plan = [("reference", "-", None, "")]
-        plan += [("folder", d, x, "") for d, x in shares if not (x != "auto" and d == "cpu")]
+        fixed = [(d, x) for d, x in shares if x == "auto" or not (d == "cpu" and float(x))]
+        plan += [("folder", d, x, "") for d, x in fixed]
         plan += [("folder", "auto", None, name) for name in variants]  # the default's share
         plan += [("shards", "auto", None, "")] if prepared else []
         # traced twins of the reference and the folder run: where each one's GPU time went

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mgpu.data import TokenFile
+from mgpu.data import TokenFile, decode_split
 from mgpu.data.config import TokenFileDataConfig
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
@@ -115,6 +115,12 @@ def run(restored: Restored) -> None:
             # The saved data.path may be relative to where training ran.
             raise UsageError(f"the run's eval data: {err} (data.path=... overrides it)") from err
         loader = build_loader(cfg.data, dataset, rt, seed=cfg.trainer.seed, train=False)
+        # data.cpu_decode_share=auto: the training run's share, so that the images decoded on
+        # the CPU are those its evaluations decoded there (before the loader's workers start)
+        share = getattr(cfg.data, "cpu_decode_share", None)
+        decode_split.resolve_auto(
+            share, cfg.data.num_workers, [dataset], rt, restored.dataset_state
+        )  # fmt: skip
         with loader:
             result = evaluate(model, loader, rt, autocast_dtype(cfg.trainer.precision, rt.device))
         if rt.is_primary:

@@ -138,6 +138,8 @@ class Restored:
     step: int
     config: Config
     model: nn.Module
+    # The training data set's checkpoint_state (image_folder's decode share), if it saved one
+    dataset_state: dict | None = None
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the run trained with: byte-level, or its run directory's copy of the
@@ -185,7 +187,7 @@ def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
     model = build_model(cfg.model)
     restore_model(model, loaded.shared["model"], source=str(checkpoint))
     model.eval()
-    return Restored(checkpoint, loaded.step, cfg, model)
+    return Restored(checkpoint, loaded.step, cfg, model, loaded.shared.get("dataset"))
 
 
 def command_parser(prog: str, description: str) -> argparse.ArgumentParser:

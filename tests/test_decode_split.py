@@ -55,7 +55,7 @@ def test_the_measured_share_grows_when_the_gpu_decodes_slower(tmp_path, caplog):
     rates = decode_split.measure(dataset, fast, torch.device("cpu"))
     jpegs = sum(f.endswith(".jpg") for f in dataset.files)
     assert rates is not None and rates.core > 0 and rates.gpu > 0
-    assert rates.images == min(jpegs, decode_split.PROBE_BATCH)
+    assert rates.images == min(jpegs, decode_split.PROBE_IMAGES)
     with caplog.at_level(logging.INFO, logger="mgpu.data.decode_split"):
         share_fast = decode_split.resolve_share(dataset, fast, 2, ONE)
         share_slow = decode_split.resolve_share(dataset, slow, 2, ONE)
@@ -63,7 +63,7 @@ def test_the_measured_share_grows_when_the_gpu_decodes_slower(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert any(f"auto: {share_slow:.3f} of the JPEGs decoded by the 2 workers" in m for m in said)
     decode_split.shared_split([dataset], share_slow)
-    assert dataset.state_dict()["cpu_decode_share"] == pytest.approx(share_slow, abs=1e-9)
+    assert dataset.checkpoint_state()["cpu_decode_share"] == pytest.approx(share_slow, abs=1e-9)
     jpegs = [i for i, f in enumerate(dataset.files) if f.endswith(".jpg")]
     keys = [SampleKey(i, e, 3) for e in range(8) for i in jpegs]
     on_cpu = sum(dataset[k].data is None for k in keys) / len(keys)
@@ -77,19 +77,74 @@ def test_no_workers_or_no_gpu_decode_means_no_share(tmp_path):
     assert decode_split.resolve_share(dataset, None, 4, ONE) == 0.0
 
 
+class CpuDecoded(ImageFolder):
+    """decode=gpu's data set with its decode step on the CPU (Pillow for nvJPEG)."""
+
+    def device_decoder(self, device):
+        return BatchDecoder(self, device, pillow_jpegs, resize_each)
+
+
+class NoDecoder(ImageFolder):
+    def device_decoder(self, device):
+        raise AssertionError("a resumed run made a decode step to measure")
+
+
 def test_a_resumed_run_takes_its_checkpoints_share_without_measuring(tmp_path, caplog):
-    """resolve_auto with a checkpoint's state: the saved share, given to every data set; the
-    decode step is not even made (on this CPU making it would fail: no GPU to decode on)."""
-    train = gpu_mode_set(tmp_path / "train")
-    evaluation = ImageFolder("eval", **{**folder(tmp_path / "train"), "decode": "gpu"})
+    """resolve_auto with a checkpoint's state from a run that decoded on the GPU: the saved
+    share, given to every data set, and no decode step made; from a run that decoded on the
+    CPU (its 0 never measured): measured anew."""
+    write_tree(tmp_path / "train", per_class=12, sizes=((60, 80), (44, 36)))
+    kwargs = {**folder(tmp_path / "train"), "decode": "gpu"}
+    train, evaluation = NoDecoder("train", **kwargs), NoDecoder("eval", **kwargs)
+    saved = {"cpu_decode_share": 0.37, "decode": "gpu"}
     with caplog.at_level(logging.INFO, logger="mgpu.data.decode_split"):
-        decode_split.resolve_auto("auto", 3, [train, evaluation], ONE, {"cpu_decode_share": 0.37})
+        decode_split.resolve_auto("auto", 3, [train, evaluation], ONE, saved)
     for dataset in (train, evaluation):
-        assert dataset.state_dict()["cpu_decode_share"] == pytest.approx(0.37, abs=1e-9)
-    assert "0.370, the share the checkpoint's run measured" in caplog.text
+        assert dataset.checkpoint_state() == saved
+    assert "0.370, the share the checkpoint's run decoded with" in caplog.text
     # anything but auto leaves the configured number alone
-    decode_split.resolve_auto(0.0, 3, [train], ONE, {"cpu_decode_share": 0.5})
-    assert train.state_dict()["cpu_decode_share"] == pytest.approx(0.37, abs=1e-9)
+    decode_split.resolve_auto(0.0, 3, [train], ONE, {"cpu_decode_share": 0.5, "decode": "gpu"})
+    assert train.checkpoint_state()["cpu_decode_share"] == 0.37
+    # the round trip: what a measured run saves is what its resumed run takes
+    measured = CpuDecoded("train", **kwargs)
+    decode_split.resolve_auto(
+        "auto", 3, [measured], ONE, {"cpu_decode_share": 0.0, "decode": "cpu"}
+    )
+    share = measured.checkpoint_state()["cpu_decode_share"]
+    assert 0 < share < 1  # measured, not the CPU run's 0
+    resumed = NoDecoder("train", **kwargs)
+    decode_split.resolve_auto("auto", 3, [resumed], ONE, measured.checkpoint_state())
+    assert resumed.checkpoint_state() == measured.checkpoint_state()
+
+
+def test_a_bad_jpeg_is_left_out_of_the_measurement(tmp_path):
+    """A JPEG whose header reads but whose data is cut short: the probe leaves it out (no
+    error, nothing counted as replaced), and the measurement stands on the others."""
+    write_tree(tmp_path / "train", per_class=12, sizes=((60, 80), (44, 36)))
+    dataset = CpuDecoded("train", **{**folder(tmp_path / "train"), "decode": "gpu"})
+    jpegs = [f for f in dataset.files if f.endswith(".jpg")]
+    data = open(jpegs[3], "rb").read()
+    with open(jpegs[3], "wb") as f:
+        f.write(data[: len(data) // 3])
+    dataset.bad_files = "skip"
+    rates = decode_split.measure(dataset, dataset.device_decoder("cpu"), torch.device("cpu"))
+    assert rates is not None and rates.images == len(jpegs) - 1
+    assert dataset.replaced() == 0
+
+
+def test_the_share_reaches_the_dataloader_workers(tmp_path):
+    """Set before the workers start, the share is what they decode by: about that share of the
+    JPEGs comes back as the workers' pixels."""
+    from torch.utils.data import DataLoader
+
+    write_tree(tmp_path / "train", per_class=24, sizes=((40, 30),))
+    dataset = ImageFolder("train", **{**folder(tmp_path / "train"), "decode": "gpu"})
+    decode_split.shared_split([dataset], 0.5)
+    loader = DataLoader(dataset, batch_size=8, num_workers=2, collate_fn=dataset.collate)
+    jpegs = sum(f.endswith(".jpg") for f in dataset.files)
+    pixels = sum(len(b.pixels_at) for b in loader) - (len(dataset.files) - jpegs)  # PNGs too
+    expected = sum(dataset.on_cpu(i, 0, 0) for i, f in enumerate(dataset.files) if ".jpg" in f)
+    assert pixels == expected and 0.25 * jpegs < expected < 0.75 * jpegs, (pixels, expected)
 
 
 def test_auto_is_a_setting_and_bad_values_are_one_line(tmp_path):
@@ -107,10 +162,10 @@ def _agree(rank: int, port: int, out: str) -> None:
     torch.save(share, f"{out}/share{rank}.pt")
 
 
-def test_two_ranks_agree_on_their_mean_share(tmp_path):
+def test_two_ranks_agree_on_the_least_share(tmp_path):
     spawn(_agree, free_port(), str(tmp_path))
     shares = [torch.load(tmp_path / f"share{r}.pt") for r in (0, 1)]
-    assert shares == [0.2, 0.2]
+    assert shares == [0.1, 0.1]
 
 
 def test_the_probe_takes_jpegs_from_the_whole_set(tmp_path):

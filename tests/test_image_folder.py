@@ -430,7 +430,8 @@ def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
 def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     """decode=cpu: a run resumed from its step-4 checkpoint logs the losses of the run that went
     on, to the bit (the crops of the steps after 4 are drawn from the same keys). Its checkpoint
-    keeps the data set's decode share, which data.cpu_decode_share=auto takes back on resume."""
+    keeps the data set's decode share and where it decoded (tests/test_decode_split.py: a GPU
+    run's share is taken back on resume)."""
     from mgpu.ckpt.checkpoint import load
 
     write_tree(tmp_path / "train", per_class=6)
@@ -445,9 +446,10 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     args += [f"ckpt.resume={start}", f"hydra.run.dir={tmp_path / 'b'}"]
     resumed = train_on_cpu(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert load(start, rank=0).shared["dataset"] == {"cpu_decode_share": 0.0}
-    assert "auto: 0 (nothing is decoded on the GPU)" in whole.stdout + whole.stderr
-    assert "the share the checkpoint's run measured" in resumed.stdout + resumed.stderr
+    # decode=cpu's share, 0 and never measured: the resumed run does not take it as measured
+    assert load(start, rank=0).shared["dataset"] == {"cpu_decode_share": 0.0, "decode": "cpu"}
+    for run in (whole, resumed):
+        assert "auto: 0 (nothing is decoded on the GPU)" in run.stdout + run.stderr
     losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
     # 16 training images, 4 steps an epoch: steps 5-10 cross into a third epoch
     assert [losses[1][s] for s in (6, 8, 10)] == [losses[0][s] for s in (6, 8, 10)], losses
@@ -577,7 +579,7 @@ def test_reduced_decode_stays_close_to_a_full_decode(tmp_path):
     same crop and resize: a photo-sized JPEG, train crops at 1/2, 1/4 and 1/8 and eval's
     center crop. The reduced decode low-passes with the IDCT instead of the resize's triangle,
     so pixels differ a little; a box mapped to the wrong place would differ by tens of levels."""
-    from mgpu.data.image_folder import DCT_FACTORS, draft_for_crop
+    from mgpu.data.crops import DCT_FACTORS, draft_for_crop
 
     write_tree(tmp_path / "train", per_class=3, sizes=((1200, 1600), (90, 70), (250, 330)))
     kwargs = {**folder(tmp_path / "train", eval_samples=2), "image_size": 64, "classes": CLASSES}

@@ -85,7 +85,7 @@ def training_state(
     """The replicated state rank 0 saves. `model` is the unwrapped module (comm.unwrap), so the
     keys carry no DDP or torch.compile prefix; `config` is the resolved config as YAML (left out
     when None: the checkpointer adds the run's); `dataset`: the training data set's own state
-    (its state_dict, e.g. image_folder's decode share), left out when None."""
+    (its checkpoint_state, e.g. image_folder's decode share), left out when None."""
     state = {
         "step": step,
         "data": cursor.to_dict(),  # also holds the epoch

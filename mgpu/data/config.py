@@ -283,7 +283,8 @@ class ImageFolderDataConfig(DataConfig):
     # another whose cores decode a quarter slower (bench/README.md, "Real images"). auto (the
     # default): measured at start-up on this host and the run's own JPEGs, each side's share in
     # proportion to its rate (mgpu.data.decode_split); the log says the rates and the share,
-    # and checkpoints keep it, so a resumed run decodes each image where it was decoded before.
+    # and checkpoints keep it, so a resumed run (and mgpu.evaluate of a checkpoint) decodes each
+    # image where it was decoded before.
     cpu_decode_share: Any = "auto"
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ more than they could give.
 
 The rule: each side takes the JPEGs in proportion to its measured rate (the workers' counted at
 WORKER_EFFICIENCY of a core alone), so that, whatever the step consumes, the workers run out of
-rate no sooner than the GPU does. The share is agreed over ranks (their mean) and saved in
+rate no sooner than the GPU does. The share is agreed over ranks (the least) and saved in
 checkpoints: a resumed run decodes each image where the first run did, so it sees the same
 pixels, even on another host.
 """
@@ -26,8 +26,9 @@ from typing import Protocol
 import torch
 
 from mgpu.data.encoded import BadImageFile, Encoded, EncodedBatch, collate_encoded
-from mgpu.data.loader import worker_count
-from mgpu.runtime.dist import Runtime, all_reduce_sum_
+from mgpu.data.loader import TRAINER_CORES, worker_count
+from mgpu.runtime.dist import Runtime, all_reduce_min_
+from mgpu.runtime.stops import waiting
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 # most about three quarters of what they can do, so a slower stretch of images or a busy core
 # shows as less head room, not as data wait.
 WORKER_EFFICIENCY = 0.75
-PROBE_IMAGES = 48  # decoded on one core: ~0.15-0.5 s at 100-300 images/s
-PROBE_BATCH = 64  # JPEGs a GPU decode call; three timed calls after one to warm up
+# JPEGs decoded on one core (~0.2-0.6 s at 100-300 images/s), then on the GPU as one batch,
+# three timed calls after one to warm up.
+PROBE_IMAGES = 64
 STATE_KEY = "cpu_decode_share"  # in a checkpoint's "dataset" state
 # The largest share: a data set takes shares below 1 (every JPEG on the CPU is data.decode=cpu).
 MAX_SHARE = 0.99
@@ -102,29 +104,29 @@ def measure(
     decode: Callable[[EncodedBatch], object],
     device: torch.device,
     *,
-    images: int = PROBE_IMAGES,
-    batch: int = PROBE_BATCH,
+    count: int = PROBE_IMAGES,
 ) -> Rates | None:
-    """One core's rate and the GPU decode step's, on the data set's own JPEGs; None if it has
-    too few for a measurement (fewer than 4)."""
-    chosen = probe_jpegs(dataset, max(images, batch))
+    """One core's rate and the GPU decode step's, on up to `count` of the data set's own JPEGs,
+    each decoded on the core first: one that Pillow cannot read is left out of both (the run's
+    bad_files policy meets it later). None if fewer than 4 JPEGs are left to measure on."""
+    chosen = probe_jpegs(dataset, count)
     if len(chosen) < 4:
         return None
-    on_core = spread(chosen, images)
     # One thread, as in a DataLoader worker (torch sets it there), not the training process's
     # pool: the resize runs as the workers will run it.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    readable = []
     try:
-        dataset.probe_item(on_core[0], cpu=True)  # Pillow's first call pays its imports
+        _try_on_core(dataset, chosen[0])  # Pillow's first call pays its imports
         start = time.perf_counter()
-        for i in on_core:
-            dataset.probe_item(i, cpu=True)
-        core = len(on_core) / (time.perf_counter() - start)
+        readable = [i for i in chosen if _try_on_core(dataset, i)]
+        core = len(chosen) / (time.perf_counter() - start)  # a bad file's try counts too
     finally:
         torch.set_num_threads(threads)
-    items = [dataset.probe_item(i, cpu=False) for i in spread(chosen, batch)]
-    encoded = collate_encoded(items)
+    if len(readable) < 4:
+        return None
+    encoded = collate_encoded([dataset.probe_item(i, cpu=False) for i in readable])
     if device.type == "cuda":
         encoded = encoded.pin_memory()  # as the DataLoader hands it over
     decode(encoded)  # the first call sets nvJPEG's buffers up
@@ -135,8 +137,16 @@ def measure(
         decode(encoded)
     # Sync point (start-up, before training): the decode's GPU work must be done to be timed.
     _sync(device)
-    gpu = calls * len(items) / (time.perf_counter() - start)
-    return Rates(core=core, gpu=gpu, images=len(chosen))
+    gpu = calls * len(readable) / (time.perf_counter() - start)
+    return Rates(core=core, gpu=gpu, images=len(readable))
+
+
+def _try_on_core(dataset: SplitSet, i: int) -> bool:
+    try:
+        dataset.probe_item(i, cpu=True)
+        return True
+    except BadImageFile:
+        return False
 
 
 def _sync(device: torch.device) -> None:
@@ -145,14 +155,23 @@ def _sync(device: torch.device) -> None:
 
 
 def agreed(share: float, rt: Runtime) -> float:
-    """The ranks' mean share, the same number on every rank (a collective at start-up: every
-    rank calls it). Rounded to 3 places, so the log and the checkpoint say what is used."""
+    """The smallest share of the ranks, the same number on every rank (a collective at
+    start-up: every rank calls it): no rank's workers are asked for more than it measured they
+    can give. Rounded to 3 places, so the log and the checkpoint say what is used."""
     if rt.distributed:
         device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-        total = all_reduce_sum_(torch.tensor([share], dtype=torch.float64, device=device), rt)
-        # Sync point (start-up): the agreed share is needed on the host, by the dataset.
-        share = float(total.item()) / rt.world_size
+        least = torch.tensor([share], dtype=torch.float64, device=device)
+        with waiting(rt.rank, "the agreement on data.cpu_decode_share=auto's share"):
+            all_reduce_min_(least, rt)
+        # Sync point (start-up): the agreed share is needed on the host, by the data sets.
+        share = float(least.item())
     return min(round(share, 3), MAX_SHARE)
+
+
+def counted_workers(workers: int, rt: Runtime) -> int:
+    """The workers whose rate counts: no more than the cores this process may use leave them
+    (data.num_workers set above that shares cores, and a shared core is no faster)."""
+    return min(workers, max(1, rt.cpu_share - TRAINER_CORES)) if workers > 0 else 0
 
 
 def resolve_share(
@@ -167,25 +186,39 @@ def resolve_share(
     the GPU (`decode` None) or no worker runs. Every rank calls it (a collective)."""
     if saved is not None:
         log.info(
-            "data.cpu_decode_share=auto: %.3f, the share the checkpoint's run measured (each "
-            "image is decoded where it was then)", saved,
+            "data.cpu_decode_share=auto: %.3f, the share the checkpoint's run decoded with "
+            "(each image is decoded where it was then)", saved,
         )  # fmt: skip
+        if saved and workers == 0:
+            log.warning(
+                "data.cpu_decode_share=auto: data.num_workers=0, so the training process "
+                "decodes that share of the JPEGs itself, between steps"
+            )  # fmt: skip
         return float(saved)
-    rates = measure(dataset, decode, rt.device) if decode is not None and workers > 0 else None
-    share = split_share(workers, rates.core, rates.gpu) if rates is not None else 0.0
+    rates, failed = None, ""
+    if decode is not None and workers > 0:
+        try:
+            rates = measure(dataset, decode, rt.device)
+        except Exception as err:  # every rank must still reach the agreement below
+            failed = f"{type(err).__name__}: {err}"
+    counted = counted_workers(workers, rt)
+    share = split_share(counted, rates.core, rates.gpu) if rates is not None else 0.0
     share = agreed(share, rt)
     if decode is None or workers == 0:
         why = "nothing is decoded on the GPU" if decode is None else "data.num_workers is 0"
         log.info("data.cpu_decode_share=auto: 0 (%s)", why)
+    elif failed:
+        log.warning("data.cpu_decode_share=auto: %.3f; the measurement failed (%s)", share, failed)
     elif rates is None:
-        log.info("data.cpu_decode_share=auto: %.3f (too few JPEGs on this rank to measure)", share)
+        log.info("data.cpu_decode_share=auto: %.3f (too few readable JPEGs to measure)", share)
     else:
         log.info(
             "data.cpu_decode_share=auto: %.3f of the JPEGs decoded by the %d workers, the rest "
-            "on the GPU: one core decodes and crops %.0f images/s (counted at %.0f%% a worker), "
-            "the GPU's decode step %.0f images/s, measured on %d of the run's JPEGs%s",
-            share, workers, rates.core, 100 * WORKER_EFFICIENCY, rates.gpu, rates.images,
-            " (the ranks' mean)" if rt.distributed else "",
+            "on the GPU: one core decodes and crops %.0f images/s (counted at %.0f%% a worker, "
+            "%d workers counted), the GPU's decode step %.0f images/s, measured on %d of the "
+            "run's JPEGs%s",
+            share, workers, rates.core, 100 * WORKER_EFFICIENCY, counted, rates.gpu,
+            rates.images, " (the least of the ranks' shares)" if rt.distributed else "",
         )  # fmt: skip
     return share
 
@@ -212,7 +245,9 @@ def resolve_auto(
     if share_setting != "auto" or not datasets:
         return
     train = datasets[0]
-    saved = (saved_state or {}).get(STATE_KEY)
+    saved_state = saved_state or {}
+    # A share saved by a run that decoded every JPEG on the CPU was never measured: measure.
+    saved = saved_state.get(STATE_KEY) if saved_state.get("decode") == "gpu" else None
     decode = None
     if saved is None:  # the decode step is made only to be measured
         make_decoder = getattr(train, "device_decoder", None)

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset, get_worker_info
 
 from mgpu.config.checks import ConfigError
+from mgpu.data.crops import (
+    center_crop,
+    crop_resize,
+    draft_for_crop,
+    random_resized_crop,
+)
 from mgpu.data.encoded import (  # noqa: F401 - BadImageFile: users catch it here too
     REMOVE_OR_SKIP,
     BadImageFile,
@@ -134,80 +138,6 @@ def split_indices(n: int, eval_samples: int, train: bool) -> list[int]:
         )
     held = holdout(n, eval_samples)
     return sorted(set(range(n)) - set(held)) if train else held
-
-
-# ---- crops ----
-
-
-def random_resized_crop(
-    width: int, height: int, rng: np.random.Generator, scale: tuple, ratio: tuple
-) -> tuple[int, int, int, int]:
-    """(left, top, w, h): a box of random area (a `scale` fraction of the image's) and aspect
-    ratio (log-uniform in `ratio`), at a random place; after 10 tries that do not fit, the
-    center box of the nearest allowed aspect ratio. torchvision's RandomResizedCrop rule."""
-    area = width * height
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(10):
-        target = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(log_lo, log_hi))
-        w = round(math.sqrt(target * aspect))
-        h = round(math.sqrt(target / aspect))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return left, top, w, h
-    aspect = width / height
-    if aspect < ratio[0]:
-        w, h = width, round(width / ratio[0])
-    elif aspect > ratio[1]:
-        w, h = round(height * ratio[1]), height
-    else:
-        w, h = width, height
-    return (width - w) // 2, (height - h) // 2, w, h
-
-
-def center_crop(width: int, height: int, fraction: float) -> tuple[int, int, int, int]:
-    """(left, top, w, h): the centered square whose side is `fraction` of the shorter side
-    (0.875 crops what resize-to-256-then-center-crop-224 keeps)."""
-    side = max(1, round(min(width, height) * fraction))
-    return (width - side) // 2, (height - side) // 2, side, side
-
-
-def crop_resize(image: Image.Image, box: tuple, flip: bool, size: int) -> Tensor:
-    """The box cut out, resized to size x size (bilinear, antialiased when shrinking) and
-    mirrored if `flip`: a [3, size, size] uint8 tensor. Crop, then resize: the GPU path
-    (gpu_decode) does the same, so both filter only pixels inside the box.
-
-    The resize is torch's uint8 antialiased bilinear on the crop as a channels-last view (its
-    vectorised CPU kernel): 2.4x Pillow's resize on one core, within two levels of it
-    (Pillow's filter and weights, other rounding; bench/README.md, real images)."""
-    left, top, w, h = box
-    pixels = torch.from_numpy(np.array(image))  # [H, W, 3]; a writable copy out of Pillow
-    crop = pixels[top : top + h, left : left + w].permute(2, 0, 1)[None]
-    out = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)[0]
-    return (out.flip(-1) if flip else out).contiguous()
-
-
-# JPEG's DCT scaling: libjpeg decodes at 1/2, 1/4 or 1/8 of the size for little more than the
-# entropy decoding, skipping most of the IDCT and colour work. Used when the crop box is at least
-# this many times the output size on its shorter side, so the reduced box is still shrunk.
-DCT_FACTORS = (8, 4, 2)
-
-
-def draft_for_crop(image: Image.Image, box: tuple, size: int) -> tuple[int, int, int, int]:
-    """Ask Pillow (before decoding) for the smallest DCT-scaled decode of a JPEG whose crop box
-    still covers `size` pixels on each side; `box` mapped onto that decode (rounded to whole
-    pixels, so its edges move by under half a reduced pixel). Other formats: `box` as it is."""
-    left, top, w, h = box
-    factor = next((f for f in DCT_FACTORS if min(w, h) >= f * size), 1)
-    if factor == 1 or image.format != "JPEG":
-        return box
-    width, height = image.size
-    image.draft(image.mode, (width // factor, height // factor))
-    sx, sy = width / image.size[0], height / image.size[1]
-    x0, y0 = round(left / sx), round(top / sy)
-    x1, y1 = round((left + w) / sx), round((top + h) / sy)
-    return x0, y0, x1 - x0, y1 - y0
 
 
 # ---- the dataset ----
@@ -356,12 +286,14 @@ class ImageFolder(Dataset):
         the data set as it is then."""
         if not 0 <= share < 1:
             raise ValueError(f"cpu_decode_share={share}: use a share in [0, 1)")
+        self.cpu_decode_share = float(share)
         # Compared with a 32-bit hash of the sample (on_cpu), as an integer threshold.
         self._cpu_below = round(share * 2**32) if self.decode == "gpu" else 0
 
-    def state_dict(self) -> dict[str, float]:
-        """What a checkpoint keeps of the data set: the share of JPEGs decoded on the CPU."""
-        return {"cpu_decode_share": self._cpu_below / 2**32}
+    def checkpoint_state(self) -> dict:
+        """What a checkpoint keeps of the data set (the Trainer saves it; build_run hands it to
+        mgpu.data.decode_split on resume): the decode share, and where JPEGs were decoded."""
+        return {"cpu_decode_share": self.cpu_decode_share, "decode": self.decode}
 
     def probe_item(self, i: int, *, cpu: bool) -> Encoded | None:
         """Sample i of epoch 0 as decode=gpu hands it over, its JPEG decoded here (`cpu`) or left

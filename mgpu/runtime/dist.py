@@ -210,6 +210,13 @@ def all_reduce_sum_(tensor: torch.Tensor, rt: Runtime) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_min_(tensor: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """In-place minimum over ranks. A collective, as all_reduce_sum_."""
+    if rt.distributed:
+        tdist.all_reduce(tensor, op=tdist.ReduceOp.MIN)
+    return tensor
+
+
 def all_ok(ok: bool, rt: Runtime) -> bool:
     """True on every rank if `ok` is True on every rank. A collective and a barrier: every rank
     must call it at the same point; a CPU-GPU sync point on NCCL (checkpoints and start-up)."""

@@ -351,9 +351,10 @@ class Trainer:
         return self._state(self.step, self._data)
 
     def _state(self, step: int, data: DataLoader) -> dict:
-        # A data set with state of its own (image_folder's decode share) keeps it in the
+        # A data set with state of its own (image_folder's decode share: checkpoint_state, not
+        # state_dict, which a user's data set may have for other ends) keeps it in the
         # checkpoint; build_run hands it back to the resumed run's data sets.
-        dataset_state = getattr(data.dataset, "state_dict", None)
+        dataset_state = getattr(data.dataset, "checkpoint_state", None)
         return training_state(
             model=unwrap(self.model), optimizer=self.optimizer, schedule=self.schedule,
             scaler=self.scaler, step=step, cursor=self.cursor(step, data),
