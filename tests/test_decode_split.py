@@ -178,3 +178,18 @@ def test_the_probe_takes_jpegs_from_the_whole_set(tmp_path):
     assert {dataset.labels[i] for i in picked} == set(range(len(CLASSES)))
     assert all(dataset.files[i].endswith(".jpg") for i in picked)
     assert picked[-1] >= 0.75 * len(dataset)
+
+
+@pytest.mark.gpu
+def test_auto_measures_nvjpeg_on_the_gpu(tmp_path):
+    """On a GPU: resolve_auto makes the real decode step (torchvision's nvJPEG and the batched
+    crops), measures it beside one core, and gives the data set a share strictly between 0 and
+    1, recorded as a GPU run's."""
+    pytest.importorskip("torchvision")
+    write_tree(tmp_path / "train", per_class=12, sizes=((375, 500), (333, 250)))
+    device = torch.device("cuda", torch.cuda.current_device())
+    rt = Runtime(0, 0, 1, "nccl", device, has_process_group=False)
+    dataset = ImageFolder("train", **{**folder(tmp_path / "train"), "decode": "gpu"})
+    decode_split.resolve_auto("auto", 2, [dataset], rt, None)
+    state = dataset.checkpoint_state()
+    assert state["decode"] == "gpu" and 0 < state["cpu_decode_share"] < 1, state
