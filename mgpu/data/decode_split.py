@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from mgpu.data.encoded import BadImageFile, Encoded, EncodedBatch, collate_encoded
-from mgpu.data.loader import TRAINER_CORES, worker_count
+from mgpu.data.loader import worker_count
 from mgpu.runtime.dist import Runtime, all_reduce_min_
 from mgpu.runtime.stops import waiting
 
@@ -47,8 +47,6 @@ MAX_SHARE = 0.99
 
 class SplitSet(Protocol):
     """What the measurement needs of an image set (ImageFolder and ImageShards have it)."""
-
-    files: list[str]
 
     def __len__(self) -> int: ...
 
@@ -169,9 +167,9 @@ def agreed(share: float, rt: Runtime) -> float:
 
 
 def counted_workers(workers: int, rt: Runtime) -> int:
-    """The workers whose rate counts: no more than the cores this process may use leave them
-    (data.num_workers set above that shares cores, and a shared core is no faster)."""
-    return min(workers, max(1, rt.cpu_share - TRAINER_CORES)) if workers > 0 else 0
+    """The workers whose rate counts: no more than data.num_workers=auto would start (the cores
+    this process may use, less the trainer's own); more share cores, and are no faster."""
+    return min(workers, worker_count("auto", rt.cpu_share)) if workers > 0 else 0
 
 
 def resolve_share(
