@@ -447,7 +447,8 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     resumed = train_on_cpu(args, tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # decode=cpu's share, 0 and never measured: the resumed run does not take it as measured
-    assert load(start, rank=0).shared["dataset"] == {"cpu_decode_share": 0.0, "decode": "cpu"}
+    saved = {"cpu_decode_share": 0.0, "cpu_decode_share_scaled": 0.0, "decode": "cpu"}
+    assert load(start, rank=0).shared["dataset"] == saved
     for run in (whole, resumed):
         assert "auto: 0 (nothing is decoded on the GPU)" in run.stdout + run.stderr
     losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]

@@ -282,9 +282,11 @@ class ImageFolderDataConfig(DataConfig):
     # share is a bet on the host's cores: 0.3 gained 0.025 on one H100 machine and lost 0.18 on
     # another whose cores decode a quarter slower (bench/README.md, "Real images"). auto (the
     # default): measured at start-up on this host and the run's own JPEGs, each side's share in
-    # proportion to its rate (mgpu.data.decode_split); the log says the rates and the share,
-    # and checkpoints keep it, so a resumed run (and mgpu.evaluate of a checkpoint) decodes each
-    # image where it was decoded before.
+    # proportion to its rate, and the JPEGs whose crop the CPU decodes DCT-scaled (large photos,
+    # under reduced_decode: a fraction of a core's full decode, all of the GPU's) given to the
+    # workers first where that frees more GPU time (mgpu.data.decode_split); the log says the
+    # rates and the shares, and checkpoints keep them, so a resumed run (and mgpu.evaluate of a
+    # checkpoint) decodes each image where it was decoded before.
     cpu_decode_share: Any = "auto"
 
     def __post_init__(self) -> None:

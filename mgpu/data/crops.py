@@ -70,12 +70,17 @@ def crop_resize(image: Image.Image, box: tuple, flip: bool, size: int) -> Tensor
 DCT_FACTORS = (8, 4, 2)
 
 
+def dct_factor(box: tuple, size: int) -> int:
+    """How much smaller (8, 4, 2, or 1: not at all) a JPEG may be decoded for this crop box."""
+    return next((f for f in DCT_FACTORS if min(box[2], box[3]) >= f * size), 1)
+
+
 def draft_for_crop(image: Image.Image, box: tuple, size: int) -> tuple[int, int, int, int]:
     """Ask Pillow (before decoding) for the smallest DCT-scaled decode of a JPEG whose crop box
     still covers `size` pixels on each side; `box` mapped onto that decode (rounded to whole
     pixels, so its edges move by under half a reduced pixel). Other formats: `box` as it is."""
     left, top, w, h = box
-    factor = next((f for f in DCT_FACTORS if min(w, h) >= f * size), 1)
+    factor = dct_factor(box, size)
     if factor == 1 or image.format != "JPEG":
         return box
     width, height = image.size

@@ -8,11 +8,16 @@ the crops run beside it), while the workers sit idle. Why measured: the cores' r
 gained 0.025 on one H100 host and lost 0.18 on a slower one, where it asked the workers for
 more than they could give.
 
-The rule: each side takes the JPEGs in proportion to its measured rate (the workers' counted at
-WORKER_EFFICIENCY of a core alone), so that, whatever the step consumes, the workers run out of
-rate no sooner than the GPU does. The share is agreed over ranks (the least) and saved in
-checkpoints: a resumed run decodes each image where the first run did, so it sees the same
-pixels, even on another host.
+Two kinds of JPEG: those decoded at full size, and those whose crop box lets the CPU decode them
+DCT-scaled (a large photo, reduced_decode): such a JPEG costs a core a fraction of its full
+decode and the GPU all of it, so the workers take that kind first when it frees more GPU time
+per core second (measured, kind by kind).
+
+The rule: the workers (counted at WORKER_EFFICIENCY of a core alone) take JPEGs, kind by kind in
+that order, until they would spend as long on a stream's JPEGs as the GPU spends on the rest:
+whatever the step consumes, the workers run out of rate no sooner than the GPU does. The shares
+are agreed over ranks (the least) and saved in checkpoints: a resumed run decodes each image
+where the first run did, so it sees the same pixels, even on another host.
 """
 
 from __future__ import annotations
@@ -38,9 +43,16 @@ log = logging.getLogger(__name__)
 # shows as less head room, not as data wait.
 WORKER_EFFICIENCY = 0.75
 # JPEGs decoded on one core (~0.2-0.6 s at 100-300 images/s), then on the GPU as one batch,
-# three timed calls after one to warm up.
+# three timed calls after one to warm up: up to PROBE_IMAGES decoded at full size and
+# SCALED_PROBE DCT-scaled ones (a few percent of a photo set, each costing several). SCAN times
+# PROBE_IMAGES headers are read to find them and count their share; a kind is timed on its own
+# from MIN_PROBE readable JPEGs.
 PROBE_IMAGES = 64
+SCALED_PROBE = 16
+SCAN = 4
+MIN_PROBE = 4
 STATE_KEY = "cpu_decode_share"  # in a checkpoint's "dataset" state
+SCALED_KEY = "cpu_decode_share_scaled"
 # The largest share: a data set takes shares below 1 (every JPEG on the CPU is data.decode=cpu).
 MAX_SHARE = 0.99
 
@@ -52,42 +64,72 @@ class SplitSet(Protocol):
 
     def probe_item(self, i: int, *, cpu: bool) -> Encoded | None: ...
 
+    def decodes_scaled(self, box: tuple) -> bool: ...
+
 
 @dataclass(frozen=True)
-class Rates:
-    """Images a second, measured on this rank: one core decoding and cropping (Pillow, as a
-    worker does), and the GPU's decode step (decode and crops, a batch a call)."""
+class KindRates:
+    """One kind of JPEG, measured on this rank: images a second of one core decoding and
+    cropping it (Pillow, as a worker does) and of the GPU's decode step (a batch a call), and
+    its share of the JPEGs the GPU path takes."""
 
     core: float
     gpu: float
+    fraction: float
     images: int  # JPEGs the probes used
 
 
-def split_share(workers: int, core_rate: float, gpu_rate: float) -> float:
-    """The workers' share of the JPEGs: their counted rate over both sides' (0 without workers,
-    at most MAX_SHARE)."""
-    cpu = workers * core_rate * WORKER_EFFICIENCY
-    if cpu <= 0:
-        return 0.0
-    return min(cpu / (cpu + gpu_rate), MAX_SHARE)
+@dataclass(frozen=True)
+class Rates:
+    """`full`: the JPEGs decoded at full size; `scaled`: those the CPU decodes DCT-scaled. With
+    too few of either kind to time, `full` is all of them and `scaled` None."""
+
+    full: KindRates
+    scaled: KindRates | None
 
 
-def probe_jpegs(dataset: SplitSet, count: int) -> list[int]:
-    """Up to `count` indices of JPEGs the GPU path would take, spread evenly over the whole
-    data set: its files are in class order, and image sizes can go by class (in
-    bench/make_image_folder's realistic mix every 2400x1800 photo is in the first three of 100
-    classes; a probe of the first quarter measured one core at half its rate)."""
+def split_shares(workers: int, rates: Rates) -> tuple[float, float]:
+    """The workers' shares (of the full-size JPEGs, of the DCT-scaled ones): kind by kind, the
+    one that frees the most GPU time per core second first, until their counted time on a
+    stream's JPEGs equals the GPU's on the rest. 0 without workers; the full-size share at
+    most MAX_SHARE; with one kind measured, one share for both."""
+    cores = workers * WORKER_EFFICIENCY
+    if cores <= 0:
+        return 0.0, 0.0
+    kinds = [k for k in (rates.full, rates.scaled) if k is not None and k.fraction > 0]
+    gpu_time = sum(k.fraction / k.gpu for k in kinds)  # GPU seconds a JPEG of the stream
+    cpu_time = 0.0  # the workers' seconds a JPEG of the stream, their cores' together
+    shares = {}
+    for kind in sorted(kinds, key=lambda k: k.gpu / k.core):  # core seconds per GPU second
+        # the share x at which cpu_time + x*f/(core*cores) == gpu_time - x*f/gpu
+        x = (gpu_time - cpu_time) / (kind.fraction / (kind.core * cores) + kind.fraction / kind.gpu)
+        x = min(max(x, 0.0), 1.0 if kind is rates.scaled else MAX_SHARE)
+        shares[id(kind)] = x
+        cpu_time += x * kind.fraction / (kind.core * cores)
+        gpu_time -= x * kind.fraction / kind.gpu
+    full = shares.get(id(rates.full), 0.0)
+    return full, (shares.get(id(rates.scaled), 0.0) if rates.scaled is not None else full)
+
+
+def probe_jpegs(dataset: SplitSet, count: int) -> tuple[list[int], list[int], float]:
+    """Indices of JPEGs the GPU path would take, spread evenly over the whole data set (its
+    files are in class order, and image sizes can go by class: in bench/make_image_folder's
+    realistic mix every 2400x1800 photo is in the first three of 100 classes, and a probe of
+    the first quarter measured one core at half its rate): up to `count` decoded at full size
+    on the CPU, up to SCALED_PROBE that the CPU decodes DCT-scaled (epoch 0's crops), and the
+    scaled ones' share of the SCAN * `count` looked at, whose headers are read."""
     n = len(dataset)
-    candidates = sorted({k * n // (2 * count) for k in range(2 * count)})
-    picked = []
+    candidates = sorted({k * n // (SCAN * count) for k in range(SCAN * count)})
+    full, scaled = [], []
     for i in candidates:
         try:
             item = dataset.probe_item(i, cpu=False)
         except BadImageFile:
             continue  # the run's bad_files policy meets it later; a probe skips it
         if item is not None and item.data is not None:
-            picked.append(i)
-    return spread(picked, count)
+            (scaled if dataset.decodes_scaled(item.box) else full).append(i)
+    fraction = len(scaled) / max(len(full) + len(scaled), 1)
+    return spread(full, count), spread(scaled, SCALED_PROBE), fraction
 
 
 def spread(items: list[int], count: int) -> list[int]:
@@ -104,30 +146,54 @@ def measure(
     *,
     count: int = PROBE_IMAGES,
 ) -> Rates | None:
-    """One core's rate and the GPU decode step's, on up to `count` of the data set's own JPEGs,
-    each decoded on the core first: one that Pillow cannot read is left out of both (the run's
-    bad_files policy meets it later). None if fewer than 4 JPEGs are left to measure on."""
-    chosen = probe_jpegs(dataset, count)
-    if len(chosen) < 4:
-        return None
+    """Each kind's rates on the data set's own JPEGs (probe_jpegs), each decoded on the core
+    first: one that Pillow cannot read is left out of both rates (the run's bad_files policy
+    meets it later). A kind with fewer than MIN_PROBE readable JPEGs is timed together with
+    the other; None if fewer than MIN_PROBE are left in all."""
+    full, scaled, fraction = probe_jpegs(dataset, count)
+    if len(full) < MIN_PROBE or len(scaled) < MIN_PROBE:
+        full, scaled, fraction = sorted(full + scaled), [], 0.0
     # One thread, as in a DataLoader worker (torch sets it there), not the training process's
     # pool: the resize runs as the workers will run it.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    readable = []
     try:
-        _try_on_core(dataset, chosen[0])  # Pillow's first call pays its imports
-        start = time.perf_counter()
-        readable = [i for i in chosen if _try_on_core(dataset, i)]
-        core = len(chosen) / (time.perf_counter() - start)  # a bad file's try counts too
+        _try_on_core(dataset, (full or scaled)[0])  # Pillow's first call pays its imports
+        timed = [_on_core(dataset, kind) for kind in (full, scaled)]
     finally:
         torch.set_num_threads(threads)
-    if len(readable) < 4:
+    (core_full, full), (core_scaled, scaled) = timed
+    if len(full) < MIN_PROBE:  # too few readable: the kinds are timed together, or not at all
         return None
-    encoded = collate_encoded([dataset.probe_item(i, cpu=False) for i in readable])
+    gpu_full = _on_gpu(dataset, full, decode, device)
+    if len(scaled) < MIN_PROBE:
+        return Rates(KindRates(core_full, gpu_full, 1.0, len(full)), None)
+    gpu_scaled = _on_gpu(dataset, scaled, decode, device)
+    return Rates(
+        KindRates(core_full, gpu_full, 1 - fraction, len(full)),
+        KindRates(core_scaled, gpu_scaled, fraction, len(scaled)),
+    )
+
+
+def _on_core(dataset: SplitSet, chosen: list[int]) -> tuple[float, list[int]]:
+    """One core's images a second over `chosen` (a bad file's try counts too), and the readable
+    ones."""
+    if not chosen:
+        return 0.0, []
+    start = time.perf_counter()
+    readable = [i for i in chosen if _try_on_core(dataset, i)]
+    return len(chosen) / (time.perf_counter() - start), readable
+
+
+def _on_gpu(
+    dataset: SplitSet, chosen: list[int], decode: Callable[[EncodedBatch], object], device
+) -> float:
+    """The GPU decode step's images a second on `chosen` as one batch: three timed calls after
+    one that sets nvJPEG's buffers up."""
+    encoded = collate_encoded([dataset.probe_item(i, cpu=False) for i in chosen])
     if device.type == "cuda":
         encoded = encoded.pin_memory()  # as the DataLoader hands it over
-    decode(encoded)  # the first call sets nvJPEG's buffers up
+    decode(encoded)
     calls = 3
     _sync(device)
     start = time.perf_counter()
@@ -135,8 +201,7 @@ def measure(
         decode(encoded)
     # Sync point (start-up, before training): the decode's GPU work must be done to be timed.
     _sync(device)
-    gpu = calls * len(readable) / (time.perf_counter() - start)
-    return Rates(core=core, gpu=gpu, images=len(readable))
+    return calls * len(chosen) / (time.perf_counter() - start)
 
 
 def _try_on_core(dataset: SplitSet, i: int) -> bool:
@@ -152,18 +217,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def agreed(share: float, rt: Runtime) -> float:
-    """The smallest share of the ranks, the same number on every rank (a collective at
-    start-up: every rank calls it): no rank's workers are asked for more than it measured they
-    can give. Rounded to 3 places, so the log and the checkpoint say what is used."""
+def agreed(shares: tuple[float, float], rt: Runtime) -> tuple[float, float]:
+    """The smallest shares of the ranks, the same on every rank (a collective at start-up:
+    every rank calls it): no rank's workers are asked for more than it measured they can give.
+    Rounded to 3 places, so the log and the checkpoint say what is used."""
     if rt.distributed:
         device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-        least = torch.tensor([share], dtype=torch.float64, device=device)
+        least = torch.tensor(shares, dtype=torch.float64, device=device)
         with waiting(rt.rank, "the agreement on data.cpu_decode_share=auto's share"):
             all_reduce_min_(least, rt)
-        # Sync point (start-up): the agreed share is needed on the host, by the data sets.
-        share = float(least.item())
-    return min(round(share, 3), MAX_SHARE)
+        # Sync point (start-up): the agreed shares are needed on the host, by the data sets.
+        shares = tuple(least.tolist())
+    full, scaled = shares
+    return min(round(full, 3), MAX_SHARE), min(round(scaled, 3), 1.0)
 
 
 def counted_workers(workers: int, rt: Runtime) -> int:
@@ -177,22 +243,23 @@ def resolve_share(
     decode: Callable[[EncodedBatch], object] | None,
     workers: int,
     rt: Runtime,
-    saved: float | None = None,
-) -> float:
-    """data.cpu_decode_share=auto's share for this run, logged with why: the checkpoint's when
-    resuming (`saved`), else measured here and agreed over ranks. 0 where nothing is decoded on
-    the GPU (`decode` None) or no worker runs. Every rank calls it (a collective)."""
+    saved: tuple[float, float] | None = None,
+) -> tuple[float, float]:
+    """data.cpu_decode_share=auto's shares for this run (of the full-size JPEGs, of the
+    DCT-scaled ones), logged with why: the checkpoint's when resuming (`saved`), else measured
+    here and agreed over ranks. 0 where nothing is decoded on the GPU (`decode` None) or no
+    worker runs. Every rank calls it (a collective)."""
     if saved is not None:
         log.info(
-            "data.cpu_decode_share=auto: %.3f, the share the checkpoint's run decoded with "
-            "(each image is decoded where it was then)", saved,
+            "data.cpu_decode_share=auto: %.3f (%.3f of the DCT-scaled JPEGs), the shares the "
+            "checkpoint's run decoded with (each image is decoded where it was then)", *saved,
         )  # fmt: skip
-        if saved and workers == 0:
+        if any(saved) and workers == 0:
             log.warning(
                 "data.cpu_decode_share=auto: data.num_workers=0, so the training process "
-                "decodes that share of the JPEGs itself, between steps"
+                "decodes those JPEGs itself, between steps"
             )  # fmt: skip
-        return float(saved)
+        return saved
     rates, failed = None, ""
     if decode is not None and workers > 0:
         try:
@@ -200,33 +267,49 @@ def resolve_share(
         except Exception as err:  # every rank must still reach the agreement below
             failed = f"{type(err).__name__}: {err}"
     counted = counted_workers(workers, rt)
-    share = split_share(counted, rates.core, rates.gpu) if rates is not None else 0.0
-    share = agreed(share, rt)
+    shares = split_shares(counted, rates) if rates is not None else (0.0, 0.0)
+    shares = agreed(shares, rt)
     if decode is None or workers == 0:
         why = "nothing is decoded on the GPU" if decode is None else "data.num_workers is 0"
         log.info("data.cpu_decode_share=auto: 0 (%s)", why)
     elif failed:
-        log.warning("data.cpu_decode_share=auto: %.3f; the measurement failed (%s)", share, failed)
+        log.warning("data.cpu_decode_share=auto: 0; the measurement failed (%s)", failed)
     elif rates is None:
-        log.info("data.cpu_decode_share=auto: %.3f (too few readable JPEGs to measure)", share)
+        log.info("data.cpu_decode_share=auto: 0 (too few readable JPEGs to measure)")
     else:
-        log.info(
-            "data.cpu_decode_share=auto: %.3f of the JPEGs decoded by the %d workers, the rest "
-            "on the GPU: one core decodes and crops %.0f images/s (counted at %.0f%% a worker, "
-            "%d workers counted), the GPU's decode step %.0f images/s, measured on %d of the "
-            "run's JPEGs%s",
-            share, workers, rates.core, 100 * WORKER_EFFICIENCY, counted, rates.gpu,
-            rates.images, " (the least of the ranks' shares)" if rt.distributed else "",
-        )  # fmt: skip
-    return share
+        log.info("data.cpu_decode_share=auto: %s", _said(shares, rates, workers, counted, rt))
+    return shares
 
 
-def shared_split(datasets: Sequence[object], share: float) -> None:
-    """Give every data set of the run (training and evaluation) the same share."""
+def _said(shares: tuple[float, float], rates: Rates, workers: int, counted: int, rt) -> str:
+    """The log line's body: the shares, and the rates they come from."""
+    full, scaled = shares
+    why = f"(counted at {100 * WORKER_EFFICIENCY:.0f}% a worker, {counted} workers counted)" + (
+        " (the least of the ranks' shares)" if rt.distributed else ""
+    )
+    if rates.scaled is None:
+        return (
+            f"{full:.3f} of the JPEGs decoded by the {workers} workers, the rest on the GPU: "
+            f"one core decodes and crops {rates.full.core:.0f} images/s {why}, the GPU's "
+            f"decode step {rates.full.gpu:.0f} images/s, measured on {rates.full.images} of "
+            "the run's JPEGs"
+        )
+    f, s = rates.full, rates.scaled
+    return (
+        f"{full:.3f} of the JPEGs decoded at full size and {scaled:.3f} of those decoded "
+        f"DCT-scaled ({100 * s.fraction:.1f}% of them) by the {workers} workers, the rest on "
+        f"the GPU: one core decodes and crops {f.core:.0f} and {s.core:.0f} images/s of each "
+        f"{why}, the GPU's decode step {f.gpu:.0f} and {s.gpu:.0f}, measured on {f.images} "
+        f"and {s.images} of the run's JPEGs"
+    )
+
+
+def shared_split(datasets: Sequence[object], shares: tuple[float, float]) -> None:
+    """Give every data set of the run (training and evaluation) the same shares."""
     for dataset in datasets:
         setter = getattr(dataset, "set_cpu_decode_share", None)
         if setter is not None:
-            setter(share)
+            setter(*shares)
 
 
 def resolve_auto(
@@ -236,7 +319,7 @@ def resolve_auto(
     rt: Runtime,
     saved_state: dict | None,
 ) -> None:
-    """data.cpu_decode_share=auto: the share resolved once for the run (training's data set
+    """data.cpu_decode_share=auto: the shares resolved once for the run (training's data set
     measured) and given to every data set (training and evaluation), before their workers
     start. `saved_state`: the checkpoint's "dataset" state when resuming. Anything but auto:
     nothing to do (the data sets took the number)."""
@@ -244,8 +327,12 @@ def resolve_auto(
         return
     train = datasets[0]
     saved_state = saved_state or {}
-    # A share saved by a run that decoded every JPEG on the CPU was never measured: measure.
-    saved = saved_state.get(STATE_KEY) if saved_state.get("decode") == "gpu" else None
+    saved = None
+    # Shares saved by a run that decoded every JPEG on the CPU were never measured: measure.
+    # A checkpoint from before the two kinds has one share for both.
+    if saved_state.get("decode") == "gpu" and STATE_KEY in saved_state:
+        full = float(saved_state[STATE_KEY])
+        saved = (full, float(saved_state.get(SCALED_KEY, full)))
     decode = None
     if saved is None:  # the decode step is made only to be measured
         make_decoder = getattr(train, "device_decoder", None)

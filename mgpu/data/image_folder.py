@@ -24,6 +24,7 @@ from mgpu.config.checks import ConfigError
 from mgpu.data.crops import (
     center_crop,
     crop_resize,
+    dct_factor,
     draft_for_crop,
     random_resized_crop,
 )
@@ -267,7 +268,9 @@ class ImageFolder(Dataset):
             image = Image.open(io.BytesIO(data))
             box, flip = self.crop(i, *image.size, epoch, seed)
             gpu = self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L")
-            if gpu and not (self.on_cpu(i, epoch, seed) if cpu is None else cpu):
+            if cpu is None and gpu:
+                cpu = self.on_cpu(i, epoch, seed, scaled=self.decodes_scaled(box))
+            if gpu and not cpu:
                 # nvJPEG's baseline and progressive YCbCr/gray JPEGs: the GPU decodes these.
                 # Only the header was read here; a file broken further in fails on the GPU.
                 return Encoded(label, i, data=data, box=box, flip=flip)
@@ -280,34 +283,53 @@ class ImageFolder(Dataset):
             return Encoded(label, i, pixels=pixels)
         return pixels, torch.tensor(label, dtype=torch.int64)
 
-    def set_cpu_decode_share(self, share: float) -> None:
+    def set_cpu_decode_share(self, share: float, scaled: float | None = None) -> None:
         """Under decode=gpu, the share of the JPEGs the workers decode (cpu_decode_share; auto's
-        measured one, mgpu.data.decode_split). Before the DataLoader's workers start: they take
-        the data set as it is then."""
+        measured one, mgpu.data.decode_split): `share` of those decoded at full size and
+        `scaled` (default: `share`) of those whose crop lets the CPU decode them DCT-scaled
+        (decodes_scaled). Before the DataLoader's workers start: they take the data set as it
+        is then."""
+        scaled = share if scaled is None else scaled
         if not 0 <= share < 1:
             raise ValueError(f"cpu_decode_share={share}: use a share in [0, 1)")
-        self.cpu_decode_share = float(share)
-        # Compared with a 32-bit hash of the sample (on_cpu), as an integer threshold.
-        self._cpu_below = round(share * 2**32) if self.decode == "gpu" else 0
+        if not 0 <= scaled <= 1:
+            raise ValueError(f"cpu_decode_share's scaled share {scaled}: use a share in [0, 1]")
+        self.cpu_decode_share, self.cpu_decode_share_scaled = float(share), float(scaled)
+        # Compared with a 32-bit hash of the sample (on_cpu), as integer thresholds.
+        gpu = self.decode == "gpu"
+        self._cpu_below = round(share * 2**32) if gpu else 0
+        self._cpu_below_scaled = round(scaled * 2**32) if gpu else 0
 
     def checkpoint_state(self) -> dict:
         """What a checkpoint keeps of the data set (the Trainer saves it; build_run hands it to
-        mgpu.data.decode_split on resume): the decode share, and where JPEGs were decoded."""
-        return {"cpu_decode_share": self.cpu_decode_share, "decode": self.decode}
+        mgpu.data.decode_split on resume): the decode shares, and where JPEGs were decoded."""
+        return {
+            "cpu_decode_share": self.cpu_decode_share,
+            "cpu_decode_share_scaled": self.cpu_decode_share_scaled,
+            "decode": self.decode,
+        }
+
+    def decodes_scaled(self, box: tuple) -> bool:
+        """Whether a JPEG with this crop box is decoded DCT-scaled on the CPU (reduced_decode,
+        a box at least twice image_size): such a JPEG costs the workers a fraction of its full
+        decode, and the GPU all of it, so decode_split may send more of them to the workers."""
+        return self.reduced_decode and dct_factor(box, self.image_size) > 1
 
     def probe_item(self, i: int, *, cpu: bool) -> Encoded | None:
         """Sample i of epoch 0 as decode=gpu hands it over, its JPEG decoded here (`cpu`) or left
         as bytes: what mgpu.data.decode_split times. None under decode=cpu."""
         return self._sample(i, 0, 0, cpu=cpu) if self.decode == "gpu" else None
 
-    def on_cpu(self, i: int, epoch: int, seed: int) -> bool:
-        """Whether this worker decodes sample i's JPEG under decode=gpu (cpu_decode_share):
-        a hash of (seed, epoch, i), the same in every process and on every resume."""
-        if not self._cpu_below:
+    def on_cpu(self, i: int, epoch: int, seed: int, scaled: bool = False) -> bool:
+        """Whether this worker decodes sample i's JPEG under decode=gpu (cpu_decode_share, or
+        its scaled share for a JPEG decoded DCT-scaled): a hash of (seed, epoch, i), the same
+        in every process and on every resume."""
+        below = self._cpu_below_scaled if scaled else self._cpu_below
+        if not below:
             return False
         h = (i * 0x9E3779B1 + epoch * 0x85EBCA77 + seed * 0xC2B2AE3D) & 0xFFFFFFFF
         h = ((h ^ (h >> 16)) * 0x45D9F3B) & 0xFFFFFFFF  # mix: neighbours land apart
-        return (h ^ (h >> 16)) < self._cpu_below
+        return (h ^ (h >> 16)) < below
 
     def read_bytes(self, i: int) -> bytes:
         """Sample i's encoded file, as stored (a dataset of other storage overrides this and
