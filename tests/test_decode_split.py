@@ -192,22 +192,37 @@ def test_a_resumed_run_takes_its_checkpoints_share_without_measuring(tmp_path, c
     assert resumed.checkpoint_state() == measured.checkpoint_state()
 
 
-def test_a_bad_jpeg_is_left_out_of_the_measurement(tmp_path):
-    """A JPEG whose header reads but whose data is cut short: the probe leaves it out (no
-    error, nothing counted as replaced), and the measurement stands on the others."""
-    write_tree(tmp_path / "train", per_class=8, sizes=((60, 80), (44, 36)))  # under the caps
+@pytest.mark.parametrize("left", [decode_split.MIN_PROBE, decode_split.MIN_PROBE - 1])
+def test_a_bad_jpeg_is_left_out_of_the_measurement(tmp_path, left):
+    """JPEGs whose header reads but whose data is cut short, among the DCT-scaled kind: the
+    probe leaves them out (no error, nothing counted as replaced), and the measurement stands
+    on the others: both kinds apart while MIN_PROBE of theirs are readable, as one kind when
+    fewer are."""
+    write_tree(tmp_path / "train", per_class=10, sizes=((60, 80), (44, 36), (16, 20), (44, 36)))
     dataset = CpuDecoded("train", **{**folder(tmp_path / "train"), "decode": "gpu"})
-    full, scaled, _ = decode_split.probe_jpegs(dataset, decode_split.PROBE_IMAGES)
-    probed = sorted(full + scaled)
-    bad = dataset.files[probed[3]]
-    data = open(bad, "rb").read()
-    with open(bad, "wb") as f:
-        f.write(data[: len(data) // 3])
+    full, scaled = decode_split.probe_jpegs(dataset, decode_split.PROBE_IMAGES)
+    assert len(scaled) > decode_split.MIN_PROBE and len(full) >= decode_split.MIN_PROBE
+    bad_ones = len(scaled) - left
+    for i in scaled[:bad_ones]:
+        data = open(dataset.files[i], "rb").read()
+        with open(dataset.files[i], "wb") as f:
+            f.write(data[: len(data) // 3])
     dataset.bad_files = "skip"
     rates = decode_split.measure(dataset, dataset.device_decoder("cpu"), torch.device("cpu"))
     assert rates is not None
-    assert rates.full.images + (rates.scaled.images if rates.scaled else 0) == len(probed) - 1
+    measured = rates.full.images + (rates.scaled.images if rates.scaled else 0)
+    assert measured == len(full) + len(scaled) - bad_ones
+    assert (rates.scaled is None) == (left < decode_split.MIN_PROBE)
     assert dataset.replaced() == 0
+
+
+def test_a_set_without_jpegs_for_the_gpu_is_not_measured(tmp_path):
+    """Only PNGs: nothing to measure, share 0, said as such (not a failed measurement)."""
+    write_tree(tmp_path / "train", per_class=8, sizes=((40, 30),))
+    for path in (tmp_path / "train").rglob("*.jpg"):
+        path.unlink()
+    dataset = CpuDecoded("train", **{**folder(tmp_path / "train"), "decode": "gpu"})
+    assert decode_split.measure(dataset, dataset.device_decoder("cpu"), torch.device("cpu")) is None
 
 
 def test_the_share_reaches_the_dataloader_workers(tmp_path):
@@ -252,8 +267,9 @@ def test_the_probe_takes_jpegs_from_the_whole_set(tmp_path):
     is of the DCT-scaled kind."""
     write_tree(tmp_path / "train", per_class=30, sizes=((20, 24),))
     dataset = ImageFolder("train", **{**folder(tmp_path / "train"), "decode": "gpu"})
-    picked, scaled, fraction = decode_split.probe_jpegs(dataset, 6)
-    assert scaled == [] and fraction == 0.0
+    found, scaled = decode_split.probe_jpegs(dataset, 6)
+    assert scaled == []
+    picked = decode_split.spread(found, 6)
     assert len(picked) == 6 and picked == sorted(set(picked))
     assert {dataset.labels[i] for i in picked} == set(range(len(CLASSES)))
     assert all(dataset.files[i].endswith(".jpg") for i in picked)

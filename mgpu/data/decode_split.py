@@ -111,13 +111,13 @@ def split_shares(workers: int, rates: Rates) -> tuple[float, float]:
     return full, (shares.get(id(rates.scaled), 0.0) if rates.scaled is not None else full)
 
 
-def probe_jpegs(dataset: SplitSet, count: int) -> tuple[list[int], list[int], float]:
-    """Indices of JPEGs the GPU path would take, spread evenly over the whole data set (its
-    files are in class order, and image sizes can go by class: in bench/make_image_folder's
-    realistic mix every 2400x1800 photo is in the first three of 100 classes, and a probe of
-    the first quarter measured one core at half its rate): up to `count` decoded at full size
-    on the CPU, up to SCALED_PROBE that the CPU decodes DCT-scaled (epoch 0's crops), and the
-    scaled ones' share of the SCAN * `count` looked at, whose headers are read."""
+def probe_jpegs(dataset: SplitSet, count: int) -> tuple[list[int], list[int]]:
+    """Indices of JPEGs the GPU path would take among SCAN * `count` spread evenly over the
+    whole data set (its files are in class order, and image sizes can go by class: in
+    bench/make_image_folder's realistic mix every 2400x1800 photo is in the first three of 100
+    classes, and a probe of the first quarter measured one core at half its rate), whose
+    headers are read: those decoded at full size on the CPU, and those it decodes DCT-scaled
+    (epoch 0's crops)."""
     n = len(dataset)
     candidates = sorted({k * n // (SCAN * count) for k in range(SCAN * count)})
     full, scaled = [], []
@@ -128,8 +128,7 @@ def probe_jpegs(dataset: SplitSet, count: int) -> tuple[list[int], list[int], fl
             continue  # the run's bad_files policy meets it later; a probe skips it
         if item is not None and item.data is not None:
             (scaled if dataset.decodes_scaled(item.box) else full).append(i)
-    fraction = len(scaled) / max(len(full) + len(scaled), 1)
-    return spread(full, count), spread(scaled, SCALED_PROBE), fraction
+    return full, scaled
 
 
 def spread(items: list[int], count: int) -> list[int]:
@@ -146,43 +145,53 @@ def measure(
     *,
     count: int = PROBE_IMAGES,
 ) -> Rates | None:
-    """Each kind's rates on the data set's own JPEGs (probe_jpegs), each decoded on the core
-    first: one that Pillow cannot read is left out of both rates (the run's bad_files policy
-    meets it later). A kind with fewer than MIN_PROBE readable JPEGs is timed together with
-    the other; None if fewer than MIN_PROBE are left in all."""
-    full, scaled, fraction = probe_jpegs(dataset, count)
-    if len(full) < MIN_PROBE or len(scaled) < MIN_PROBE:
-        full, scaled, fraction = sorted(full + scaled), [], 0.0
+    """Each kind's rates on the data set's own JPEGs (probe_jpegs: up to `count` decoded at
+    full size, SCALED_PROBE DCT-scaled), each decoded on the core first: one that Pillow cannot
+    read is left out of both rates (the run's bad_files policy meets it later). With fewer than
+    MIN_PROBE readable JPEGs of a kind, both kinds are timed as one (up to `count` of them, as
+    they come in the data set); None if fewer than MIN_PROBE are readable in all."""
+    found_full, found_scaled = probe_jpegs(dataset, count)
+    fraction = len(found_scaled) / max(len(found_full) + len(found_scaled), 1)
+    if min(len(found_full), len(found_scaled)) < MIN_PROBE:
+        kinds = [spread(sorted(found_full + found_scaled), count), []]
+    else:
+        kinds = [spread(found_full, count), spread(found_scaled, SCALED_PROBE)]
+    if len(kinds[0]) < MIN_PROBE:
+        return None
     # One thread, as in a DataLoader worker (torch sets it there), not the training process's
     # pool: the resize runs as the workers will run it.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _try_on_core(dataset, (full or scaled)[0])  # Pillow's first call pays its imports
-        timed = [_on_core(dataset, kind) for kind in (full, scaled)]
+        _try_on_core(dataset, kinds[0][0])  # Pillow's first call pays its imports
+        (full_s, full), (scaled_s, scaled) = [_on_core(dataset, kind) for kind in kinds]
     finally:
         torch.set_num_threads(threads)
-    (core_full, full), (core_scaled, scaled) = timed
-    if len(full) < MIN_PROBE:  # too few readable: the kinds are timed together, or not at all
-        return None
-    gpu_full = _on_gpu(dataset, full, decode, device)
-    if len(scaled) < MIN_PROBE:
-        return Rates(KindRates(core_full, gpu_full, 1.0, len(full)), None)
-    gpu_scaled = _on_gpu(dataset, scaled, decode, device)
+    if min(len(full), len(scaled)) < MIN_PROBE:  # too few readable to time apart: one kind
+        full, seconds = sorted(full + scaled), full_s + scaled_s
+        if len(full) < MIN_PROBE:
+            return None
+        core = (len(kinds[0]) + len(kinds[1])) / seconds  # a bad file's try counts too
+        return Rates(KindRates(core, _on_gpu(dataset, full, decode, device), 1.0, len(full)), None)
     return Rates(
-        KindRates(core_full, gpu_full, 1 - fraction, len(full)),
-        KindRates(core_scaled, gpu_scaled, fraction, len(scaled)),
+        KindRates(
+            len(kinds[0]) / full_s, _on_gpu(dataset, full, decode, device), 1 - fraction, len(full)
+        ),
+        KindRates(
+            len(kinds[1]) / scaled_s,
+            _on_gpu(dataset, scaled, decode, device),
+            fraction,
+            len(scaled),
+        ),
     )
 
 
 def _on_core(dataset: SplitSet, chosen: list[int]) -> tuple[float, list[int]]:
-    """One core's images a second over `chosen` (a bad file's try counts too), and the readable
+    """Seconds one core takes over `chosen` (a bad file's try counts too), and the readable
     ones."""
-    if not chosen:
-        return 0.0, []
     start = time.perf_counter()
     readable = [i for i in chosen if _try_on_core(dataset, i)]
-    return len(chosen) / (time.perf_counter() - start), readable
+    return time.perf_counter() - start, readable
 
 
 def _on_gpu(

@@ -46,11 +46,13 @@ def resolve_decode(mode: str) -> str:
     """data.decode: cpu and gpu as they are; auto is gpu wherever the GPU can decode, else cpu,
     and the log says which and why.
 
-    The GPU path costs the training step almost nothing: torchvision hands baseline JPEGs to
-    nvJPEG's hardware decoder (the JPEG engines beside the SMs on A100 and H100), and the crops
-    of a whole batch are two kernels (gpu_resize). Pillow in the workers takes 4-5 ms of a core
-    per ImageNet-sized image, so a compiled ResNet-50 on one H100 (~5,300 images/s) would need
-    more cores than a GPU server has per GPU (bench/README.md, real_images).
+    Why gpu wherever it can: Pillow in the workers takes 2-7 ms of a core per ImageNet-sized
+    image, so a compiled ResNet-50 on one H100 or H200 (5,300-6,800 images/s) would need more
+    cores than a GPU server has per GPU; the GPU path (nvJPEG through torchvision, the batched
+    crops of gpu_resize) costs the step about 1 ms a batch of 128. How many JPEGs the otherwise
+    idle workers take beside it is measured on the host at start-up (data.cpu_decode_share=auto,
+    mgpu.data.decode_split). Measured through train.py: 0.93-0.96 of the batches-ready rate
+    under auto against 0.19-0.42 with every image on the CPU (bench/README.md, real_images).
     """
     if mode not in ("cpu", "gpu", "auto"):
         raise ValueError(f"decode={mode!r}: use cpu, gpu or auto")
@@ -59,7 +61,11 @@ def resolve_decode(mode: str) -> str:
     why = gpu_decode_unavailable() if mode == "auto" else None
     if why is None:
         if mode == "auto":
-            log.info("data.decode=auto: JPEGs decoded on the GPU (nvJPEG), PNG and CMYK on the CPU")
+            log.info(
+                "data.decode=auto: JPEGs decoded on the GPU (nvJPEG) and by the workers as "
+                "data.cpu_decode_share says, PNG and CMYK on the CPU: a GPU that decodes JPEGs "
+                "feeds the step faster than the host's cores can (bench/README.md, real_images)"
+            )  # fmt: skip
         _warn_crowded_queues(os.environ.get(CUDA_CONNECTIONS))
         return "gpu"
     log.info("data.decode=auto: images decoded on the CPU, in the workers (%s)", why)
