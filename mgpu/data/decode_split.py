@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from mgpu.data.encoded import BadImageFile, Encoded, EncodedBatch, collate_encoded
+from mgpu.data.image_folder import SCALED_KEY, STATE_KEY  # a checkpoint's "dataset" state
 from mgpu.data.loader import worker_count
 from mgpu.runtime.dist import Runtime, all_reduce_min_
 from mgpu.runtime.stops import waiting
@@ -51,8 +52,6 @@ PROBE_IMAGES = 64
 SCALED_PROBE = 16
 SCAN = 4
 MIN_PROBE = 4
-STATE_KEY = "cpu_decode_share"  # in a checkpoint's "dataset" state
-SCALED_KEY = "cpu_decode_share_scaled"
 # The largest share: a data set takes shares below 1 (every JPEG on the CPU is data.decode=cpu).
 MAX_SHARE = 0.99
 
@@ -96,19 +95,19 @@ def split_shares(workers: int, rates: Rates) -> tuple[float, float]:
     cores = workers * WORKER_EFFICIENCY
     if cores <= 0:
         return 0.0, 0.0
-    kinds = [k for k in (rates.full, rates.scaled) if k is not None and k.fraction > 0]
-    gpu_time = sum(k.fraction / k.gpu for k in kinds)  # GPU seconds a JPEG of the stream
+    # (slot in the returned pair, the kind, its cap)
+    kinds = [(0, rates.full, MAX_SHARE)] + ([(1, rates.scaled, 1.0)] if rates.scaled else [])
+    kinds = [(slot, k, cap) for slot, k, cap in kinds if k.fraction > 0]
+    gpu_time = sum(k.fraction / k.gpu for _, k, _ in kinds)  # GPU seconds a JPEG of the stream
     cpu_time = 0.0  # the workers' seconds a JPEG of the stream, their cores' together
-    shares = {}
-    for kind in sorted(kinds, key=lambda k: k.gpu / k.core):  # core seconds per GPU second
+    shares = [0.0, 0.0]
+    for slot, kind, cap in sorted(kinds, key=lambda t: t[1].gpu / t[1].core):  # core s per GPU s
         # the share x at which cpu_time + x*f/(core*cores) == gpu_time - x*f/gpu
         x = (gpu_time - cpu_time) / (kind.fraction / (kind.core * cores) + kind.fraction / kind.gpu)
-        x = min(max(x, 0.0), 1.0 if kind is rates.scaled else MAX_SHARE)
-        shares[id(kind)] = x
+        shares[slot] = x = min(max(x, 0.0), cap)
         cpu_time += x * kind.fraction / (kind.core * cores)
         gpu_time -= x * kind.fraction / kind.gpu
-    full = shares.get(id(rates.full), 0.0)
-    return full, (shares.get(id(rates.scaled), 0.0) if rates.scaled is not None else full)
+    return shares[0], (shares[1] if rates.scaled is not None else shares[0])
 
 
 def probe_jpegs(dataset: SplitSet, count: int) -> tuple[list[int], list[int]]:

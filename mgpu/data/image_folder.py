@@ -44,6 +44,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # compared lower-cased
 # Pillow's errors for a file that is not a readable image: unidentified (OSError), truncated
 # (OSError), broken headers (SyntaxError, ValueError), absurd sizes (DecompressionBombError).
 UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+# checkpoint_state's keys for the decode shares (mgpu.data.decode_split reads them back)
+STATE_KEY, SCALED_KEY = "cpu_decode_share", "cpu_decode_share_scaled"
 # Slots of the shared replaced-files counter: slot 0 for the main process (the GPU decode), one
 # per DataLoader worker after it, so that no two processes add to the same number.
 COUNTER_SLOTS = 257
@@ -304,8 +306,8 @@ class ImageFolder(Dataset):
         """What a checkpoint keeps of the data set (the Trainer saves it; build_run hands it to
         mgpu.data.decode_split on resume): the decode shares, and where JPEGs were decoded."""
         return {
-            "cpu_decode_share": self.cpu_decode_share,
-            "cpu_decode_share_scaled": self.cpu_decode_share_scaled,
+            STATE_KEY: self.cpu_decode_share,
+            SCALED_KEY: self.cpu_decode_share_scaled,
             "decode": self.decode,
         }
 
