@@ -164,7 +164,7 @@ class PlainLoop:
         model = build_model(model_cfg).to(device)
         if cfg.trainer.precision is Precision.fp8:
             # torchao's float8 training on the blocks' linear layers, as mgpu converts them
-            model = fp8.convert(model)
+            model = fp8.convert(model, cfg.trainer.fp8_recipe, cfg.trainer.fp8_skip)
         self.channels_last = getattr(model, "channels_last", False) and device.type == "cuda"
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)

@@ -70,3 +70,47 @@ def test_torchaos_float8_gpt_trains_on_the_cpu_with_the_same_checkpoint_keys():
     # a checkpoint saved under fp8 loads into the model trained under bf16, and back
     reference.load_state_dict(model.state_dict())
     model.load_state_dict(reference.state_dict())
+
+
+def test_fp8_recipe_and_skip_are_checked_when_the_config_is_built():
+    with pytest.raises(ConfigError, match=r"trainer\.fp8_recipe='delayed'.*tensorwise, rowwise"):
+        TrainerConfig(fp8_recipe="delayed")
+    with pytest.raises(ConfigError, match=r"trainer\.fp8_skip='\.c_proj'.*attn\.c_proj"):
+        TrainerConfig(fp8_skip=[".c_proj"])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_skip_keeps_the_named_layers_in_bf16_under_each_recipe(recipe):
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    model = convert(GPT(**SHAPE), recipe, ["attn.c_proj", "c_fc"])
+    kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, kind in kinds.items():
+        # a whole-part match only: "c_fc" names mlp.c_fc, and c_proj's in the MLP stay fp8
+        kept = name.endswith(("attn.c_proj", "mlp.c_fc")) or name == "lm_head"
+        assert (kind is torch.nn.Linear) == kept, (name, kind)
+    assert sum(kind is Float8Linear for kind in kinds.values()) == 2 * SHAPE["n_layer"]
+    assert all(
+        m.config.cast_config_input.scaling_granularity.value
+        == ("tensorwise" if recipe == "tensorwise" else "axiswise")
+        for m in model.modules()
+        if isinstance(m, Float8Linear)
+    )
+    if recipe == "rowwise_with_gw_hp":
+        # its weight gradient multiplies the saved input in the dtype torchao's Float8Linear
+        # casts it to under autocast, CUDA's autocast dtype (fp32 here, on the CPU), with a bf16
+        # output gradient: torch.mm refuses the mix on the CPU. The GPU benchmark runs it.
+        return
+    idx = torch.randint(0, SHAPE["vocab_size"], (2, SHAPE["block_size"]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+    loss.backward()
+    assert torch.isfinite(loss) and model.blocks[0].mlp.c_proj.weight.grad is not None
+
+
+def test_an_fp8_skip_name_that_matches_no_layer_stops_naming_the_layers():
+    pytest.importorskip("torchao.float8")
+    with pytest.raises(ConfigError, match=r"trainer\.fp8_skip='proj'.*attn\.c_proj.*mlp\.c_fc"):
+        convert(GPT(**SHAPE), "tensorwise", ["proj"])

@@ -61,6 +61,9 @@ class OptimizerName(Enum):
 
 COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
+# torchao's float8 training recipes (trainer.fp8_recipe; mgpu.train.fp8.convert says what each
+# scales)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass
@@ -70,6 +73,13 @@ class TrainerConfig:
     # auto: bf16 autocast on CUDA, fp32 on CPU; fp8: the linear layers' matrix multiplies in
     # fp8 through torchao's float8 training, bf16 elsewhere (Ada/Hopper GPUs only; mgpu.train.fp8)
     precision: Precision = Precision.auto
+    # trainer.precision=fp8 only (read nowhere else): torchao's scaling recipe, tensorwise (one
+    # scale per tensor), rowwise (one per row), or rowwise_with_gw_hp (rowwise, the weight
+    # gradient's matrix multiply in bf16); and the linear layers kept in bf16, by the end of
+    # their names (attn.c_proj: every block's attention output; c_proj: the MLP's as well). A
+    # name that matches no linear layer stops the run.
+    fp8_recipe: str = "tensorwise"
+    fp8_skip: list[str] = field(default_factory=list)
     grad_clip: float = 1.0  # max global gradient norm; 0 turns clipping off
     log_every: int = 10  # steps between TensorBoard/console records
     eval_every: int = 100  # steps between evaluations (also one at the end); 0: only at the end
@@ -162,6 +172,20 @@ class TrainerConfig:
             f"needs trainer.compile_backend=inductor (it is {self.compile_backend}); "
             "or set trainer.compile_mode=default",
         )
+        _require(
+            self.fp8_recipe in FP8_RECIPES,
+            "trainer.fp8_recipe",
+            self.fp8_recipe,
+            f"must be one of {', '.join(FP8_RECIPES)}",
+        )
+        for name in self.fp8_skip:
+            _require(
+                isinstance(name, str) and name.strip(".") == name and bool(name),
+                "trainer.fp8_skip",
+                name,
+                "each entry names a linear layer by the end of its name, e.g. "
+                "trainer.fp8_skip=[attn.c_proj]",
+            )
         _require(
             bool(self.compile_backend),
             "trainer.compile_backend",

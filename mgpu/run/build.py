@@ -217,7 +217,8 @@ def build_run(
     model = build_model(cfg.model).to(rt.device)
     if cfg.trainer.precision is Precision.fp8:
         fp8.check_fp8(rt.device)
-        model = fp8.convert(model)  # its linear layers; names and shapes unchanged
+        # its linear layers (but those trainer.fp8_skip names); names and shapes unchanged
+        model = fp8.convert(model, cfg.trainer.fp8_recipe, cfg.trainer.fp8_skip)
     # The model's layout, decided here once for the model and its inputs: convolutions run
     # faster in NHWC on a GPU.
     layout = None

@@ -9,6 +9,7 @@ same model under bf16 and back.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -57,10 +58,36 @@ def _convertible(module: nn.Module, name: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def convert(model: nn.Module) -> nn.Module:
-    """The model's linear layers (but a tied head) as torchao Float8Linear, in place; check_fp8
-    has said that this device can run them. Float8Linear casts its input, weight and output
-    gradient to fp8 with a scale per tensor, computed on the device each step (no host sync)."""
-    from torchao.float8 import convert_to_float8_training
+def _ends_with(name: str, pattern: str) -> bool:
+    """`pattern` names the layer or its last parts, whole parts only: attn.c_proj matches
+    blocks.3.attn.c_proj, c_proj matches attention's and the MLP's, proj matches neither."""
+    return name == pattern or name.endswith("." + pattern)
 
-    return convert_to_float8_training(model, module_filter_fn=_convertible)
+
+def convert(model: nn.Module, recipe: str = "tensorwise", skip: Sequence[str] = ()) -> nn.Module:
+    """The model's linear layers (but a tied head, and those `skip` names by the end of their
+    names: trainer.fp8_skip) as torchao Float8Linear under torchao's scaling `recipe`
+    (trainer.fp8_recipe), in place; check_fp8 has said that this device can run them.
+    tensorwise casts each layer's input, weight and output gradient to fp8 with one scale per
+    tensor; rowwise with a scale per row; rowwise_with_gw_hp as rowwise, with the weight
+    gradient's matrix multiply in bf16. Scales are computed on the device each step (no host
+    sync). A `skip` entry that names no linear layer stops the run (a misspelt name would
+    otherwise leave every layer in fp8 without a word)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for pattern in skip:
+        if not any(_ends_with(n, pattern) for n in linear):
+            ends = sorted({".".join(n.split(".")[-2:]) for n in linear})
+            raise ConfigError(
+                "trainer.fp8_skip",
+                pattern,
+                f"names no linear layer of this model; its linear layers' names end in "
+                f"{', '.join(ends)}",
+            )
+
+    def chosen(module: nn.Module, name: str) -> bool:
+        return _convertible(module, name) and not any(_ends_with(name, p) for p in skip)
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(model, config=config, module_filter_fn=chosen)

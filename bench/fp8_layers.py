@@ -1,0 +1,206 @@
+"""Which of GPT-2 XL's linear layers gain from fp8, under which torchao recipe: a few XL-wide
+blocks, compiled whole, one micro-batch of real shape, bf16 against fp8 variants in one process.
+
+    python bench/fp8_layers.py [--layers 4] [--batch 16] [--variants bf16 tensorwise ...]
+    python bench/fp8_layers.py --quick        # tiny shapes on the CPU: checks the script only
+
+Each variant builds the same model (seed 0) at XL's width (1600, 25 heads, T=1024, vocabulary
+50304), converts its linear layers as trainer.fp8_recipe / trainer.fp8_skip would
+(mgpu.train.fp8.convert), compiles it whole with its loss (model.head_loss=logits, as the plain
+loop of bench/vs_plain.py takes it) and times forward, backward and a fused AdamW step with CUDA
+events (median of rounds). A one-block bf16 model is timed too: the difference between it and
+the --layers model is the blocks' share of a step, from which each variant's speed-up on the
+blocks alone (what 48 of them make of an XL step) is worked out. The embedding, the head and
+its loss stay bf16 in every variant.
+
+Writes bench/results/fp8_layers-<device>-<time>.json with the device, versions and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mgpu.models.gpt import GPT  # noqa: E402
+from mgpu.train import fp8  # noqa: E402
+
+# name -> (recipe, layers kept in bf16); None: bf16 throughout
+VARIANTS: dict[str, tuple[str, list[str]] | None] = {
+    "bf16": None,
+    "tensorwise": ("tensorwise", []),
+    "tw_skip_attn_proj": ("tensorwise", ["attn.c_proj"]),
+    "tw_skip_mlp_proj": ("tensorwise", ["mlp.c_proj"]),
+    # only the layers fed by a LayerNorm (qkv and the MLP's first): their input's cast can
+    # fuse with the LayerNorm
+    "tw_ln_fed": ("tensorwise", ["attn.c_proj", "mlp.c_proj"]),
+    "tw_mlp_only": ("tensorwise", ["attn.c_attn", "attn.c_proj"]),
+    "tw_attn_only": ("tensorwise", ["mlp.c_fc", "mlp.c_proj"]),
+    "rowwise": ("rowwise", []),
+    "rowwise_with_gw_hp": ("rowwise_with_gw_hp", []),
+}
+
+
+def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: str, device):
+    torch.manual_seed(0)
+    model = GPT(
+        vocab_size=vocab,
+        block_size=seq,
+        n_layer=layers,
+        n_head=heads,
+        n_embd=width,
+        head_loss="logits",
+    ).to(device)
+    spec = VARIANTS[variant]
+    if spec is not None:
+        recipe, skip = spec
+        fp8.convert(model, recipe, skip)
+    return model
+
+
+def time_variant(args, variant: str, layers: int, device) -> dict:
+    model = build(layers, args.width, args.heads, args.seq, args.vocab, variant, device)
+    step = torch.compile(model, backend=args.backend)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    cuda = device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def one() -> torch.Tensor:
+        with autocast:
+            loss = step(idx, tgt)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    started = time.perf_counter()
+    for _ in range(args.warmup):  # compiles, then fills the allocator
+        loss = one()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    compile_s = time.perf_counter() - started
+    rounds = []
+    for _ in range(args.rounds):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.steps):
+                loss = one()
+            end.record()
+            end.synchronize()  # the round's end: the only host wait of a round
+            rounds.append(start.elapsed_time(end) / args.steps)
+        else:
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                loss = one()
+            rounds.append((time.perf_counter() - t) * 1e3 / args.steps)
+    result = {
+        "layers": layers,
+        "ms": statistics.median(rounds),
+        "ms_rounds": rounds,
+        "loss": float(loss),
+        "warmup_s": compile_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "spec": VARIANTS[variant],
+    }
+    return result
+
+
+def release(cuda: bool) -> None:
+    """The last variant's model, optimizer state and compiled graphs off the GPU."""
+    gc.collect()
+    torch.compiler.reset()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = parser.parse_args()
+    args.width, args.heads, args.seq, args.vocab, args.backend = 1600, 25, 1024, 50304, "inductor"
+    if args.quick:  # the script's paths at a CPU's size; fp8 runs emulated there
+        args.width, args.heads, args.seq, args.vocab, args.backend = 64, 4, 32, 256, "aot_eager"
+        args.batch, args.steps, args.rounds, args.warmup = 2, 2, 2, 1
+    cuda = torch.cuda.is_available() and not args.quick
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        from bench.engines import versions
+
+        meta = versions()
+    else:
+        meta = {"device": "cpu", "torch": torch.__version__}
+    try:
+        import torchao
+
+        meta["torchao"] = torchao.__version__
+    except ImportError:
+        meta["torchao"] = None
+    if not cuda and any(VARIANTS[v] for v in args.variants):
+        # torchao's fp8 matrix multiply needs a GPU; its emulation runs the same conversion
+        args.variants = [v for v in args.variants if VARIANTS[v] is None or meta["torchao"]]
+    runs: dict[str, dict] = {}
+    path = Path(args.out) / (
+        f"fp8_layers-{meta['device'].replace(' ', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    one_block = time_variant(args, "bf16", 1, device)
+    release(cuda)
+    for variant in args.variants:
+        try:
+            runs[variant] = time_variant(args, variant, args.layers, device)
+        except Exception as err:  # noqa: BLE001 - one variant's failure is a result too
+            runs[variant] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        release(cuda)
+        report(runs, one_block, args)
+        body = {**meta, "command": " ".join(["python", *sys.argv]), "args": vars(args)}
+        path.write_text(json.dumps({**body, "one_block_bf16": one_block, "runs": runs}, indent=1))
+    print(f"wrote {path}")
+
+
+def report(runs: dict[str, dict], one_block: dict, args) -> None:
+    """Per variant: ms a step, and the speed-up on the blocks alone against bf16's blocks."""
+    bf16 = runs.get("bf16", {}).get("ms")
+    # the blocks' share of bf16's step: the --layers model less the one-block model, per block
+    per_block = (bf16 - one_block["ms"]) / (args.layers - 1) if bf16 and args.layers > 1 else None
+    for name, r in runs.items():
+        if "error" in r:
+            r["line"] = f"{name:20s} failed: {r['error']}"
+        else:
+            saved = (bf16 - r["ms"]) / args.layers if bf16 else None
+            r["block_speedup"] = per_block / (per_block - saved) if per_block and saved else None
+            r["line"] = (
+                f"{name:20s} {r['ms']:8.2f} ms/step  x{bf16 / r['ms']:.3f} of bf16's step  "
+                f"blocks x{r['block_speedup'] or 1:.3f}  peak {r['peak_gib'] or 0:.1f} GiB  "
+                f"loss {r['loss']:.4f}  (warm-up {r['warmup_s']:.0f} s)"
+                if bf16
+                else f"{name:20s} {r['ms']:8.2f} ms/step"
+            )
+    print(f"-- {args.layers} blocks; one block bf16 {one_block['ms']:.2f} ms; "
+          f"bf16 block {per_block or 0:.2f} ms")  # fmt: skip
+    for r in runs.values():
+        print(r["line"], flush=True)
+
+
+if __name__ == "__main__":
+    main()
