@@ -10,8 +10,10 @@
 #   head       bench/head_loss.py: mgpu's fused loss, the compiled logits, Liger-Kernel and
 #              cut cross-entropy, GPT-2-small and XL shapes                      65 s (21:27)
 #   xl_bf16    bench/vs_plain.py gpt2_xl compiled: train.py against the plain loop,
-#              experiment=gpt2_xl's batch (8 x 16 micro-steps), bf16, and the plain loop's
-#              kernels by group over one step (--profile)              350 s (21:20, unprofiled)
+#              experiment=gpt2_xl's batch (16 x 8 micro-steps), bf16; with --profile each
+#              side's kernels by group over one step, and mgpu's train_step on the resident
+#              batch timed as the plain loop's (one more compile)   277 s at 2 rounds (02:22,
+#              the plain loop's kernels only)
 #   xl_fp8     the same under trainer.precision=fp8 (torchao), both sides 497 s (21:27, unprof.)
 #   loss_bf16  GPT-2 XL, 300 steps of 8 x 1024 byte tokens of Python's own sources,
 #              train.py's path, bf16                                                 ~3-5 min

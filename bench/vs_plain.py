@@ -67,7 +67,7 @@ MODELS = {  # the runs of the fast-path issue's table
         "data.batch_size=16",
     ],
     "resnet50": ["experiment=resnet50"],
-    # GPT-2 XL as experiment=gpt2_xl runs it (8 sequences a micro-step, 16 micro-steps a step,
+    # GPT-2 XL as experiment=gpt2_xl runs it (16 sequences a micro-step, 8 micro-steps a step,
     # bf16, its activation checkpointing), on synthetic tokens of GPT-2's vocabulary; the plain
     # loop takes the same accumulation, checkpointing and precision.
     "gpt2_xl": XL,
@@ -79,7 +79,7 @@ LOSS_MODEL = ["experiment=gpt2_xl", "trainer.compile=true"]
 # rounds all run first and its model is freed before mgpu's run (not interleaved).
 ALONE = {"gpt2_xl", "gpt2_xl_fp8"}
 # (steps a round, rounds, warm-up steps) where --steps/--rounds/--warmup are not given: an XL
-# step of 16 micro-steps takes ~2.5 s at 55 % MFU, and each side compiles a 48-block model.
+# step of 8 micro-steps of 16 sequences takes ~2.5 s at 55 % MFU, and each side compiles a 48-block model.
 STEPS = {"gpt2_xl": (2, 3, 2), "gpt2_xl_fp8": (2, 3, 2)}
 QUICK = {  # CPU-sized stand-ins, to check the script
     "gpt2_small": [
@@ -434,19 +434,37 @@ def profile_both(overrides: list[str], rt, plain: PlainLoop, x, y) -> dict:
     return {"plain": kernel_table(lambda: plain.step(x, y)), "mgpu": mgpu}
 
 
+def time_steps(step, timer: Timer, args) -> dict:
+    """`step` timed as the plain loop's steps are: warm-up, then the median of 3 rounds."""
+    timer.run(step, args.warmup)
+    ms = [timer.run(step, args.steps) for _ in range(3)]
+    return {
+        "ms_per_step": statistics.median(ms),
+        "ms_rounds": ms,
+        "host_ahead_ms": timer.ahead_ms[-1] if timer.ahead_ms else 0.0,
+    }
+
+
 def step_only(overrides: list[str], rt, timer: Timer, x, y, args) -> dict:
     """mgpu's Trainer.train_step on the resident batch, timed as the plain loop is: mgpu's step
     without its loader, to tell the step's own cost from the input pipeline's."""
     with tempfile.TemporaryDirectory() as tmp:
         trainer = mgpu_trainer(overrides, rt, tmp)
         batches = iter(lambda: (x, y), None)
-        timer.run(lambda: trainer.train_step(batches), args.warmup)
-        ms = [timer.run(lambda: trainer.train_step(batches), args.steps) for _ in range(3)]
-    return {
-        "ms_per_step": statistics.median(ms),
-        "ms_rounds": ms,
-        "host_ahead_ms": timer.ahead_ms[-1] if timer.ahead_ms else 0.0,
-    }
+        return time_steps(lambda: trainer.train_step(batches), timer, args)
+
+
+def mgpu_step_alone(overrides: list[str], rt, timer: Timer, x, y, args) -> tuple[dict, dict]:
+    """For a model that has the GPU to itself (ALONE): mgpu's Trainer.train_step on the resident
+    batch, timed as the plain loop's step is (step_only) and its kernels by group over one step,
+    from one build of the trainer (one more compile): where the two sides' steps differ."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = mgpu_trainer(overrides, rt, tmp)
+        batches = iter(lambda: (x, y), None)
+        timed = time_steps(lambda: trainer.train_step(batches), timer, args)
+        if not (args.profile and rt.device.type == "cuda"):
+            return timed, {}
+        return timed, kernel_table(lambda: trainer.train_step(batches), steps=1)
 
 
 def mark_memory(cuda: bool) -> int:
@@ -530,21 +548,29 @@ def bench(name: str, mode: str, args, rt) -> dict:
     samples = cfg.data.batch_size * accum
     flops = getattr(plains["whole"].raw, "flops_per_sample", None)
     flops = flops(tuple(data.sample_shape)) if flops is not None else None
+    row_kernels: dict[str, dict] = {}
     if args.profile and cuda and alone:
-        # mgpu's Trainer can't share the GPU with the plain loop's model here, so only the
-        # plain loop's step is profiled: its kernels are mgpu's (the timings above compare the
-        # two), and where they go says what bounds both sides' MFU. One step: 16 micro-steps.
+        # mgpu's Trainer can't share the GPU with the plain loop's model here, so the plain
+        # loop's step is profiled now and mgpu's after its run (mgpu_step_alone). One step: all
+        # of its micro-steps.
         try:
-            row_kernels = {"plain": kernel_table(lambda: plains["whole"].step(x, y), steps=1)}
+            row_kernels["plain"] = kernel_table(lambda: plains["whole"].step(x, y), steps=1)
         except Exception as err:  # noqa: BLE001 - a diagnostic: the timings still count
             print(f"profile failed: {err!r}")
-            row_kernels = {}
     if alone:  # the plain loop's model, gradients and optimizer state leave the GPU to mgpu
         plains.clear()
         torch.compiler.reset()  # nor may its compiled graphs hold on to them
     mgpu_base = mark_memory(cuda)
     mgpu = mgpu_run(overrides, rt, args.steps, args.rounds)
     mgpu_peak = peak_gib(mgpu_base) if cuda else None
+    alone_step = None
+    if alone and (args.step_only or (args.profile and cuda)):
+        mark_memory(cuda)  # mgpu's run has ended: its model left the GPU with it
+        try:
+            alone_step, kernels = mgpu_step_alone(overrides, rt, timer, x, y, args)
+            row_kernels.update({"mgpu": kernels} if kernels else {})
+        except Exception as err:  # noqa: BLE001 - a diagnostic: the timings still count
+            print(f"mgpu's step alone failed: {err!r}")
     plain_rounds(args.rounds - first)
     peak = None
     if rt.device.type == "cuda":
@@ -593,6 +619,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
     }
     if args.step_only and not alone:
         row["mgpu_step_only"] = step_only(overrides, rt, timer, x, y, args)
+    elif alone_step is not None:
+        row["mgpu_step_only"] = alone_step
+    if "mgpu_step_only" in row:
         print(f"mgpu train_step alone: {row['mgpu_step_only']}")
     if args.profile and cuda and alone:
         row["kernels"] = row_kernels
