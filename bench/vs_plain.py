@@ -76,10 +76,11 @@ MODELS = {  # the runs of the fast-path issue's table
 # --loss-steps: GPT-2 XL as experiment=gpt2_xl runs it, on a token file of real text.
 LOSS_MODEL = ["experiment=gpt2_xl", "trainer.compile=true"]
 # Models too large for the plain loop's and mgpu's copies to share the GPU: the plain loop's
-# rounds all run first and its model is freed before mgpu's run (not interleaved).
+# model is freed before mgpu's run and built again after it (not interleaved in one process's
+# memory; its rounds still fall before and after mgpu's).
 ALONE = {"gpt2_xl", "gpt2_xl_fp8"}
 # (steps a round, rounds, warm-up steps) where --steps/--rounds/--warmup are not given: an XL
-# step of 8 micro-steps of 16 sequences takes ~2.5 s at 55 % MFU, and each side compiles a 48-block model.
+# step of 8 micro-steps of 16 sequences takes ~2.7 s, and each side compiles a 48-block model.
 STEPS = {"gpt2_xl": (2, 3, 2), "gpt2_xl_fp8": (2, 3, 2)}
 QUICK = {  # CPU-sized stand-ins, to check the script
     "gpt2_small": [
@@ -467,6 +468,21 @@ def mgpu_step_alone(overrides: list[str], rt, timer: Timer, x, y, args) -> tuple
         return timed, kernel_table(lambda: trainer.train_step(batches), steps=1)
 
 
+def gpu_state() -> dict | None:
+    """The GPU's SM clock (MHz), temperature (C) and power (W) now, from nvidia-smi; None where
+    it is absent (a CPU run)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
+             "--format=csv,noheader,nounits", f"--id={torch.cuda.current_device()}"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout  # fmt: skip
+        mhz, temp, watts = (float(v) for v in out.strip().split(","))
+    except (OSError, ValueError, subprocess.SubprocessError, RuntimeError, AssertionError):
+        return None
+    return {"sm_mhz": mhz, "temp_c": temp, "power_w": watts}
+
+
 def mark_memory(cuda: bool) -> int:
     """Frees what is unreferenced and restarts the peak count: the bytes allocated now."""
     gc.collect()
@@ -527,22 +543,29 @@ def bench(name: str, mode: str, args, rt) -> dict:
     plain_ms: dict[str, list[float]] = {v: [] for v in variants}
     plain_ahead: dict[str, list[float]] = {v: [] for v in variants}
 
+    states: dict[str, list[dict]] = {"plain": [], "mgpu": []}
+
     def plain_rounds(n: int) -> None:
         for _ in range(n):
             for v, loop in plains.items():
                 plain_ms[v].append(timer.run(lambda loop=loop: loop.step(x, y), args.steps))
                 plain_ahead[v].append(timer.ahead_ms[-1] if timer.ahead_ms else 0.0)
+            states["plain"].append(gpu_state())
 
-    warmup_s: dict[str, float] = {}
-    for v, loop in plains.items():  # warm-up: compiles, autotunes, fills the allocator
-        started = time.perf_counter()
-        timer.run(lambda loop=loop: loop.step(x, y), args.warmup)
-        warmup_s[v] = time.perf_counter() - started  # what compiling costs a user, roughly
-    # The loop's name would keep the last plain loop (its model, gradients and optimizer state)
-    # alive after plains.clear(): 17.6 GiB of XL's were still allocated under mgpu's run in
-    # jobs 21:20 and 21:27 (its peak is counted above that base, so the figures stand).
-    del loop
-    first = args.rounds if alone else args.rounds // 2
+    def warm_up() -> dict[str, float]:
+        seconds = {}
+        for v, loop in plains.items():  # compiles, autotunes, fills the allocator
+            started = time.perf_counter()
+            timer.run(lambda loop=loop: loop.step(x, y), args.warmup)
+            seconds[v] = time.perf_counter() - started  # what compiling costs a user, roughly
+        return seconds
+
+    warmup_s = warm_up()
+    # Half the plain loop's rounds before mgpu's run and half after, for every model: a GPU
+    # that warms up under a long run lowers its clocks, and a side always timed second paid
+    # for it (XL on one H100, job 02:29: mgpu's step ran the plain loop's very kernels, each
+    # 2-10 % slower, after 5 minutes of the plain loop's).
+    first = max(1, args.rounds // 2)
     plain_rounds(first)
     plain_peak = peak_gib(base) if cuda else None
     samples = cfg.data.batch_size * accum
@@ -571,6 +594,10 @@ def bench(name: str, mode: str, args, rt) -> dict:
             row_kernels.update({"mgpu": kernels} if kernels else {})
         except Exception as err:  # noqa: BLE001 - a diagnostic: the timings still count
             print(f"mgpu's step alone failed: {err!r}")
+    states["mgpu"].append(gpu_state())
+    if alone and args.rounds > first:  # the plain loop again, built and compiled anew
+        plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
+        warm_up()  # from inductor's cache now: not what compiling costs a user
     plain_rounds(args.rounds - first)
     peak = None
     if rt.device.type == "cuda":
@@ -604,6 +631,7 @@ def bench(name: str, mode: str, args, rt) -> dict:
     }
     row["mgpu"]["breakdown_ms"] = mgpu["breakdown_ms"]
     row["ratio"] = row["plain"]["whole"]["ms_per_step"] / row["mgpu"]["ms_per_step"]
+    row["gpu_state"] = states  # after each plain round and after mgpu's run
     row["settings"] = {
         "batch_size": cfg.data.batch_size,
         "grad_accum_steps": accum,
