@@ -4,8 +4,9 @@
     python bench/vs_plain.py --quick            # tiny shapes on the CPU: checks the script
 
 plain: the 60-line loop nanoGPT popularised: the same model class, whole-model torch.compile
-(compiled mode), fused AdamW/SGD with the same hyperparameters, the same clipping and precision,
-TF32 and cuDNN autotuning on, one batch of the same dataset resident on the GPU.
+(compiled mode), fused AdamW/SGD with the same hyperparameters and learning-rate schedule, the
+same clipping and precision, TF32 and cuDNN autotuning on, one batch of the same dataset resident
+on the GPU.
 mgpu: `Trainer.fit` built by mgpu.run.build.build_run from the same Hydra config, as train.py builds
 it (DataLoader workers, side-stream prefetcher, non-finite guard, telemetry, LR schedule, clipping,
 a final evaluation and checkpoint after the timed steps); its step time is what its own telemetry
@@ -49,6 +50,7 @@ from mgpu.config.schema import Precision  # noqa: E402
 from mgpu.data.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
 from mgpu.models.loss import cross_entropy  # noqa: E402
+from mgpu.optim.optimizer import lr_factor  # noqa: E402
 from mgpu.run.build import build_run  # noqa: E402
 from mgpu.run.config import Config, to_config  # noqa: E402
 from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
@@ -208,6 +210,15 @@ class PlainLoop:
                 weight_decay=o.weight_decay,
                 fused=True,
             )
+        # The run's warm-up and decay, as nanoGPT's get_lr and mgpu take them: the same rate a
+        # step on both sides, so that both multiply the same kind of numbers. At a constant
+        # optim.lr from the first step, the plain loop's first 6 steps moved its weights by
+        # ~57x the sum of rates of mgpu's warm-up (200 steps), and an H100 held at its power
+        # limit (XL, 680 W, job 02:37) may clock differently on different numbers.
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda s: lr_factor(s, o.warmup_steps, cfg.trainer.max_steps, o.min_lr_ratio),
+        )
         self.clip = 0.0 if variant == "noclip" else cfg.trainer.grad_clip
         self.accum = cfg.trainer.grad_accum_steps  # micro-steps a step, on the same batch
         self.amp = autocast_dtype(cfg.trainer.precision, device)
@@ -231,6 +242,7 @@ class PlainLoop:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
 
 
 class Timer:
