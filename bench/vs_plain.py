@@ -475,6 +475,7 @@ def mgpu_step_alone(overrides: list[str], rt, timer: Timer, x, y, args) -> tuple
         trainer = mgpu_trainer(overrides, rt, tmp)
         batches = iter(lambda: (x, y), None)
         timed = time_steps(lambda: trainer.train_step(batches), timer, args)
+        timed["gpu_state"] = gpu_state()  # right after the timed rounds: the clock they ran at
         if not (args.profile and rt.device.type == "cuda"):
             return timed, {}
         return timed, kernel_table(lambda: trainer.train_step(batches), steps=1)
