@@ -4,14 +4,14 @@ forward and backward on the CPU near the unconverted model, with the same checkp
 
 import pytest
 import torch
-from conftest import run_train
+from conftest import FAST, read_scalars, run_train
 
 from mgpu.config.checks import ConfigError
 from mgpu.config.schema import OptimConfig, Precision, TrainerConfig
 from mgpu.models import GPT
 from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.runtime.dist import Runtime
-from mgpu.train.fp8 import check_fp8, convert
+from mgpu.train.fp8 import check_fp8, check_skip, convert
 from mgpu.train.trainer import Trainer
 
 SHAPE = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
@@ -111,6 +111,61 @@ def test_fp8_skip_keeps_the_named_layers_in_bf16_under_each_recipe(recipe):
 
 
 def test_an_fp8_skip_name_that_matches_no_layer_stops_naming_the_layers():
-    pytest.importorskip("torchao.float8")
+    # train.py checks the names on a model built on the meta device, before the run starts
+    with torch.device("meta"):
+        model = GPT(**SHAPE)
     with pytest.raises(ConfigError, match=r"trainer\.fp8_skip='proj'.*attn\.c_proj.*mlp\.c_fc"):
-        convert(GPT(**SHAPE), "tensorwise", ["proj"])
+        check_skip(model, ["c_fc", "proj"])
+    check_skip(model, ["c_fc", "c_proj", "blocks.1.attn.c_attn"])  # whole parts: no error
+
+
+def _fp8_gpu():
+    """Skips unless this machine has a GPU that runs fp8 matrix multiplies and torchao."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU of compute capability 8.9 or later")
+    pytest.importorskip("torchao.float8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_each_fp8_recipe_trains_a_gpt_on_the_gpu_near_bf16(recipe):
+    _fp8_gpu()
+    shape = {**SHAPE, "vocab_size": 256, "block_size": 64, "n_head": 4, "n_embd": 128}
+    torch.manual_seed(0)
+    reference = GPT(**shape, head_loss="logits").cuda()
+    model = GPT(**shape, head_loss="logits").cuda()
+    model.load_state_dict(reference.state_dict())
+    convert(model, recipe, ["attn.c_proj"])
+    idx = torch.randint(0, shape["vocab_size"], (8, shape["block_size"]), device="cuda")
+    losses = {}
+    for name, net in (("fp8", model), ("bf16", reference)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses[name] = net(idx, idx)
+        losses[name].backward()
+    assert abs(losses["fp8"].item() - losses["bf16"].item()) < 0.05, losses
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert (p.grad - q.grad).norm() <= 0.25 * q.grad.norm(), name
+    c_attn = model.blocks[0].attn.c_attn.weight.grad, reference.blocks[0].attn.c_attn.weight.grad
+    assert (c_attn[0] - c_attn[1]).norm() > 1e-4 * c_attn[1].norm()  # fp8 did run
+
+
+@pytest.mark.gpu
+def test_train_py_runs_fp8_with_a_recipe_and_skipped_layers_and_stops_on_an_unknown_one(tmp_path):
+    _fp8_gpu()
+    fp8 = ["model=gpt_tiny", "trainer.precision=fp8", "trainer.fp8_recipe=rowwise", *FAST]
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [*fp8, "trainer.fp8_skip=[attn.c_proj]", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        nproc=None,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [v for _, v in read_scalars(run_dir)["train/loss"]]
+    assert losses[-1] < losses[0], losses
+    bad = tmp_path / "bad"
+    proc = run_train(
+        [*fp8, "trainer.fp8_skip=[attn.c_prj]", f"hydra.run.dir={bad}"], cwd=tmp_path, nproc=None
+    )
+    assert proc.returncode != 0 and not bad.exists()  # stopped before the run directory
+    assert "trainer.fp8_skip='attn.c_prj'" in proc.stdout + proc.stderr

@@ -53,6 +53,12 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
         check_fp8(
             torch.device("cuda", dist.launch_env().local_rank) if on_cuda else torch.device("cpu")
         )
+        if config.trainer.fp8_skip:  # its names, before any run directory exists
+            from mgpu.models import build_model
+            from mgpu.train.fp8 import check_skip
+
+            with torch.device("meta"):  # the layers' names only: no memory, no init work
+                check_skip(build_model(config.model), config.trainer.fp8_skip)
     dist.check_sweep_launch(multirun=multirun)
     return config
 

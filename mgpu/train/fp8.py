@@ -64,6 +64,21 @@ def _ends_with(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
+def check_skip(model: nn.Module, skip: Sequence[str]) -> None:
+    """Stop, naming the key, at a trainer.fp8_skip entry that names none of `model`'s linear
+    layers (a model built on the meta device will do: only the names are read)."""
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for pattern in skip:
+        if not any(_ends_with(n, pattern) for n in linear):
+            ends = sorted({".".join(n.split(".")[-2:]) for n in linear})
+            raise ConfigError(
+                "trainer.fp8_skip",
+                pattern,
+                f"names no linear layer of this model; its linear layers' names end in "
+                f"{', '.join(ends)}",
+            )
+
+
 def convert(model: nn.Module, recipe: str = "tensorwise", skip: Sequence[str] = ()) -> nn.Module:
     """The model's linear layers (but a tied head, and those `skip` names by the end of their
     names: trainer.fp8_skip) as torchao Float8Linear under torchao's scaling `recipe`
@@ -75,16 +90,7 @@ def convert(model: nn.Module, recipe: str = "tensorwise", skip: Sequence[str] = 
     otherwise leave every layer in fp8 without a word)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for pattern in skip:
-        if not any(_ends_with(n, pattern) for n in linear):
-            ends = sorted({".".join(n.split(".")[-2:]) for n in linear})
-            raise ConfigError(
-                "trainer.fp8_skip",
-                pattern,
-                f"names no linear layer of this model; its linear layers' names end in "
-                f"{', '.join(ends)}",
-            )
+    check_skip(model, skip)
 
     def chosen(module: nn.Module, name: str) -> bool:
         return _convertible(module, name) and not any(_ends_with(name, p) for p in skip)
