@@ -200,4 +200,5 @@ def test_the_gpt2_xl_experiment_composes(tmp_path):
         overrides = ["experiment=gpt2_xl", f"data.path={tmp_path / 'train.bin'}"]
         cfg = to_config(compose("config", overrides))
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.data.seq_len) == (48, 1600, 1024)
-    assert cfg.trainer.precision is Precision.bf16 and cfg.data.batch_size == 8
+    assert cfg.trainer.precision is Precision.bf16
+    assert (cfg.data.batch_size, cfg.trainer.grad_accum_steps) == (16, 8)  # 131k tokens a step
