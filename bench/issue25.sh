@@ -15,8 +15,9 @@
 #              batch timed as the plain loop's (one more compile)   277 s at 2 rounds (02:22,
 #              the plain loop's kernels only)
 #   xl_fp8     the same under trainer.precision=fp8 (torchao), both sides 497 s (21:27, unprof.)
-#   loss_bf16  GPT-2 XL, 300 steps of 8 x 1024 byte tokens of Python's own sources,
-#              train.py's path, bf16                                                 ~3-5 min
+#   loss_bf16  GPT-2 XL, 300 steps of the experiment's micro-batch (16 x 1024 byte tokens;
+#              8 x 1024 in jobs 23:00 and 00:41) of Python's own sources, one micro-step a
+#              step (--loss-accum), train.py's path, bf16               ~3-5 min at 8 x 1024
 #   loss_fp8   the same in fp8 (same seed and data order)                            ~3-5 min
 #   loss       loss_bf16 and loss_fp8 in one process (one file with the differences) ~7-9 min
 #   small      bench/vs_plain.py gpt2_small compiled (the small model's targets)  61 s (21:36)
