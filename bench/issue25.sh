@@ -28,7 +28,7 @@
 # the lent machine's folder that comes back; bench/results without it), copied to
 # bench/results as well. MGPU_COMMIT names the tree in them where .git is stale or absent.
 # Extra arguments for bench/vs_plain.py's XL parts: VS_PLAIN_ARGS (for example
-# VS_PLAIN_ARGS="--override model.activation_checkpointing=24" should a batch of 8 not fit);
+# VS_PLAIN_ARGS="--override model.activation_checkpointing=24" should a batch of 16 not fit);
 # for the loss parts: LOSS_ARGS (for example "--override trainer.compile=false" saves each
 # run's compile, ~2 min, at the cost of eager steps). LOSS_STEPS: 300.
 set -uo pipefail

@@ -147,7 +147,9 @@ class PlainLoop:
     to torch (`model.attention=torch`), and returns logits that the loop's loss reads
     (`model.head_loss=logits`): a user's own model code does neither."""
 
-    def __init__(self, cfg: Config, device: torch.device, compiled: bool, variant: str):
+    def __init__(
+        self, cfg: Config, device: torch.device, compiled: bool, variant: str, max_steps: int
+    ):
         graphs = ("cudagraphs", "fused_loss", "coordinate", "autotune")
         if compiled and variant in graphs and cfg.trainer.grad_accum_steps > 1:
             # as trainer.compile_mode refuses it: a replayed backward's gradients, kept as
@@ -210,14 +212,16 @@ class PlainLoop:
                 weight_decay=o.weight_decay,
                 fused=True,
             )
-        # The run's warm-up and decay, as nanoGPT's get_lr and mgpu take them: the same rate a
-        # step on both sides, so that both multiply the same kind of numbers. At a constant
-        # optim.lr from the first step, the plain loop's first 6 steps moved its weights by
-        # ~57x the sum of rates of mgpu's warm-up (200 steps), and an H100 held at its power
-        # limit (XL, 680 W, job 02:37) may clock differently on different numbers.
+        # The run's warm-up and decay over `max_steps` (mgpu_run's, the steps its timed run
+        # trains), as nanoGPT's get_lr and mgpu take them: the same rate a step on both sides,
+        # so that both multiply the same kind of numbers (a plain loop built again after mgpu's
+        # run starts its schedule again: XL's rates are then those of mgpu's first steps).
+        # At a constant optim.lr from the first step, the plain loop's first 6 steps moved its
+        # weights by ~57x the sum of rates of mgpu's warm-up (200 steps), and an H100 held at
+        # its power limit (XL, 680 W, job 02:37) may clock differently on different numbers.
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_factor(s, o.warmup_steps, cfg.trainer.max_steps, o.min_lr_ratio),
+            lambda s: lr_factor(s, o.warmup_steps, max_steps, o.min_lr_ratio),
         )
         self.clip = 0.0 if variant == "noclip" else cfg.trainer.grad_clip
         self.accum = cfg.trainer.grad_accum_steps  # micro-steps a step, on the same batch
@@ -297,7 +301,7 @@ def mgpu_run(cfg_overrides: list[str], rt, steps: int, rounds: int) -> dict:
     """train.py's path for (rounds + 1) log intervals of `steps` steps; the first is warm-up."""
     overrides = [
         *cfg_overrides,
-        f"trainer.max_steps={steps * (rounds + 1)}",
+        f"trainer.max_steps={steps * (rounds + 1)}",  # as bench() gives the plain loop
         f"trainer.log_every={steps}",
         "trainer.eval_every=0",
         "ckpt.every=0",
@@ -448,9 +452,9 @@ def profile_both(overrides: list[str], rt, plain: PlainLoop, x, y) -> dict:
 
 
 def time_steps(step, timer: Timer, args) -> dict:
-    """`step` timed as the plain loop's steps are: warm-up, then the median of 3 rounds."""
+    """`step` timed as the plain loop's steps are: warm-up, then the median of --rounds."""
     timer.run(step, args.warmup)
-    ms = [timer.run(step, args.steps) for _ in range(3)]
+    ms = [timer.run(step, args.steps) for _ in range(args.rounds)]
     return {
         "ms_per_step": statistics.median(ms),
         "ms_rounds": ms,
@@ -475,25 +479,36 @@ def mgpu_step_alone(overrides: list[str], rt, timer: Timer, x, y, args) -> tuple
         trainer = mgpu_trainer(overrides, rt, tmp)
         batches = iter(lambda: (x, y), None)
         timed = time_steps(lambda: trainer.train_step(batches), timer, args)
-        timed["gpu_state"] = gpu_state()  # right after the timed rounds: the clock they ran at
+        timed["gpu_state"] = gpu_state(rt.device)  # right after its rounds: their clock
         if not (args.profile and rt.device.type == "cuda"):
             return timed, {}
         return timed, kernel_table(lambda: trainer.train_step(batches), steps=1)
 
 
-def gpu_state() -> dict | None:
-    """The GPU's SM clock (MHz), temperature (C) and power (W) now, from nvidia-smi; None where
-    it is absent (a CPU run)."""
+def gpu_state(device: torch.device) -> dict | None:
+    """`device`'s SM clock (MHz), temperature (C) and power (W) now, from nvidia-smi, found by its
+    UUID (nvidia-smi's indices ignore CUDA_VISIBLE_DEVICES); None on a CPU device or where
+    nvidia-smi is absent or does not list it."""
+    if device.type != "cuda":
+        return None
+    uuid = str(torch.cuda.get_device_properties(device).uuid).lower()
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,temperature.gpu,power.draw",
-             "--format=csv,noheader,nounits", f"--id={torch.cuda.current_device()}"],
+            ["nvidia-smi", "--query-gpu=uuid,clocks.sm,temperature.gpu,power.draw",
+             "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=10,
         ).stdout  # fmt: skip
-        mhz, temp, watts = (float(v) for v in out.strip().split(","))
-    except (OSError, ValueError, subprocess.SubprocessError, RuntimeError, AssertionError):
+    except (OSError, subprocess.SubprocessError):
         return None
-    return {"sm_mhz": mhz, "temp_c": temp, "power_w": watts}
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 4 and fields[0].lower().removeprefix("gpu-") == uuid:
+            try:
+                mhz, temp, watts = (float(v) for v in fields[1:])
+            except ValueError:  # "[N/A]" on GPUs that don't report one of them
+                return None
+            return {"sm_mhz": mhz, "temp_c": temp, "power_w": watts}
+    return None
 
 
 def mark_memory(cuda: bool) -> int:
@@ -547,8 +562,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
     levers = [v for v in args.plain_variants if applies.get(v, compiled)]
     variants = ["whole", *levers]
     cuda = rt.device.type == "cuda"
+    run_steps = args.steps * (args.rounds + 1)  # what mgpu_run trains: its schedule's length
     base = mark_memory(cuda)
-    plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
+    plains = {v: PlainLoop(cfg, rt.device, compiled, v, run_steps) for v in variants}
     x, y, data = resident_batch(cfg, plains["whole"], rt.device)
     accum = cfg.trainer.grad_accum_steps
     # tokens a step: a GPT's batch is [sequences, positions] of token ids
@@ -563,7 +579,7 @@ def bench(name: str, mode: str, args, rt) -> dict:
             for v, loop in plains.items():
                 plain_ms[v].append(timer.run(lambda loop=loop: loop.step(x, y), args.steps))
                 plain_ahead[v].append(timer.ahead_ms[-1] if timer.ahead_ms else 0.0)
-            states["plain"].append(gpu_state())
+            states["plain"].append(gpu_state(rt.device))
 
     def warm_up() -> dict[str, float]:
         seconds = {}
@@ -607,9 +623,12 @@ def bench(name: str, mode: str, args, rt) -> dict:
             row_kernels.update({"mgpu": kernels} if kernels else {})
         except Exception as err:  # noqa: BLE001 - a diagnostic: the timings still count
             print(f"mgpu's step alone failed: {err!r}")
-    states["mgpu"].append(gpu_state())
+    if alone_step is not None and alone_step.get("gpu_state"):
+        states["mgpu"].append(alone_step["gpu_state"])  # right after its timed rounds
     if alone and args.rounds > first:  # the plain loop again, built and compiled anew
-        plains = {v: PlainLoop(cfg, rt.device, compiled, v) for v in variants}
+        torch.compiler.reset()  # mgpu's compiled graphs may hold its model: freed first
+        mark_memory(cuda)
+        plains = {v: PlainLoop(cfg, rt.device, compiled, v, run_steps) for v in variants}
         warm_up()  # from inductor's cache now: not what compiling costs a user
     plain_rounds(args.rounds - first)
     peak = None
@@ -644,7 +663,9 @@ def bench(name: str, mode: str, args, rt) -> dict:
     }
     row["mgpu"]["breakdown_ms"] = mgpu["breakdown_ms"]
     row["ratio"] = row["plain"]["whole"]["ms_per_step"] / row["mgpu"]["ms_per_step"]
-    row["gpu_state"] = states  # after each plain round and after mgpu's run
+    # right after each plain round, and after mgpu's train_step timed alone where it was (its
+    # train.py run ends in an evaluation and a checkpoint: the GPU idles by then)
+    row["gpu_state"] = states
     row["settings"] = {
         "batch_size": cfg.data.batch_size,
         "grad_accum_steps": accum,

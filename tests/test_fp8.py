@@ -80,6 +80,19 @@ def test_fp8_recipe_and_skip_are_checked_when_the_config_is_built():
         TrainerConfig(fp8_recipe="delayed")
     with pytest.raises(ConfigError, match=r"trainer\.fp8_skip='\.c_proj'.*attn\.c_proj"):
         TrainerConfig(fp8_skip=[".c_proj"])
+    with pytest.raises(ConfigError, match=r"trainer\.fp8_skip='c_proj'.*a list of names"):
+        TrainerConfig(precision=Precision.fp8, fp8_skip="c_proj")  # not one name per letter
+
+
+def test_fp8_settings_under_another_precision_say_they_do_nothing(caplog):
+    with caplog.at_level("WARNING", logger="mgpu.config.schema"):
+        TrainerConfig(precision=Precision.bf16, fp8_skip=["attn.c_proj"])
+    assert "do nothing" in caplog.text and "precision is bf16" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mgpu.config.schema"):
+        TrainerConfig(precision=Precision.fp8, fp8_skip=["attn.c_proj"])
+        TrainerConfig(precision=Precision.bf16)
+    assert "do nothing" not in caplog.text
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])

@@ -178,6 +178,12 @@ class TrainerConfig:
             self.fp8_recipe,
             f"must be one of {', '.join(FP8_RECIPES)}",
         )
+        _require(
+            not isinstance(self.fp8_skip, str | bytes),
+            "trainer.fp8_skip",
+            self.fp8_skip,
+            "is a list of names, e.g. trainer.fp8_skip=[attn.c_proj]",
+        )
         for name in self.fp8_skip:
             _require(
                 isinstance(name, str) and name.strip(".") == name and bool(name),
@@ -192,6 +198,17 @@ class TrainerConfig:
             self.compile_backend,
             "must name a torch.compile backend, e.g. inductor",
         )
+
+        if self.precision is not Precision.fp8 and (
+            self.fp8_skip or self.fp8_recipe != FP8_RECIPES[0]
+        ):
+            log.warning(
+                "trainer.fp8_recipe=%s and trainer.fp8_skip=%s do nothing: they are read under "
+                "trainer.precision=fp8 only, and this run's precision is %s",
+                self.fp8_recipe,
+                list(self.fp8_skip),
+                self.precision.value,
+            )
 
     def compiles(self, device_type: str) -> bool:
         """Whether `trainer.compile` means compiling on this device ("cuda", "cpu")."""

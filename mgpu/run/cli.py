@@ -57,8 +57,13 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
             from mgpu.models import build_model
             from mgpu.train.fp8 import check_skip
 
-            with torch.device("meta"):  # the layers' names only: no memory, no init work
-                check_skip(build_model(config.model), config.trainer.fp8_skip)
+            try:
+                with torch.device("meta"):  # the layers' names only: no memory, no init work
+                    model = build_model(config.model)
+            except Exception:  # noqa: BLE001 - a model that can't be built on the meta device
+                model = None  # is checked where fp8.convert converts it, on its device
+            if model is not None:
+                check_skip(model, config.trainer.fp8_skip)
     dist.check_sweep_launch(multirun=multirun)
     return config
 
