@@ -11,7 +11,8 @@ loop of bench/vs_plain.py takes it) and times forward, backward and a fused Adam
 events (median of rounds). A one-block bf16 model is timed too: the difference between it and
 the --layers model is the blocks' share of a step, from which each variant's speed-up on the
 blocks alone (what 48 of them make of an XL step) is worked out. The embedding, the head and
-its loss stay bf16 in every variant.
+its loss stay bf16 in every variant. Not in the default run: bf16_cdt and tensorwise_cdt, the same
+compiled with inductor's coordinate-descent tuning of its kernels' launch configurations.
 
 Writes bench/results/fp8_layers-<device>-<time>.json with the device, versions and commit.
 """
@@ -45,9 +46,15 @@ VARIANTS: dict[str, tuple[str, list[str]] | None] = {
     "tw_ln_fed": ("tensorwise", ["attn.c_proj", "mlp.c_proj"]),
     "tw_mlp_only": ("tensorwise", ["attn.c_attn", "attn.c_proj"]),
     "tw_attn_only": ("tensorwise", ["mlp.c_fc", "mlp.c_proj"]),
+    "tensorwise_with_gw_hp": ("tensorwise_with_gw_hp", []),
     "rowwise": ("rowwise", []),
     "rowwise_with_gw_hp": ("rowwise_with_gw_hp", []),
 }
+
+
+# name -> inductor options its compile takes (the variants above take none)
+TUNED = {"bf16_cdt": "bf16", "tensorwise_cdt": "tensorwise"}
+CDT = {"coordinate_descent_tuning": True}
 
 
 def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: str, device):
@@ -60,7 +67,7 @@ def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: st
         n_embd=width,
         head_loss="logits",
     ).to(device)
-    spec = VARIANTS[variant]
+    spec = VARIANTS[TUNED.get(variant, variant)]
     if spec is not None:
         recipe, skip = spec
         fp8.convert(model, recipe, skip)
@@ -69,7 +76,8 @@ def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: st
 
 def time_variant(args, variant: str, layers: int, device) -> dict:
     model = build(layers, args.width, args.heads, args.seq, args.vocab, variant, device)
-    step = torch.compile(model, backend=args.backend)
+    options = CDT if variant in TUNED and args.backend == "inductor" else None
+    step = torch.compile(model, backend=args.backend, options=options)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
     tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
@@ -113,7 +121,8 @@ def time_variant(args, variant: str, layers: int, device) -> dict:
         "loss": float(loss),
         "warmup_s": compile_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "spec": VARIANTS[variant],
+        "spec": VARIANTS[TUNED.get(variant, variant)],
+        "inductor_options": options,
     }
     return result
 
@@ -130,7 +139,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=[*VARIANTS, *TUNED],
+        help="bf16_cdt, tensorwise_cdt: with inductor's coordinate-descent tuning (not default)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
@@ -156,9 +171,11 @@ def main() -> None:
         meta["torchao"] = torchao.__version__
     except ImportError:
         meta["torchao"] = None
-    if not cuda and any(VARIANTS[v] for v in args.variants):
+    if not cuda:
         # torchao's fp8 matrix multiply needs a GPU; its emulation runs the same conversion
-        args.variants = [v for v in args.variants if VARIANTS[v] is None or meta["torchao"]]
+        args.variants = [
+            v for v in args.variants if VARIANTS[TUNED.get(v, v)] is None or meta["torchao"]
+        ]
     runs: dict[str, dict] = {}
     path = Path(args.out) / (
         f"fp8_layers-{meta['device'].replace(' ', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -63,7 +63,7 @@ COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune-no-cudagrap
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the modes that replay CUDA graphs
 # torchao's float8 training recipes (trainer.fp8_recipe; mgpu.train.fp8.convert says what each
 # scales)
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FP8_RECIPES = ("tensorwise", "tensorwise_with_gw_hp", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclass
@@ -74,7 +74,7 @@ class TrainerConfig:
     # fp8 through torchao's float8 training, bf16 elsewhere (Ada/Hopper GPUs only; mgpu.train.fp8)
     precision: Precision = Precision.auto
     # trainer.precision=fp8 only (read nowhere else): torchao's scaling recipe, tensorwise (one
-    # scale per tensor), rowwise (one per row), or rowwise_with_gw_hp (rowwise, the weight
+    # scale per tensor), rowwise (one per row), or either with _with_gw_hp (the weight
     # gradient's matrix multiply in bf16); and the linear layers kept in bf16, by the end of
     # their names (attn.c_proj: every block's attention output; c_proj: the MLP's as well). A
     # name that matches no linear layer stops the run.

@@ -84,16 +84,31 @@ def convert(model: nn.Module, recipe: str = "tensorwise", skip: Sequence[str] = 
     names: trainer.fp8_skip) as torchao Float8Linear under torchao's scaling `recipe`
     (trainer.fp8_recipe), in place; check_fp8 has said that this device can run them.
     tensorwise casts each layer's input, weight and output gradient to fp8 with one scale per
-    tensor; rowwise with a scale per row; rowwise_with_gw_hp as rowwise, with the weight
+    tensor; tensorwise_with_gw_hp as tensorwise, with the weight gradient's matrix multiply in
+    bf16; rowwise with a scale per row; rowwise_with_gw_hp as rowwise, with the weight
     gradient's matrix multiply in bf16. Scales are computed on the device each step (no host
     sync). A `skip` entry that names no linear layer stops the run (a misspelt name would
     otherwise leave every layer in fp8 without a word)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8 import convert_to_float8_training
 
     check_skip(model, skip)
 
     def chosen(module: nn.Module, name: str) -> bool:
         return _convertible(module, name) and not any(_ends_with(name, p) for p in skip)
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    return convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+    return convert_to_float8_training(model, config=_config(recipe), module_filter_fn=chosen)
+
+
+def _config(recipe: str):
+    """torchao's Float8LinearConfig for trainer.fp8_recipe: torchao's named recipes, and
+    tensorwise_with_gw_hp, tensorwise scaling whose weight-gradient matrix multiply takes the
+    input and output gradient in bf16 (no fp8 copies of them laid out for it)."""
+    from torchao.float8 import CastConfig, Float8LinearConfig, ScalingType
+
+    if recipe == "tensorwise_with_gw_hp":
+        # one CastConfig each: torchao's config sets each one's dtype (input and gradient differ)
+        return Float8LinearConfig(
+            cast_config_input_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
+            cast_config_grad_output_for_grad_weight=CastConfig(scaling_type=ScalingType.DISABLED),
+        )
+    return Float8LinearConfig.from_recipe_name(recipe)
