@@ -17,6 +17,26 @@ from mgpu.train.trainer import Trainer
 SHAPE = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 
 
+def _trains_near_bf16(model, reference, idx, fp8_moved: float) -> None:
+    """One forward and backward of the converted `model` and its bf16 `reference` (same weights)
+    under bf16 autocast on idx's device: the losses within 0.05, every gradient finite and
+    within 25 % of bf16's, and the first fp8 layer's gradient off bf16's by more than
+    `fp8_moved` of its norm (fp8 did run)."""
+    losses = {}
+    for name, net in (("fp8", model), ("bf16", reference)):
+        with torch.autocast(idx.device.type, dtype=torch.bfloat16):
+            losses[name] = net(idx, idx)
+        losses[name].backward()
+    assert abs(losses["fp8"].item() - losses["bf16"].item()) < 0.05, losses
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        # fp8's rounding shows in the gradients (1-7 % of their norm on the CPU shape), within
+        # 25 % of bf16's
+        assert (p.grad - q.grad).norm() <= 0.25 * q.grad.norm(), name
+    c_attn = model.blocks[0].attn.c_attn.weight.grad, reference.blocks[0].attn.c_attn.weight.grad
+    assert (c_attn[0] - c_attn[1]).norm() > fp8_moved * c_attn[1].norm()
+
+
 def test_fp8_on_a_cpu_stops_before_the_run_with_one_line(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(
@@ -58,18 +78,7 @@ def test_torchaos_float8_gpt_trains_on_the_cpu_with_the_same_checkpoint_keys():
     assert model.lm_head.weight is model.wte.weight
     assert model.state_dict().keys() == reference.state_dict().keys()
     idx = torch.randint(0, SHAPE["vocab_size"], (4, SHAPE["block_size"]))
-    losses = {}
-    for name, net in (("fp8", model), ("bf16", reference)):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            losses[name] = net(idx, idx)
-        losses[name].backward()
-    assert abs(losses["fp8"].item() - losses["bf16"].item()) < 0.05, losses
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-        # fp8's rounding shows in the gradients (1-7 % of their norm here), within 25 % of bf16's
-        assert (p.grad - q.grad).norm() <= 0.25 * q.grad.norm(), name
-    c_attn = model.blocks[0].attn.c_attn.weight.grad, reference.blocks[0].attn.c_attn.weight.grad
-    assert (c_attn[0] - c_attn[1]).norm() > 1e-3 * c_attn[1].norm()  # fp8 did run
+    _trains_near_bf16(model, reference, idx, fp8_moved=1e-3)
     # a checkpoint saved under fp8 loads into the model trained under bf16, and back
     reference.load_state_dict(model.state_dict())
     model.load_state_dict(reference.state_dict())
@@ -154,17 +163,7 @@ def test_each_fp8_recipe_trains_a_gpt_on_the_gpu_near_bf16(recipe):
     model.load_state_dict(reference.state_dict())
     convert(model, recipe, ["attn.c_proj"])
     idx = torch.randint(0, shape["vocab_size"], (8, shape["block_size"]), device="cuda")
-    losses = {}
-    for name, net in (("fp8", model), ("bf16", reference)):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            losses[name] = net(idx, idx)
-        losses[name].backward()
-    assert abs(losses["fp8"].item() - losses["bf16"].item()) < 0.05, losses
-    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert p.grad is not None and torch.isfinite(p.grad).all(), name
-        assert (p.grad - q.grad).norm() <= 0.25 * q.grad.norm(), name
-    c_attn = model.blocks[0].attn.c_attn.weight.grad, reference.blocks[0].attn.c_attn.weight.grad
-    assert (c_attn[0] - c_attn[1]).norm() > 1e-4 * c_attn[1].norm()  # fp8 did run
+    _trains_near_bf16(model, reference, idx, fp8_moved=1e-4)
 
 
 @pytest.mark.gpu
