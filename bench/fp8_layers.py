@@ -56,9 +56,29 @@ VARIANTS: dict[str, tuple[str, list[str]] | None] = {
 TUNED = {"bf16_cdt": "bf16", "tensorwise_cdt": "tensorwise"}
 CDT = {"coordinate_descent_tuning": True}
 
+# Where a bf16 step's time outside the matrix multiplies goes, by the dtype of what it moves
+# (not in the default run). name -> (fp8 variant it builds on, model.residual, parameters):
+# bf16_residual: the residual stream in bf16 (model.residual=autocast); bf16_params: the
+# parameters themselves in bf16, no autocast, their gradients accumulated in bf16 over the
+# micro-steps (a bound: what no weight casts and no fp32 gradient traffic would give);
+# bf16_params_fp32_grads: bf16 parameters whose gradients each micro-step adds into fp32 ones,
+# with fp32 master weights that AdamW steps and copies back.
+LAYOUTS = {
+    "bf16_residual": ("bf16", "autocast", "fp32"),
+    "tensorwise_residual": ("tensorwise", "autocast", "fp32"),
+    "bf16_params": ("bf16", "fp32", "bf16"),
+    "bf16_params_fp32_grads": ("bf16", "fp32", "bf16_fp32_grads"),
+}
+
+
+def spec_of(variant: str):
+    base = LAYOUTS[variant][0] if variant in LAYOUTS else TUNED.get(variant, variant)
+    return VARIANTS[base]
+
 
 def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: str, device):
     torch.manual_seed(0)
+    residual = LAYOUTS[variant][1] if variant in LAYOUTS else "fp32"
     model = GPT(
         vocab_size=vocab,
         block_size=seq,
@@ -66,28 +86,68 @@ def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: st
         n_head=heads,
         n_embd=width,
         head_loss="logits",
+        residual=residual,
     ).to(device)
-    spec = VARIANTS[TUNED.get(variant, variant)]
+    spec = spec_of(variant)
     if spec is not None:
         recipe, skip = spec
         fp8.convert(model, recipe, skip)
     return model
 
 
+class Masters:
+    """fp32 master weights and gradients for a model whose parameters are bf16: each micro-step's
+    bf16 gradient is added into the fp32 one as soon as it is accumulated (and dropped), AdamW
+    steps the masters, and the bf16 parameters are copied from them."""
+
+    def __init__(self, params: list[torch.Tensor], fused: bool):
+        self.params = params
+        self.masters = [p.detach().float() for p in params]
+        for p, m in zip(params, self.masters):
+            m.grad = torch.zeros_like(m)
+            p.register_post_accumulate_grad_hook(self._hook(m))
+        self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, fused=fused)
+
+    @staticmethod
+    def _hook(master: torch.Tensor):
+        def add(p: torch.Tensor) -> None:
+            master.grad.add_(p.grad)
+            p.grad = None
+
+        return add
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.optimizer.step()
+        torch._foreach_copy_(self.params, self.masters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        torch._foreach_zero_([m.grad for m in self.masters])
+
+
 def time_variant(args, variant: str, layers: int, device) -> dict:
     model = build(layers, args.width, args.heads, args.seq, args.vocab, variant, device)
     options = CDT if variant in TUNED and args.backend == "inductor" else None
-    step = torch.compile(model, backend=args.backend, options=options)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
-    tgt = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    params = LAYOUTS[variant][2] if variant in LAYOUTS else "fp32"
     cuda = device.type == "cuda"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    if params == "fp32":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    else:
+        model.to(torch.bfloat16)
+        if params == "bf16":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+        else:
+            optimizer = Masters(list(model.parameters()), fused=cuda)
+    step = torch.compile(model, backend=args.backend, options=options)
+    idx = torch.randint(0, args.vocab, (args.accum, args.batch, args.seq), device=device)
+    tgt = torch.randint(0, args.vocab, (args.accum, args.batch, args.seq), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=params == "fp32")
 
     def one() -> torch.Tensor:
-        with autocast:
-            loss = step(idx, tgt)
-        loss.backward()
+        for micro in range(args.accum):
+            with autocast:
+                loss = step(idx[micro], tgt[micro])
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
@@ -121,7 +181,8 @@ def time_variant(args, variant: str, layers: int, device) -> dict:
         "loss": float(loss),
         "warmup_s": compile_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "spec": VARIANTS[TUNED.get(variant, variant)],
+        "spec": spec_of(variant),
+        "layout": LAYOUTS.get(variant),
         "inductor_options": options,
     }
     return result
@@ -140,11 +201,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument(
+        "--accum", type=int, default=1, help="micro-steps a step (XL's experiment: 8)"
+    )
+    parser.add_argument(
         "--variants",
         nargs="+",
         default=list(VARIANTS),
-        choices=[*VARIANTS, *TUNED],
-        help="bf16_cdt, tensorwise_cdt: with inductor's coordinate-descent tuning (not default)",
+        choices=[*VARIANTS, *TUNED, *LAYOUTS],
+        help="bf16_cdt, tensorwise_cdt: with inductor's coordinate-descent tuning; "
+        f"{', '.join(LAYOUTS)}: other dtypes of the residual stream and the parameters "
+        "(not default)",
     )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
@@ -174,7 +240,7 @@ def main() -> None:
     if not cuda:
         # torchao's fp8 matrix multiply needs a GPU; its emulation runs the same conversion
         args.variants = [
-            v for v in args.variants if VARIANTS[TUNED.get(v, v)] is None or meta["torchao"]
+            v for v in args.variants if spec_of(v) is None or meta["torchao"]
         ]
     runs: dict[str, dict] = {}
     path = Path(args.out) / (

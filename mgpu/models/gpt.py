@@ -45,6 +45,12 @@ ATTENTION = {
 # elsewhere (on a CPU the fused step has no kernel of its own to gain from).
 HEAD_LOSS = ("auto", "fused", "logits")
 
+# model.residual: the dtype of the residual stream between blocks. fp32: the embeddings' dtype,
+# kept by autocast (a block's outputs are bf16 but add onto an fp32 stream); autocast: cast to
+# the autocast dtype after the embeddings, so the stream, its LayerNorm inputs and its gradient
+# are bf16 (LayerNorm still computes in fp32, as autocast runs it).
+RESIDUAL = ("fp32", "autocast")
+
 
 def checkpointed_blocks(setting: str | int, n_layer: int) -> int:
     """How many blocks, from the first, model.activation_checkpointing recomputes: none (0),
@@ -146,6 +152,7 @@ class GPT(nn.Module):
         attention: str = "auto",
         head_loss: str = "auto",
         activation_checkpointing: str | int = "none",
+        residual: str = "fp32",
     ):
         super().__init__()
         if n_embd % n_head != 0:
@@ -157,7 +164,10 @@ class GPT(nn.Module):
             raise ValueError(f"attention={attention!r}: must be one of {', '.join(ATTENTION)}")
         if head_loss not in HEAD_LOSS:
             raise ValueError(f"head_loss={head_loss!r}: must be one of {', '.join(HEAD_LOSS)}")
+        if residual not in RESIDUAL:
+            raise ValueError(f"residual={residual!r}: must be one of {', '.join(RESIDUAL)}")
         self.head_loss = head_loss
+        self.residual = residual
         # The first `checkpointed` blocks keep only their input for backward (Block.forward).
         self.checkpointed = checkpointed_blocks(activation_checkpointing, n_layer)
         self.block_size = block_size
@@ -199,6 +209,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
+        if self.residual == "autocast" and torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
