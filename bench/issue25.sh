@@ -80,7 +80,7 @@ for path in sorted([*folder.glob("head_loss-*.json"), *folder.glob("vs_plain-*.j
               f"MFU {f(run['mfu_pct'], '.1f')}% peak {f(run['peak_mem_gib'], '.1f')} GiB "
               f"({f(run['run_s'], '.0f')} s)")
     for key, diff in r.items():
-        if key.endswith("_vs_bf16"):
+        if "_vs_" in key:
             print(f"{key}: " + ", ".join(f"{k} {v:+.2%}" if v is not None else f"{k} -"
                                          for k, v in diff.items()))
 EOF

@@ -369,12 +369,16 @@ def loss_runs(args, rt) -> dict:
         text.unlink()
         interval = max(1, args.loss_steps // 12)
         intervals = max(1, args.loss_steps // interval)
-        for precision in args.loss_precisions:
+        for entry in args.loss_precisions:
             torch.compiler.reset()
+            # "bf16" or "fp8": that trainer.precision; "LABEL:KEY=VALUE,KEY=VALUE": those
+            # overrides, on the experiment's own precision
+            label, _, extra = entry.partition(":")
+            setting = [f"trainer.precision={label}"] if not extra else extra.split(",")
             overrides = [
                 *LOSS_MODEL,
                 f"data.path={tokens}",
-                f"trainer.precision={precision}",
+                *setting,
                 f"trainer.grad_accum_steps={args.loss_accum}",
                 *args.override,
             ]
@@ -389,7 +393,7 @@ def loss_runs(args, rt) -> dict:
             base = mark_memory(cuda)
             run = mgpu_run(overrides, rt, interval, intervals - 1)
             final = run["loss_all"][-1] if run["loss_all"] else (None, None)
-            runs[precision] = {
+            runs[label] = {
                 "steps": final[0],
                 "train_loss_last": final[1],
                 "train_loss": run["loss_all"],
@@ -402,16 +406,16 @@ def loss_runs(args, rt) -> dict:
                 "peak_mem_gib": peak_gib(base) if cuda else None,
                 "run_s": run["run_s"],
             }
-            brief = {k: v for k, v in runs[precision].items() if k != "train_loss"}
-            print(json.dumps({"precision": precision, **brief}), flush=True)
+            brief = {k: v for k, v in runs[label].items() if k != "train_loss"}
+            print(json.dumps({"run": label, **brief}), flush=True)
     result = {"text_bytes": size, "overrides": LOSS_MODEL, "accum": args.loss_accum, "runs": runs}
-    bf16 = runs.get("bf16")
-    for precision, r in runs.items():
-        if precision != "bf16" and bf16:
-            result[f"{precision}_vs_bf16"] = {
-                key: r[key] / bf16[key] - 1 if r[key] and bf16[key] else None
-                for key in ("train_loss_last", "eval_loss", "tokens_per_s")
-            }
+    first, *others = runs  # every run against the first given (bf16 by default)
+    for label in others:
+        r, base = runs[label], runs[first]
+        result[f"{label}_vs_{first}"] = {
+            key: r[key] / base[key] - 1 if r[key] and base[key] else None
+            for key in ("train_loss_last", "eval_loss", "tokens_per_s")
+        }
     return result
 
 
@@ -747,7 +751,13 @@ def main() -> None:
         help="instead of the timing: train GPT-2 XL this many steps on Python's own sources per "
         "--loss-precisions, and compare the losses",
     )
-    parser.add_argument("--loss-precisions", nargs="+", default=["bf16", "fp8"])
+    parser.add_argument(
+        "--loss-precisions",
+        nargs="+",
+        default=["bf16", "fp8"],
+        help="a trainer.precision, or LABEL:KEY=VALUE,... (those overrides); each run is "
+        "compared with the first",
+    )
     parser.add_argument(
         "--loss-accum", type=int, default=1, help="micro-steps a step in the loss runs"
     )
@@ -765,7 +775,7 @@ def main() -> None:
             path.write_text(json.dumps({**body, **result}, indent=1))
             print(f"wrote {path}", flush=True)
             for key, diff in result.items():
-                if key.endswith("_vs_bf16"):
+                if "_vs_" in key:
                     print(f"{key}: " + ", ".join(f"{k} {v:+.2%}" if v is not None else f"{k} -"
                                                  for k, v in diff.items()))  # fmt: skip
         return

@@ -163,11 +163,14 @@ def test_vs_plain_quick_runs_the_xl_paths_and_the_loss_comparison(tmp_path):
     assert row["settings"]["activation_checkpointing"] == "blocks"
     assert row["mgpu"]["tokens_per_s"] > 0 and row["plain"]["whole"]["tokens_per_s"] > 0
     loss = tmp_path / "loss"
-    result = run([*command, "--loss-steps", "4", "--loss-precisions", "bf16", "fp32"], loss)
+    stream = "stream:trainer.precision=bf16,model.residual=autocast"  # a labelled run's overrides
+    precisions = ["--loss-precisions", "bf16", "fp32", stream]
+    result = run([*command, "--loss-steps", "4", *precisions], loss)
     runs = result["runs"]
-    assert set(runs) == {"bf16", "fp32"} and all(r["steps"] == 4 for r in runs.values())
+    assert set(runs) == {"bf16", "fp32", "stream"} and all(r["steps"] == 4 for r in runs.values())
     # the same seed and data in both precisions: the same losses, to bf16's rounding
     assert abs(result["fp32_vs_bf16"]["eval_loss"]) < 0.01, result["fp32_vs_bf16"]
+    assert abs(result["stream_vs_bf16"]["eval_loss"]) < 0.01, result["stream_vs_bf16"]
 
 
 def test_profile_tables_group_kernels_by_what_bounds_a_step(monkeypatch):

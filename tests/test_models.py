@@ -202,3 +202,67 @@ def test_the_gpt2_xl_experiment_composes(tmp_path):
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.data.seq_len) == (48, 1600, 1024)
     assert cfg.trainer.precision is Precision.bf16
     assert (cfg.data.batch_size, cfg.trainer.grad_accum_steps) == (16, 8)  # 131k tokens a step
+
+
+def _bf16_step(residual: str | None, idx: torch.Tensor):
+    """One forward and backward of a tiny GPT from seed 0: under bf16 autocast with model.residual
+    = `residual`, or in plain fp32 (None). The loss, the gradients, the dtype of what each block
+    took in, and the bytes the forward kept for backward."""
+    torch.manual_seed(0)
+    model = GPT(**TINY_GPT, residual=residual or "fp32")
+    seen, kept = [], 0
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+
+    def pack(tensor):
+        nonlocal kept
+        kept += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=residual is not None):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(idx, idx)
+    loss.backward()
+    return loss.item(), [p.grad.float() for p in model.parameters()], set(seen), kept
+
+
+def test_residual_autocast_keeps_the_stream_in_bf16_and_trains_as_the_fp32_stream_does():
+    """model.residual=autocast: under bf16 autocast every block takes in (and adds onto) a bf16
+    stream, the forward keeps fewer bytes for backward, and the loss and gradients are as near
+    fp32's as those of autocast's own fp32 stream (within a few bf16 roundings of them)."""
+    idx = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads, ref_seen, _ = _bf16_step(None, idx)
+    runs = {r: _bf16_step(r, idx) for r in ("fp32", "autocast")}
+    assert ref_seen == {torch.float32}
+    assert runs["fp32"][2] == {torch.float32} and runs["autocast"][2] == {torch.bfloat16}
+    assert runs["autocast"][3] < runs["fp32"][3], (runs["autocast"][3], runs["fp32"][3])
+
+    def rel_err(grads):  # over all gradients at once, against the fp32 model's
+        num = sum((g - r).norm() ** 2 for g, r in zip(grads, ref_grads, strict=True)) ** 0.5
+        return (num / sum(r.norm() ** 2 for r in ref_grads) ** 0.5).item()
+
+    fp32_stream, bf16_stream = rel_err(runs["fp32"][1]), rel_err(runs["autocast"][1])
+    assert bf16_stream < 0.05 and bf16_stream < 4 * fp32_stream, (bf16_stream, fp32_stream)
+    assert abs(runs["autocast"][0] - ref_loss) < 0.02, (runs["autocast"][0], ref_loss)
+
+
+def test_residual_setting_is_checked_and_says_when_it_does_nothing(caplog):
+    import logging
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from mgpu.config.checks import ConfigError
+    from mgpu.run.config import to_config
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        cfg = to_config(compose("config", ["model.residual=autocast", "trainer.precision=bf16"]))
+        assert GPT(**{**cfg.model.model_kwargs(), "vocab_size": 64}).residual == "autocast"
+        with pytest.raises(ConfigError, match=r"model\.residual='bf16': must be one of fp32, "):
+            to_config(compose("config", ["model.residual=bf16"]))
+        with caplog.at_level(logging.WARNING, logger="mgpu.run.config"):
+            to_config(compose("config", ["model.residual=autocast", "trainer.precision=fp32"]))
+    assert "model.residual=autocast does nothing under trainer.precision=fp32" in caplog.text
+    with pytest.raises(ValueError, match="residual='half'"):
+        GPT(**TINY_GPT, residual="half")

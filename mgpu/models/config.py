@@ -11,6 +11,7 @@ from mgpu.config.checks import ConfigError, _auto_or_positive_int, _positive, _r
 from mgpu.models.gpt import (  # the choices live with the model
     ATTENTION,
     HEAD_LOSS,
+    RESIDUAL,
     checkpointed_blocks,
 )
 
@@ -50,8 +51,18 @@ class GPTModelConfig(ModelConfig):
     # again in backward: less activation memory (a bigger batch fits) for about a third more
     # compute in those blocks.
     activation_checkpointing: Any = "none"
+    # The residual stream's dtype between blocks: fp32 (as autocast leaves it: the embeddings'
+    # dtype) or autocast (trainer.precision's bf16 / fp16 from the embeddings on: half the
+    # memory traffic of the LayerNorms and residual adds, and half their saved activations).
+    residual: str = "fp32"
 
     def __post_init__(self) -> None:
+        _require(
+            self.residual in RESIDUAL,
+            "model.residual",
+            self.residual,
+            f"must be one of {', '.join(RESIDUAL)}",
+        )
         _require(
             self.head_loss in HEAD_LOSS,
             "model.head_loss",
