@@ -2,6 +2,7 @@
 blocks, compiled whole, one micro-batch of real shape, bf16 against fp8 variants in one process.
 
     python bench/fp8_layers.py [--layers 4] [--batch 16] [--variants bf16 tensorwise ...]
+    python bench/fp8_layers.py --accum 8 --variants bf16 bf16_residual bf16_params ...
     python bench/fp8_layers.py --quick        # tiny shapes on the CPU: checks the script only
 
 Each variant builds the same model (seed 0) at XL's width (1600, 25 heads, T=1024, vocabulary
@@ -12,7 +13,9 @@ events (median of rounds). A one-block bf16 model is timed too: the difference b
 the --layers model is the blocks' share of a step, from which each variant's speed-up on the
 blocks alone (what 48 of them make of an XL step) is worked out. The embedding, the head and
 its loss stay bf16 in every variant. Not in the default run: bf16_cdt and tensorwise_cdt, the same
-compiled with inductor's coordinate-descent tuning of its kernels' launch configurations.
+compiled with inductor's coordinate-descent tuning of its kernels' launch configurations; and
+the dtype layouts of LAYOUTS (the residual stream in bf16, bf16 parameters), timed best with
+--accum 8 (XL's micro-steps a step), where the gradients' accumulation shows.
 
 Writes bench/results/fp8_layers-<device>-<time>.json with the device, versions and commit.
 """
@@ -103,7 +106,7 @@ class Masters:
     def __init__(self, params: list[torch.Tensor], fused: bool):
         self.params = params
         self.masters = [p.detach().float() for p in params]
-        for p, m in zip(params, self.masters):
+        for p, m in zip(params, self.masters, strict=True):
             m.grad = torch.zeros_like(m)
             p.register_post_accumulate_grad_hook(self._hook(m))
         self.optimizer = torch.optim.AdamW(self.masters, lr=1e-4, fused=fused)
@@ -239,9 +242,7 @@ def main() -> None:
         meta["torchao"] = None
     if not cuda:
         # torchao's fp8 matrix multiply needs a GPU; its emulation runs the same conversion
-        args.variants = [
-            v for v in args.variants if spec_of(v) is None or meta["torchao"]
-        ]
+        args.variants = [v for v in args.variants if spec_of(v) is None or meta["torchao"]]
     runs: dict[str, dict] = {}
     path = Path(args.out) / (
         f"fp8_layers-{meta['device'].replace(' ', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"

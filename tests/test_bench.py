@@ -211,3 +211,17 @@ def test_fp8_layers_quick_times_bf16_and_each_fp8_variant(tmp_path):
         if name.startswith("rowwise") and "error" in r:
             continue  # the row-wise recipes need a GPU on some torch releases (test_fp8 says why)
         assert r["ms"] > 0 and abs(r["loss"] - runs["bf16"]["loss"]) < 0.05, (name, r)
+
+
+def test_fp8_layers_times_the_dtype_layouts_over_micro_steps(tmp_path):
+    """The layouts' own paths (bf16 stream, bf16 parameters, fp32 master weights fed by
+    gradient hooks) train near bf16 over two micro-steps a step."""
+    layouts = ["bf16_residual", "bf16_params", "bf16_params_fp32_grads"]
+    command = [sys.executable, "bench/fp8_layers.py", "--quick", "--accum", "2", "--variants"]
+    result = run([*command, "bf16", *layouts], tmp_path)
+    runs = result["runs"]
+    assert set(runs) == {"bf16", *layouts} and result["args"]["accum"] == 2
+    for name in layouts:
+        r = runs[name]
+        assert "error" not in r and r["layout"] is not None, (name, r)
+        assert r["ms"] > 0 and abs(r["loss"] - runs["bf16"]["loss"]) < 0.05, (name, r)
