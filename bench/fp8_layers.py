@@ -122,10 +122,12 @@ class Masters:
     @torch.no_grad()
     def step(self) -> None:
         self.optimizer.step()
-        torch._foreach_copy_(self.params, self.masters)
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.copy_(m)  # the bf16 weights the next forward reads
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        torch._foreach_zero_([m.grad for m in self.masters])
+        # the fp32 gradients stay allocated: the hooks add into them
+        self.optimizer.zero_grad(set_to_none=False)
 
 
 def time_variant(args, variant: str, layers: int, device) -> dict:
@@ -155,6 +157,9 @@ def time_variant(args, variant: str, layers: int, device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    # a block weight before any step: the run's end shows whether the steps moved it
+    first = model.blocks[0].mlp.c_fc.weight
+    before = first.detach().clone()
     started = time.perf_counter()
     for _ in range(args.warmup):  # compiles, then fills the allocator
         loss = one()
@@ -184,6 +189,8 @@ def time_variant(args, variant: str, layers: int, device) -> dict:
         "loss": float(loss),
         "warmup_s": compile_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "param_dtype": str(first.dtype),
+        "weights_moved": not torch.equal(first.detach(), before),
         "spec": spec_of(variant),
         "layout": LAYOUTS.get(variant),
         "inductor_options": options,

@@ -354,6 +354,27 @@ def python_text(dst: Path, limit: int | None = None) -> int:
     return written
 
 
+def loss_run(entry: str) -> tuple[str, list[str]]:
+    """A --loss-precisions entry: "bf16" or "fp8" (that trainer.precision), or
+    "LABEL:KEY=VALUE,KEY=VALUE" (those overrides, on the experiment's own precision; commas
+    inside brackets belong to a list value, e.g. trainer.fp8_skip=[attn.c_proj,c_fc])."""
+    label, colon, extra = entry.partition(":")
+    if not colon:
+        return label, [f"trainer.precision={label}"]
+    overrides, depth, part = [], 0, ""
+    for char in extra:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            overrides.append(part)
+            part = ""
+        else:
+            part += char
+    overrides.append(part)
+    if not label or not all("=" in o for o in overrides):
+        raise SystemExit(f"--loss-precisions {entry!r}: write LABEL:KEY=VALUE[,KEY=VALUE...]")
+    return label, overrides
+
+
 def loss_runs(args, rt) -> dict:
     """train.py's path for --loss-steps steps on Python's sources as byte-level tokens, once per
     precision, from the same seed and data order: the losses each precision reaches and what
@@ -371,10 +392,7 @@ def loss_runs(args, rt) -> dict:
         intervals = max(1, args.loss_steps // interval)
         for entry in args.loss_precisions:
             torch.compiler.reset()
-            # "bf16" or "fp8": that trainer.precision; "LABEL:KEY=VALUE,KEY=VALUE": those
-            # overrides, on the experiment's own precision
-            label, _, extra = entry.partition(":")
-            setting = [f"trainer.precision={label}"] if not extra else extra.split(",")
+            label, setting = loss_run(entry)
             overrides = [
                 *LOSS_MODEL,
                 f"data.path={tokens}",
@@ -394,6 +412,7 @@ def loss_runs(args, rt) -> dict:
             run = mgpu_run(overrides, rt, interval, intervals - 1)
             final = run["loss_all"][-1] if run["loss_all"] else (None, None)
             runs[label] = {
+                "overrides": setting,
                 "steps": final[0],
                 "train_loss_last": final[1],
                 "train_loss": run["loss_all"],
@@ -764,6 +783,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     if args.loss_steps:
+        labels = [loss_run(entry)[0] for entry in args.loss_precisions]
+        if len(set(labels)) != len(labels):
+            parser.error(f"--loss-precisions: each run needs its own label, got {labels}")
         with distributed("auto", timeout_s=600) as rt:
             cuda = rt.device.type == "cuda"
             meta = versions() if cuda else {"device": "cpu", "torch": torch.__version__}

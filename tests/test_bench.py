@@ -5,8 +5,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT
+
+ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def run(args: list[str], tmp_path) -> dict:
@@ -16,7 +19,7 @@ def run(args: list[str], tmp_path) -> dict:
         capture_output=True,
         text=True,
         timeout=300,
-        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        env=ENV,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     (written,) = tmp_path.glob("*.json")
@@ -171,6 +174,25 @@ def test_vs_plain_quick_runs_the_xl_paths_and_the_loss_comparison(tmp_path):
     # the same seed and data in both precisions: the same losses, to bf16's rounding
     assert abs(result["fp32_vs_bf16"]["eval_loss"]) < 0.01, result["fp32_vs_bf16"]
     assert abs(result["stream_vs_bf16"]["eval_loss"]) < 0.01, result["stream_vs_bf16"]
+    assert runs["stream"]["overrides"] == ["trainer.precision=bf16", "model.residual=autocast"]
+
+
+def test_vs_plain_loss_runs_take_labelled_overrides_and_refuse_bad_ones(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # vs_plain imports its neighbours so
+    from vs_plain import loss_run
+
+    assert loss_run("fp8") == ("fp8", ["trainer.precision=fp8"])
+    skip = "trainer.fp8_skip=[attn.c_proj,c_fc]"
+    assert loss_run(f"s:trainer.precision=fp8,{skip}") == ("s", ["trainer.precision=fp8", skip])
+    for bad in ("s:", ":model.residual=autocast", "s:model.residual"):
+        with pytest.raises(SystemExit, match="LABEL:KEY=VALUE"):
+            loss_run(bad)
+    proc = subprocess.run(
+        [sys.executable, "bench/vs_plain.py", "--loss-steps", "2", "--loss-precisions", "bf16",
+         "bf16:model.residual=autocast"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=ENV,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "each run needs its own label" in proc.stderr, proc.stderr
 
 
 def test_profile_tables_group_kernels_by_what_bounds_a_step(monkeypatch):
@@ -221,7 +243,11 @@ def test_fp8_layers_times_the_dtype_layouts_over_micro_steps(tmp_path):
     result = run([*command, "bf16", *layouts], tmp_path)
     runs = result["runs"]
     assert set(runs) == {"bf16", *layouts} and result["args"]["accum"] == 2
-    for name in layouts:
+    for name in ["bf16", *layouts]:
         r = runs[name]
-        assert "error" not in r and r["layout"] is not None, (name, r)
+        assert "error" not in r and r["weights_moved"], (name, r)  # AdamW reached the weights
         assert r["ms"] > 0 and abs(r["loss"] - runs["bf16"]["loss"]) < 0.05, (name, r)
+    bf16 = {name for name in runs if name.startswith("bf16_params")}
+    assert {n: runs[n]["param_dtype"] for n in runs} == {
+        n: "torch.bfloat16" if n in bf16 else "torch.float32" for n in runs
+    }

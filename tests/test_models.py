@@ -267,3 +267,19 @@ def test_residual_setting_is_checked_and_says_when_it_does_nothing(caplog):
     assert "model.residual=autocast does nothing under trainer.precision=fp32" in caplog.text
     with pytest.raises(ValueError, match="residual='half'"):
         GPT(**TINY_GPT, residual="half")
+
+
+def test_residual_autocast_takes_autocasts_dtype_and_leaves_fp32_runs_alone():
+    """The stream takes whatever autocast computes in (fp16 under trainer.precision=fp16), and
+    without autocast (fp32 training, sampling) stays fp32."""
+    torch.manual_seed(0)
+    model = GPT(**TINY_GPT, residual="autocast")
+    seen = []
+    model.blocks[0].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(idx, idx)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model(idx, idx)
+    assert seen == [torch.float16, torch.float32]

@@ -269,15 +269,18 @@ def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference, dama
 def test_a_resume_trains_with_the_optimizer_settings_of_its_command_line(tmp_path, reference):
     """A stopped run continued with a lower optim.lr (the non-finite stop's advice), another
     weight decay and warmup: from the first resumed step the run trains with them, from the
-    checkpoint's moments and step counts; the log names each change once."""
+    checkpoint's moments and step counts; the log names each change once (model.residual's too:
+    it changes the arithmetic, not the weights)."""
     run_dir = tmp_path / "run"
     shutil.copytree(step_dir(reference / "checkpoints", 10), step_dir(run_dir / "checkpoints", 10))
     never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
     new = ["optim.lr=5e-4", "optim.weight_decay=0.05", "optim.warmup_steps=4"]
+    new += ["model.residual=autocast"]
     proc = run_train([*RUN, *never, *new, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     assert proc.returncode == 0, output(proc)[-3000:]
     said = f"resuming with settings changed from {step_dir(run_dir / 'checkpoints', 10)}: "
     said += "optim.lr 0.001 -> 0.0005, optim.weight_decay 0.1 -> 0.05, optim.warmup_steps 20 -> 4"
+    said += ", model.residual fp32 -> autocast"
     assert output(proc).count(said) == 1, output(proc)[-3000:]  # once, by rank 0
     # The rate each resumed step logs is the new schedule's (linear warmup over 4 steps, then
     # cosine to 0.1 of 5e-4 at step 20), unlike the reference's at every one of those steps.

@@ -186,10 +186,20 @@ _SETTINGS = {
 _SCHEDULE = ("warmup_steps", "min_lr_ratio")
 
 
-def check_settings(loaded: Loaded, optim: OptimConfig, max_steps: int, *, say: bool) -> None:
+def check_settings(
+    loaded: Loaded,
+    optim: OptimConfig,
+    max_steps: int,
+    *,
+    say: bool,
+    residual: str | None = None,
+) -> None:
     """A resumed run's optimizer and schedule settings against the config its checkpoint saved:
     another optimizer type is refused (its moments mean nothing to this one); each other
-    setting that changed is logged once (`say`: rank 0), old -> new, and takes the new value."""
+    setting that changed is logged once (`say`: rank 0), old -> new, and takes the new value.
+    `residual`: GPT's model.residual (None for other models). The weights are the same either
+    way, but the arithmetic is not, so a change of it is logged too (configs saved before the
+    key existed trained with fp32)."""
     text = loaded.shared.get("config")
     if not text:
         return  # a state without its config (Trainer.state_dict): nothing to compare with
@@ -210,6 +220,9 @@ def check_settings(loaded: Loaded, optim: OptimConfig, max_steps: int, *, say: b
     old_max = saved.get("trainer", {}).get("max_steps", max_steps)
     if old_max != max_steps:
         changes.append(("trainer.max_steps", old_max, max_steps))
+    old_residual = saved.get("model", {}).get("residual", "fp32")
+    if residual is not None and old_residual != residual:
+        changes.append(("model.residual", old_residual, residual))
     if say and changes:
         log.info(
             "resuming with settings changed from %s: %s",

@@ -210,6 +210,9 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         if self.residual == "autocast" and torch.is_autocast_enabled(x.device.type):
+            # model.residual=autocast: from here on the stream and its gradient are bf16 / fp16;
+            # the embeddings' sum is still taken in fp32. Without autocast (fp32 training,
+            # sampling) there is no lower dtype to take, and the stream stays as it is.
             x = x.to(torch.get_autocast_dtype(x.device.type))
         for block in self.blocks:
             x = block(x)

@@ -32,7 +32,7 @@ from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.tokenizer import BYTES, copy_to_run
 from mgpu.models import build_model, compile_mode, compile_model
-from mgpu.models.config import VOCAB_MULTIPLE
+from mgpu.models.config import VOCAB_MULTIPLE, GPTModelConfig
 from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.run.config import Config
 from mgpu.runtime.dist import Runtime, waiting
@@ -263,7 +263,8 @@ def build_run(
     )
     if loaded is not None:
         check_same_data(loaded, train_loader.sampler)
-        check_settings(loaded, cfg.optim, tc.max_steps, say=rt.is_primary)
+        residual = cfg.model.residual if isinstance(cfg.model, GPTModelConfig) else None
+        check_settings(loaded, cfg.optim, tc.max_steps, say=rt.is_primary, residual=residual)
         trainer.load_state_dict(loaded.shared, source=str(loaded.path))
         del loaded  # its tensors are in the model and optimizer now
     announce(cfg, rt, run_dir, model, board, config_text)

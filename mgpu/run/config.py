@@ -55,8 +55,10 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_model_fits_data(self.model, self.data)
-        if getattr(self.model, "residual", "fp32") != "fp32" and (
-            self.trainer.precision is Precision.fp32
+        if (
+            isinstance(self.model, GPTModelConfig)
+            and self.model.residual != "fp32"
+            and (self.trainer.precision is Precision.fp32)
         ):
             log.warning(
                 "model.residual=%s does nothing under trainer.precision=fp32: the residual "
