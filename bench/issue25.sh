@@ -21,6 +21,11 @@
 #   loss_fp8   the same in fp8 (same seed and data order)                            ~3-5 min
 #   loss       loss_bf16 and loss_fp8 in one process (one file with the differences) ~7-9 min
 #   small      bench/vs_plain.py gpt2_small compiled (the small model's targets)  61 s (21:36)
+#   loss_probe the path under investigation (bench/README.md: the fp32 stream, compiled, one
+#              micro-step, fused head) bisected in one process, 100 steps each at 8 x 1024:
+#              the bf16 stream first, then the fp32 stream as a second run, then the fp32
+#              stream compiled without CUDA graphs (trainer.compile_mode=default); a step-50
+#              loss near 3.3 against 2.8 marks the bad path          ~7 min (3 runs of ~2)
 #
 # Wheels: every *.whl in $WHEELS (default .whl25: torchao, liger-kernel, cut-cross-entropy,
 # and hydra-core, omegaconf, antlr4 where the machine lacks them) is installed into $SITE
@@ -127,7 +132,11 @@ for part in "${parts[@]}"; do
         loss_bf16) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS" --loss-precisions bf16) ;;
         loss_fp8) cmd=(python3 bench/vs_plain.py --loss-steps "$LOSS_STEPS" --loss-precisions fp8) ;;
         small) cmd=(python3 bench/vs_plain.py --models gpt2_small --modes compiled) ;;
-        *) echo "unknown part $part (head xl_bf16 xl_fp8 loss loss_bf16 loss_fp8 small all summary)"; exit 2 ;;
+        loss_probe) cmd=(python3 bench/vs_plain.py --loss-steps 100 --override data.batch_size=8
+                         --loss-precisions stream:trainer.precision=bf16,model.residual=autocast
+                         fp32:trainer.precision=bf16,model.residual=fp32
+                         fp32_nographs:trainer.precision=bf16,model.residual=fp32,trainer.compile_mode=default) ;;
+        *) echo "unknown part $part (head xl_bf16 xl_fp8 loss loss_bf16 loss_fp8 small loss_probe all summary)"; exit 2 ;;
     esac
     case $part in
         xl_*) cmd+=($VS_PLAIN_ARGS) ;;
