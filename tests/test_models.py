@@ -247,10 +247,10 @@ def test_residual_autocast_keeps_the_stream_in_bf16_and_trains_as_the_fp32_strea
     assert abs(runs["autocast"][0] - ref_loss) < 0.02, (runs["autocast"][0], ref_loss)
 
 
-def test_residual_setting_is_checked_and_says_when_it_does_nothing(caplog):
-    import logging
+def test_residual_setting_is_checked_and_says_when_it_does_nothing(tmp_path):
     from pathlib import Path
 
+    from conftest import run_train
     from hydra import compose, initialize_config_dir
 
     from mgpu.config.checks import ConfigError
@@ -262,11 +262,17 @@ def test_residual_setting_is_checked_and_says_when_it_does_nothing(caplog):
         assert GPT(**{**cfg.model.model_kwargs(), "vocab_size": 64}).residual == "autocast"
         with pytest.raises(ConfigError, match=r"model\.residual='bf16': must be one of fp32, "):
             to_config(compose("config", ["model.residual=bf16"]))
-        with caplog.at_level(logging.WARNING, logger="mgpu.run.config"):
-            to_config(compose("config", ["model.residual=autocast", "trainer.precision=fp32"]))
-    assert "model.residual=autocast does nothing under trainer.precision=fp32" in caplog.text
     with pytest.raises(ValueError, match="residual='half'"):
         GPT(**TINY_GPT, residual="half")
+    # trainer.precision=auto on a CPU runs without autocast: the run says the setting does
+    # nothing (known once the device is); under bf16 autocast it has something to do
+    said = "model.residual=autocast does nothing: trainer.precision=%s runs without autocast on cpu"
+    for precision, warns in (("auto", True), ("bf16", False)):
+        run = ["model.residual=autocast", f"trainer.precision={precision}", "trainer.max_steps=2"]
+        run += ["trainer.eval_every=0", f"hydra.run.dir={tmp_path / precision}"]
+        proc = run_train(run, cwd=tmp_path, nproc=None)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ((said % precision) in proc.stderr + proc.stdout) is warns, proc.stderr[-3000:]
 
 
 def test_residual_autocast_takes_autocasts_dtype_and_leaves_fp32_runs_alone():

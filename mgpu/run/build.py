@@ -43,7 +43,7 @@ from mgpu.telemetry.metrics import Recorder
 from mgpu.telemetry.mfu import mfu_inputs
 from mgpu.telemetry.profiling import StepProfiler
 from mgpu.train import fp8
-from mgpu.train.numerics import set_math_modes
+from mgpu.train.numerics import autocast_dtype, set_math_modes
 from mgpu.train.trainer import Trainer
 
 log = logging.getLogger("mgpu")
@@ -215,6 +215,17 @@ def build_run(
     set_math_modes(cfg.trainer, rt.device)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
+    gpt = isinstance(cfg.model, GPTModelConfig)
+    no_autocast = autocast_dtype(cfg.trainer.precision, rt.device) is None
+    if gpt and cfg.model.residual != "fp32" and no_autocast:
+        # known only here: trainer.precision=auto means no autocast on a CPU
+        log.warning(
+            "model.residual=%s does nothing: trainer.precision=%s runs without autocast on %s, "
+            "so the residual stream stays fp32",
+            cfg.model.residual,
+            cfg.trainer.precision.value,
+            rt.device.type,
+        )
     if cfg.trainer.precision is Precision.fp8:
         fp8.check_fp8(rt.device)
         # its linear layers (but those trainer.fp8_skip names); names and shapes unchanged
@@ -263,7 +274,7 @@ def build_run(
     )
     if loaded is not None:
         check_same_data(loaded, train_loader.sampler)
-        residual = cfg.model.residual if isinstance(cfg.model, GPTModelConfig) else None
+        residual = cfg.model.residual if gpt else None
         check_settings(loaded, cfg.optim, tc.max_steps, say=rt.is_primary, residual=residual)
         trainer.load_state_dict(loaded.shared, source=str(loaded.path))
         del loaded  # its tensors are in the model and optimizer now

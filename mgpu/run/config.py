@@ -13,13 +13,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mgpu.config.checks import ConfigError, _require
-from mgpu.config.schema import (
-    CheckpointConfig,
-    DistConfig,
-    OptimConfig,
-    Precision,
-    TrainerConfig,
-)
+from mgpu.config.schema import CheckpointConfig, DistConfig, OptimConfig, TrainerConfig
 from mgpu.data.config import (
     CustomDataConfig,
     DataConfig,
@@ -55,16 +49,6 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_model_fits_data(self.model, self.data)
-        if (
-            isinstance(self.model, GPTModelConfig)
-            and self.model.residual != "fp32"
-            and (self.trainer.precision is Precision.fp32)
-        ):
-            log.warning(
-                "model.residual=%s does nothing under trainer.precision=fp32: the residual "
-                "stream takes autocast's dtype, and fp32 runs without autocast",
-                self.model.residual,
-            )
 
 
 def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
