@@ -289,3 +289,25 @@ def test_residual_autocast_takes_autocasts_dtype_and_leaves_fp32_runs_alone():
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
     model(idx, idx)
     assert seen == [torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "blocks"])
+def test_residual_autocast_compiled_and_checkpointed_has_the_eager_gradients(checkpointing):
+    """The bf16 stream traced by torch.compile (one graph, as one process compiles it) and
+    recomputed by checkpointed blocks: the gradients of the eager, uncheckpointed model."""
+    from mgpu.models import compile_model
+
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+    grads = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        setting = checkpointing if compiled else "none"
+        model = GPT(**TINY_GPT, residual="autocast", activation_checkpointing=setting)
+        if compiled:
+            compile_model(model, "aot_eager", None, overlap=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx, idx)
+        loss.backward()
+        grads[compiled] = [p.grad for p in model.parameters()]
+    for eager, compiled in zip(grads[False], grads[True], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
