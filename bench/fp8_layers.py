@@ -74,14 +74,17 @@ LAYOUTS = {
 }
 
 
+def layout(variant: str) -> tuple[str, str, str]:
+    """(the VARIANTS entry it builds on, model.residual, parameters) of any variant."""
+    return LAYOUTS.get(variant) or (TUNED.get(variant, variant), "fp32", "fp32")
+
+
 def spec_of(variant: str):
-    base = LAYOUTS[variant][0] if variant in LAYOUTS else TUNED.get(variant, variant)
-    return VARIANTS[base]
+    return VARIANTS[layout(variant)[0]]
 
 
 def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: str, device):
     torch.manual_seed(0)
-    residual = LAYOUTS[variant][1] if variant in LAYOUTS else "fp32"
     model = GPT(
         vocab_size=vocab,
         block_size=seq,
@@ -89,7 +92,7 @@ def build(layers: int, width: int, heads: int, seq: int, vocab: int, variant: st
         n_head=heads,
         n_embd=width,
         head_loss="logits",
-        residual=residual,
+        residual=layout(variant)[1],
     ).to(device)
     spec = spec_of(variant)
     if spec is not None:
@@ -133,7 +136,7 @@ class Masters:
 def time_variant(args, variant: str, layers: int, device) -> dict:
     model = build(layers, args.width, args.heads, args.seq, args.vocab, variant, device)
     options = CDT if variant in TUNED and args.backend == "inductor" else None
-    params = LAYOUTS[variant][2] if variant in LAYOUTS else "fp32"
+    params = layout(variant)[2]
     cuda = device.type == "cuda"
     if params == "fp32":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
