@@ -129,7 +129,7 @@ def main() -> None:
             overrides = [
                 *BASE,
                 "data=ngram",
-                "data.vocab_size=auto" if not args.quick else "data.vocab_size=256",
+                "data.vocab_size=256",  # byte tokens, as the loss runs of vs_plain.py train
                 f"data.batch_size={args.batch}",
                 *quick,
                 *setting,
