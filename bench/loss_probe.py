@@ -44,7 +44,7 @@ from mgpu.models.loss import cross_entropy  # noqa: E402
 from mgpu.runtime.dist import distributed  # noqa: E402
 from mgpu.train.numerics import autocast_dtype  # noqa: E402
 
-BASE = ["experiment=gpt2_xl", "trainer.compile=true", "trainer.grad_accum_steps=1"]
+BASE = ["trainer.compile=true", "trainer.grad_accum_steps=1"]
 
 
 def batches(tokens: np.ndarray, batch: int, seq: int, steps: int, seed: int):
@@ -104,7 +104,13 @@ def main() -> None:
         "--runs",
         nargs="+",
         default=["fp32:model.residual=fp32", "stream:model.residual=autocast"],
-        help="LABEL:KEY=VALUE,... overrides on experiment=gpt2_xl, one micro-step a step",
+        help="LABEL:KEY=VALUE,... overrides on --base, one micro-step a step",
+    )
+    parser.add_argument(
+        "--base",
+        nargs="+",
+        default=["experiment=gpt2_xl"],
+        help="the model's overrides (e.g. model=gpt2_small trainer.precision=bf16)",
     )
     parser.add_argument("--override", nargs="*", default=[], help="overrides for every run")
     parser.add_argument("--steps", type=int, default=48)
@@ -127,6 +133,7 @@ def main() -> None:
             torch.compiler.reset()
             label, setting = loss_run(entry)
             overrides = [
+                *args.base,
                 *BASE,
                 "data=ngram",
                 "data.vocab_size=256",  # byte tokens, as the loss runs of vs_plain.py train
