@@ -25,6 +25,7 @@ Writes bench/results/loss_probe-<device>-<time>.json.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch._inductor.config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -113,6 +115,12 @@ def main() -> None:
         help="the model's overrides (e.g. model=gpt2_small trainer.precision=bf16)",
     )
     parser.add_argument("--override", nargs="*", default=[], help="overrides for every run")
+    parser.add_argument(
+        "--inductor",
+        nargs="*",
+        default=[],
+        help="torch._inductor.config settings for every run, KEY=VALUE (VALUE a Python literal)",
+    )
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
@@ -120,6 +128,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
+    for setting in args.inductor:
+        key, _, value = setting.partition("=")
+        *parents, last = key.split(".")
+        node = torch._inductor.config
+        for name in parents:
+            node = getattr(node, name)
+        setattr(node, last, ast.literal_eval(value))
     result: dict = {"runs": {}}
     with distributed("auto", timeout_s=600) as rt, tempfile.TemporaryDirectory() as tmp:
         cuda = rt.device.type == "cuda"
