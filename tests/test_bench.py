@@ -251,3 +251,21 @@ def test_fp8_layers_times_the_dtype_layouts_over_micro_steps(tmp_path):
     assert {n: runs[n]["param_dtype"] for n in runs} == {
         n: "torch.bfloat16" if n in bf16 else "torch.float32" for n in runs
     }
+
+
+def test_loss_probe_quick_compares_the_compiled_step_with_eager(tmp_path):
+    """bench/loss_probe.py's rows at the steps it probes: on the CPU (aot_eager, the fused
+    head's torch path) the compiled step's loss is the eager model's and the two heads agree."""
+    runs = ["fp32:model.residual=fp32", "stream:model.residual=autocast"]
+    result = run([sys.executable, "bench/loss_probe.py", "--quick", "--base",
+                  "trainer.precision=bf16", "--steps", "3", "--every", "2", "--runs", *runs],
+                 tmp_path)  # fmt: skip
+    assert set(result["runs"]) == {"fp32", "stream"}
+    for label, r in result["runs"].items():
+        probes = [s for s in r["steps"] if "compiled" in s]
+        assert [s["step"] for s in probes] == [0, 2], label
+        for s in probes:
+            assert s["compiled"] == pytest.approx(s["eager_fused"], rel=1e-5), (label, s)
+            assert s["eager_fused"] == pytest.approx(s["eager_logits"], rel=1e-4), (label, s)
+            assert s["grad_rel_err_median"] < 1e-3, (label, s)
+        assert all(s["train_loss"] > 0 for s in r["steps"])

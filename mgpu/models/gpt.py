@@ -42,7 +42,8 @@ ATTENTION = {
 # model.head_loss: how forward(idx, targets) takes the loss. fused: the head's matrix multiply
 # and the cross-entropy as one step that never keeps the logits (mgpu.models.fused_loss);
 # logits: through the logits, as F.cross_entropy takes them; auto: fused on a GPU, logits
-# elsewhere (on a CPU the fused step has no kernel of its own to gain from).
+# elsewhere (on a CPU the fused step has no kernel of its own to gain from) and where a
+# whole-model compile is known to miscompile the fused step (FUSED_HEAD_MAX_COMPILED_WIDTH).
 HEAD_LOSS = ("auto", "fused", "logits")
 
 # model.residual: the dtype of the residual stream between blocks. fp32: the embeddings' dtype,
@@ -50,6 +51,35 @@ HEAD_LOSS = ("auto", "fused", "logits")
 # the autocast dtype after the embeddings, so the stream, its LayerNorm inputs and its gradient
 # are bf16 (LayerNorm still computes in fp32, as autocast runs it).
 RESIDUAL = ("fp32", "autocast")
+
+# The widest GPT whose fused head loss a whole-model compile computes as the eager model does
+# under autocast with the fp32 residual stream. Wider, torch's inductor (torch 2.11 on the GPU
+# machine; torch 2.13's code generator is the same) fuses the last residual add, ln_f and the
+# cast for the head into one looped reduction kernel that stores the normalised rows in one loop
+# and reads them back in a later one without a barrier between the threads that wrote and read
+# them: a race. The compiled loss then differs from eager's from the first step (GPT-2 XL on one
+# H200: 5.847 against 5.856, and differently from one run to the next), the head's gradient by
+# 2-4 % at once and by more as training goes on, and GPT-2 XL stalled near a training loss of
+# 3.3 where eager training reached 2.8 (bench/README.md, "The fp32-stream loss finding"). At 1024
+# channels and below inductor keeps a row in registers (a persistent reduction: no loops) and
+# the compiled step matched eager; the bf16 stream, fp32 training and the logits head matched at
+# every width measured. pytorch/pytorch#190519 adds the barrier upstream.
+FUSED_HEAD_MAX_COMPILED_WIDTH = 1024
+
+
+def fused_head_miscompiles(n_embd: int, residual: str, autocast: bool) -> bool:
+    """Whether a whole-model compile of the fused head loss is known to compute a wrong loss
+    (FUSED_HEAD_MAX_COMPILED_WIDTH says where and why)."""
+    return autocast and residual == "fp32" and n_embd > FUSED_HEAD_MAX_COMPILED_WIDTH
+
+
+def takes_fused_head(head_loss: str, on_gpu: bool, compiling: bool, miscompiles: bool) -> bool:
+    """model.head_loss resolved for one forward: `fused` always; `auto` on a GPU unless the
+    forward is being compiled into a graph known to miscompile the fused head (there the
+    logits' loss, which compiles correctly; build_run says so, and stops a `fused` run)."""
+    if head_loss == "fused":
+        return True
+    return head_loss == "auto" and on_gpu and not (compiling and miscompiles)
 
 
 def checkpointed_blocks(setting: str | int, n_layer: int) -> int:
@@ -219,8 +249,11 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x)
-        fused = self.head_loss == "fused" or (self.head_loss == "auto" and x.is_cuda)
-        if fused:
+        device = x.device.type
+        miscompiles = fused_head_miscompiles(
+            self.n_embd, self.residual, torch.is_autocast_enabled(device)
+        )
+        if takes_fused_head(self.head_loss, x.is_cuda, torch.compiler.is_compiling(), miscompiles):
             return linear_cross_entropy(x, self.lm_head.weight, targets)
         return cross_entropy(self.lm_head(x), targets)
 

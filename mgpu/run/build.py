@@ -33,6 +33,7 @@ from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.tokenizer import BYTES, copy_to_run
 from mgpu.models import build_model, compile_mode, compile_model
 from mgpu.models.config import VOCAB_MULTIPLE, GPTModelConfig
+from mgpu.models.gpt import FUSED_HEAD_MAX_COMPILED_WIDTH, fused_head_miscompiles
 from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.run.config import Config
 from mgpu.runtime.dist import Runtime, waiting
@@ -80,13 +81,40 @@ def build_parallel_model(cfg: Config, model: nn.Module, rt: Runtime) -> nn.Modul
     if cfg.trainer.compiles(rt.device.type):
         tc = cfg.trainer
         ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
-        # Gradients reduced while backward runs: the model is wrapped for data parallelism.
-        overlap = cfg.dist.engine is not Engine.none and rt.distributed
+        overlap = reduces_during_backward(cfg, rt.distributed)
         mode = compile_mode(
             tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap, tc.grad_accum_steps
         )
         model = compile_model(model, tc.compile_backend, mode, overlap)
     return wrap_model(model, cfg.dist, rt)
+
+
+def reduces_during_backward(cfg: Config, distributed: bool) -> bool:
+    """Gradients reduced while backward runs: the model is wrapped for data parallelism on
+    several processes (compile_model then compiles a GPT block by block)."""
+    return cfg.dist.engine is not Engine.none and distributed
+
+
+def fused_head_risk(cfg: Config, device: str, distributed: bool) -> str | None:
+    """Why GPT's fused head loss would train wrong in this run, or None: the whole model (its
+    head included) compiled into a graph known to miscompile it (gpt.fused_head_miscompiles).
+    Compiled block by block (several processes), the head runs eager and is not at risk.
+    model.head_loss=fused then stops before the run starts (mgpu.run.cli.check_config);
+    `auto` takes the logits' loss instead (GPT.forward), and build_run says so."""
+    model = cfg.model
+    whole = cfg.trainer.compiles(device) and not reduces_during_backward(cfg, distributed)
+    if not (isinstance(model, GPTModelConfig) and whole):
+        return None
+    autocast = autocast_dtype(cfg.trainer.precision, torch.device(device)) is not None
+    if not fused_head_miscompiles(model.n_embd, model.residual, autocast):
+        return None
+    return (
+        f"torch.compile's inductor builds a racing kernel for the fused head loss of a GPT "
+        f"wider than {FUSED_HEAD_MAX_COMPILED_WIDTH} channels (model.n_embd={model.n_embd}) "
+        f"with the fp32 residual stream under autocast (trainer.precision="
+        f"{cfg.trainer.precision.value}): its loss and gradients are wrong"
+    )
+
 
 
 def build_recorder(
@@ -216,6 +244,14 @@ def build_run(
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
     gpt = isinstance(cfg.model, GPTModelConfig)
+    risk = fused_head_risk(cfg, rt.device.type, rt.distributed)
+    if risk and cfg.model.head_loss == "auto" and rt.device.type == "cuda" and rt.is_primary:
+        # (model.head_loss=fused stopped before the run started: mgpu.run.cli.check_config)
+        log.warning(
+            "model.head_loss=auto takes the loss through the logits: %s. "
+            "model.residual=autocast keeps the fused head (and is faster)",
+            risk,
+        )
     no_autocast = autocast_dtype(cfg.trainer.precision, rt.device) is None
     if gpt and cfg.model.residual != "fp32" and no_autocast:
         # known only here: trainer.precision=auto means no autocast on a CPU

@@ -46,6 +46,13 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
     for group in ("model", "data"):
         _import_target(f"{group}._target_", getattr(config, group)._target_)
     dist.check_launch(config.dist.backend.value)
+    if getattr(config.model, "head_loss", None) == "fused":
+        from mgpu.run.build import fused_head_risk  # the device and world this run will have
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if risk := fused_head_risk(config, device, dist.launch_env().world_size > 1):
+            fixes = "model.residual=autocast, model.head_loss=logits or trainer.compile=false"
+            raise ConfigError("model.head_loss", "fused", f"{risk}; set {fixes}")
     if config.trainer.precision is Precision.fp8:
         from mgpu.train.fp8 import check_fp8  # the device this rank will train on
 
