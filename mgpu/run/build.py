@@ -116,7 +116,6 @@ def fused_head_risk(cfg: Config, device: str, distributed: bool) -> str | None:
     )
 
 
-
 def build_recorder(
     cfg: Config,
     rt: Runtime,
