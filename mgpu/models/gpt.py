@@ -76,7 +76,8 @@ def fused_head_miscompiles(n_embd: int, residual: str, autocast: bool) -> bool:
 def takes_fused_head(head_loss: str, on_gpu: bool, compiling: bool, miscompiles: bool) -> bool:
     """model.head_loss resolved for one forward: `fused` always; `auto` on a GPU unless the
     forward is being compiled into a graph known to miscompile the fused head (there the
-    logits' loss, which compiles correctly; build_run says so, and stops a `fused` run)."""
+    logits' loss, which compiles correctly, whatever the backend: forward cannot tell which;
+    build_run says so under inductor, where a `fused` run stops before it starts)."""
     if head_loss == "fused":
         return True
     return head_loss == "auto" and on_gpu and not (compiling and miscompiles)

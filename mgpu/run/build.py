@@ -97,13 +97,16 @@ def reduces_during_backward(cfg: Config, distributed: bool) -> bool:
 
 def fused_head_risk(cfg: Config, device: str, distributed: bool) -> str | None:
     """Why GPT's fused head loss would train wrong in this run, or None: the whole model (its
-    head included) compiled into a graph known to miscompile it (gpt.fused_head_miscompiles).
-    Compiled block by block (several processes), the head runs eager and is not at risk.
-    model.head_loss=fused then stops before the run starts (mgpu.run.cli.check_config);
-    `auto` takes the logits' loss instead (GPT.forward), and build_run says so."""
-    model = cfg.model
-    whole = cfg.trainer.compiles(device) and not reduces_during_backward(cfg, distributed)
-    if not (isinstance(model, GPTModelConfig) and whole):
+    head included) compiled by inductor for a GPU into a graph known to miscompile it
+    (gpt.fused_head_miscompiles; the race is in a Triton kernel: on a CPU inductor writes C++,
+    and other backends no kernels). Compiled block by block (several processes), the head runs
+    eager and is not at risk. model.head_loss=fused then stops before the run starts
+    (mgpu.run.cli.check_config); `auto` takes the logits' loss instead (GPT.forward, which
+    does so in any whole-model compile of such a GPT on a GPU), and build_run says so."""
+    model, tc = cfg.model, cfg.trainer
+    whole = tc.compiles(device) and not reduces_during_backward(cfg, distributed)
+    inductor_gpu = device == "cuda" and tc.compile_backend == "inductor"
+    if not (isinstance(model, GPTModelConfig) and whole and inductor_gpu):
         return None
     autocast = autocast_dtype(cfg.trainer.precision, torch.device(device)) is not None
     if not fused_head_miscompiles(model.n_embd, model.residual, autocast):
