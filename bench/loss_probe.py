@@ -124,7 +124,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=1, help="the batches' order (the weights: trainer.seed)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
@@ -159,12 +161,11 @@ def main() -> None:
                 *setting,
                 *args.override,
             ]
-            torch.manual_seed(args.seed)
             trainer = mgpu_trainer(overrides, rt, tmp)
             names = [n for n, _ in unwrap(trainer.model).named_parameters()]
             steps = []
             started = time.perf_counter()
-            for step, (x, y) in enumerate(batches(tokens, args.batch, seq, args.steps, 1)):
+            for step, (x, y) in enumerate(batches(tokens, args.batch, seq, args.steps, args.seed)):
                 x, y = x.to(rt.device), y.to(rt.device)
                 row: dict = {"step": step}
                 if step % args.every == 0 or step == args.steps - 1:
