@@ -1,13 +1,19 @@
 """Gradient engines side by side in one torchrun job: each GPU training alone (`none`, the scaling
 baseline), torch DDP (default and tuned), and mgpu's reducer, plain and with its optimizer
-sharded (`mgpu_sharded`, dist.shard_optimizer), on GPT-2-small and ResNet-50.
+sharded (`mgpu_sharded`, dist.shard_optimizer), on GPT-2-small, GPT-2 XL and ResNet-50.
 
     torchrun --nproc_per_node=2 bench/engines.py [--models gpt2_small resnet50] [--compile]
     NCCL_P2P_DISABLE=1 torchrun --nproc_per_node=2 bench/engines.py --tag slowlink
+    torchrun --nproc_per_node=2 bench/engines.py --models gpt2_xl --compile --accum 4 \
+        --one-at-a-time --engines none mgpu torch_ddp torch_ddp_view
     torchrun --nproc_per_node=2 bench/engines.py --quick   # tiny shapes on the CPU: checks it
 
 All engines of a model are built up front and timed in interleaved rounds, so drift in the
-machine's state hits them alike. Batches are random tensors already on the GPU: this measures
+machine's state hits them alike. GPT-2 XL's engines do not fit one GPU together (each holds
+25 GB of weights, gradients and AdamW moments): --one-at-a-time builds, times and frees them in
+turn, in the order given, each one's rounds back to back (drift then falls between engines; the
+table says so). --accum N: N micro-batches a step, gradients reduced on the last one, as
+trainer.grad_accum_steps does. Batches are random tensors already on the GPU: this measures
 compute and gradient communication, not input. Rank 0 prints the table and writes
 bench/results/engines-<tag>-<time>.json (or into --out).
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -97,6 +104,9 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     "torch_ddp_tuned": Lever(
         DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True)
     ),
+    # gradient_as_bucket_view alone: the tuning that works with gradient accumulation (torch's
+    # static graph fails on the micro-steps that skip the reduction)
+    "torch_ddp_view": Lever(DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True)),
     "mgpu": Lever(DistConfig(engine=Engine.mgpu)),
     # ZeRO-1 in the reducer: reduce-scatter, each rank steps 1/N, all-gather (mgpu.comm.shard)
     "mgpu_sharded": Lever(DistConfig(engine=Engine.mgpu, shard_optimizer=True)),
@@ -151,11 +161,33 @@ MODELS = {  # (factory, per-GPU batch, sample shape or seq len, optimizer)
         1024,
         "adamw",
     ),
+    # experiment=gpt2_xl's model and micro-batch (its bf16 residual stream included)
+    "gpt2_xl": (
+        lambda: GPT(
+            vocab_size=50304,
+            block_size=1024,
+            n_layer=48,
+            n_head=25,
+            n_embd=1600,
+            residual="autocast",
+        ),
+        16,
+        1024,
+        "adamw",
+    ),
     "resnet50": (lambda: ResNet(num_classes=1000), 128, (3, 224, 224), "sgd"),
 }
 QUICK = {  # CPU-sized stand-ins under the same names, to check the script (--quick)
     "gpt2_small": (
         lambda: GPT(vocab_size=50304, block_size=32, n_layer=2, n_head=2, n_embd=32),
+        4,
+        32,
+        "adamw",
+    ),
+    "gpt2_xl": (
+        lambda: GPT(
+            vocab_size=50304, block_size=32, n_layer=3, n_head=5, n_embd=40, residual="autocast"
+        ),
         4,
         32,
         "adamw",
@@ -186,12 +218,21 @@ def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Modul
         return compile_model(model, tcfg.compile_backend, mode)  # what train.py does
     if spec.dist.engine is Engine.none:
         # The scaling baseline is the fastest single-GPU path measured (bench/vs_plain.py):
-        # the whole model as one graph, replayed as CUDA graphs.
-        return torch.compile(model, mode="reduce-overhead")
+        # the whole model as one graph, replayed as CUDA graphs where one micro-batch makes a
+        # step (compile_mode says why not with several).
+        alone = compile_mode(
+            tcfg.compile_mode,
+            tcfg.compile_backend,
+            model,
+            rt.device,
+            overlap=False,
+            accum=tcfg.grad_accum_steps,
+        )
+        return torch.compile(model, mode=alone)
     return torch.compile(model)  # torch DDP splits the graph at its buckets itself
 
 
-def build(name: str, engine: str, rt, use_compile: bool, models: dict = MODELS):
+def build(name: str, engine: str, rt, use_compile: bool, models: dict = MODELS, accum: int = 1):
     factory, _, _, optim = models[name]
     torch.manual_seed(0)
     model = factory().to(rt.device)
@@ -205,7 +246,13 @@ def build(name: str, engine: str, rt, use_compile: bool, models: dict = MODELS):
     # when off, so eager engines measure eager steps: without CUDA graphs too, which
     # trainer.cuda_graphs=auto would give the unwrapped engines (none, none_agree) only.
     precision = Precision.bf16 if rt.device.type == "cuda" else Precision.fp32
-    tcfg = TrainerConfig(precision=precision, grad_clip=1.0, compile=use_compile, cuda_graphs=False)
+    tcfg = TrainerConfig(
+        precision=precision,
+        grad_clip=1.0,
+        compile=use_compile,
+        cuda_graphs=False,
+        grad_accum_steps=accum,
+    )
     if use_compile:
         model = compiled(model, spec, tcfg, rt)
     model = spec.wrap(model, spec.dist, rt)
@@ -220,7 +267,7 @@ def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
     far ahead of the GPU the host was when it had launched the last step: the GPU work still
     queued, in ms. Near zero, the host is what bounds the step (launch-bound), not the GPU.
     On a CPU (--quick): the host's clock, and nothing queued."""
-    batches = iter([batch] * steps)
+    batches = itertools.repeat(batch)  # as many as the steps' micro-batches take
     if batch[0].device.type != "cuda":
         start = time.perf_counter()
         for _ in range(steps):
@@ -247,7 +294,13 @@ def exposed_ms(model) -> float | None:
     return total / max(len(marks), 1)
 
 
-def peak_memory_gib(name, engine, rt, use_compile, batch, models) -> float | None:
+def free(model) -> None:
+    """Lets an engine's memory go: the reducer's hooks and the parameters refer to each other."""
+    if isinstance(model, MgpuDataParallel):
+        model.reducer.remove()
+
+
+def peak_memory_gib(name, engine, rt, use_compile, batch, models, accum) -> float | None:
     """Peak memory of one engine: its model, optimizer, gradients, buckets and activations,
     measured above whatever was allocated before it was built (None on a CPU)."""
     if rt.device.type != "cuda":
@@ -256,39 +309,88 @@ def peak_memory_gib(name, engine, rt, use_compile, batch, models) -> float | Non
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model, trainer = build(name, engine, rt, use_compile, models)
+    model, trainer = build(name, engine, rt, use_compile, models, accum)
     timed(trainer, batch, 3)
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-    if isinstance(model, MgpuDataParallel):
-        model.reducer.remove()  # its hooks and the parameters refer to each other
+    free(model)
     del model, trainer
     gc.collect()
     torch.cuda.empty_cache()
     return peak
 
 
+class Samples:
+    """Each engine's timed rounds: step ms, GPU work queued when the host was done, and the
+    reducer's exposed communication."""
+
+    def __init__(self, engines: list[str]):
+        self.times: dict[str, list[float]] = {e: [] for e in engines}
+        self.ahead: dict[str, list[float]] = {e: [] for e in engines}
+        self.exposed: dict[str, list[float]] = {e: [] for e in engines}
+
+    def round(self, engine: str, model, trainer: Trainer, batch, steps: int) -> None:
+        exposed_ms(model)  # drop marks from earlier rounds
+        ms, queued = timed(trainer, batch, steps)
+        self.times[engine].append(ms)
+        self.ahead[engine].append(queued)
+        x = exposed_ms(model)
+        if x is not None:
+            self.exposed[engine].append(x)
+
+
+def one_at_a_time(name, engines, rt, args, models, batch):
+    """Each engine built, warmed up, timed over all its rounds, profiled if asked, and freed
+    before the next is built: for models whose engines do not fit a GPU together. Its peak
+    memory is that of its own warm-up and rounds, above what was allocated before it."""
+    samples, memory, kernels, idle = Samples(engines), {}, {}, {}
+    cuda = rt.device.type == "cuda"
+    for e in engines:
+        if cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        model, trainer = build(name, e, rt, args.compile, models, args.accum)
+        timed(trainer, batch, args.warmup)
+        for _ in range(args.rounds):
+            samples.round(e, model, trainer, batch, args.steps)
+        memory[e] = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
+        if args.kernels:
+            kernels[e] = kernel_table(trainer, batch)
+        if args.idle:
+            idle[e] = idle_table(trainer, batch)
+        if rt.is_primary:  # in the log as it comes, should a later engine not finish
+            print(f"{name} {e}: ms/step {samples.times[e]}, peak {memory[e]} GiB", flush=True)
+        free(model)
+        del model, trainer
+        # Compiled graphs (and CUDA graph pools) of this engine are not needed again.
+        torch.compiler.reset()
+    return samples, memory, kernels, idle
+
+
+def all_together(name, engines, rt, args, models, batch):
+    """Every engine built up front and timed in interleaved rounds."""
+    memory = {
+        e: peak_memory_gib(name, e, rt, args.compile, batch, models, args.accum) for e in engines
+    }
+    built = {e: build(name, e, rt, args.compile, models, args.accum) for e in engines}
+    for _model, trainer in built.values():
+        timed(trainer, batch, args.warmup)
+    samples = Samples(engines)
+    for _ in range(args.rounds):
+        for e in engines:
+            samples.round(e, *built[e], batch, args.steps)
+    kernels = {e: kernel_table(built[e][1], batch) for e in engines} if args.kernels else {}
+    idle = {e: idle_table(built[e][1], batch) for e in engines} if args.idle else {}
+    return samples, memory, kernels, idle
+
+
 def bench_model(name, engines, rt, args) -> list[dict]:
     models = QUICK if args.quick else MODELS
     batch = make_batch(name, rt.device, models)
-    memory = {e: peak_memory_gib(name, e, rt, args.compile, batch, models) for e in engines}
-    built = {e: build(name, e, rt, args.compile, models) for e in engines}
-    for _model, trainer in built.values():
-        timed(trainer, batch, args.warmup)
-    times: dict[str, list[float]] = {e: [] for e in engines}
-    ahead: dict[str, list[float]] = {e: [] for e in engines}
-    exposed: dict[str, list[float]] = {e: [] for e in engines}
-    for _ in range(args.rounds):
-        for e in engines:
-            model, trainer = built[e]
-            exposed_ms(model)  # drop marks from earlier rounds
-            ms, queued = timed(trainer, batch, args.steps)
-            times[e].append(ms)
-            ahead[e].append(queued)
-            x = exposed_ms(model)
-            if x is not None:
-                exposed[e].append(x)
-    kernels = {e: kernel_table(built[e][1], batch) for e in engines} if args.kernels else {}
-    idle = {e: idle_table(built[e][1], batch) for e in engines} if args.idle else {}
+    measure = one_at_a_time if args.one_at_a_time else all_together
+    samples, memory, kernels, idle = measure(name, engines, rt, args, models, batch)
+    times, ahead, exposed = samples.times, samples.ahead, samples.exposed
     # Every rank's own median: a synchronous engine runs at its slowest rank's pace, while
     # `none` shows each GPU's (efficiency is taken against rank 0's, the one that reports).
     local = torch.tensor([statistics.median(times[e]) for e in engines], device=rt.device)
@@ -296,7 +398,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
     torch.distributed.all_gather(by_rank, local)
     by_rank = torch.stack(by_rank).T.tolist()  # sync point: after timing
     _, per_gpu_batch, shape, _ = models[name]
-    units = per_gpu_batch * (shape if isinstance(shape, int) else 1)
+    units = per_gpu_batch * (shape if isinstance(shape, int) else 1) * args.accum
     base = statistics.median(times["none"]) if "none" in times else None
     rows = []
     for e in engines:
@@ -305,6 +407,8 @@ def bench_model(name, engines, rt, args) -> list[dict]:
             {
                 "model": name,
                 "engine": e,
+                "accum": args.accum,
+                "one_at_a_time": args.one_at_a_time,
                 "step_ms": ms,
                 "step_ms_all": times[e],
                 "per_gpu_throughput": units / (ms / 1e3),
@@ -348,8 +452,11 @@ def versions() -> dict:
 def report(rows: list[dict], meta: dict, args) -> None:
     print(
         f"\n{meta['device']} x{meta['world_size']}, torch {meta['torch']}, "
-        f"NCCL {meta.get('nccl', '-')}, {meta.get('env') or 'default NCCL env'}"
+        f"NCCL {meta.get('nccl', '-')}, {meta.get('env') or 'default NCCL env'}, "
+        f"{meta['accum']} micro-batch(es) a step"
     )
+    if meta["one_at_a_time"]:
+        print("engines built and timed one at a time, in this order (not interleaved)")
     print(
         f"{'model':<11} {'engine':<28} {'ms/step':>8} {'per GPU':>12} {'eff':>6} "
         f"{'vs best ddp':>11} {'peak GiB':>8} {'exposed ms':>10} {'host ahead ms':>13}"
@@ -414,6 +521,14 @@ def main() -> None:
         action="store_true",
         help="torch.compile: per block for mgpu, whole model otherwise",
     )
+    parser.add_argument(
+        "--accum", type=int, default=1, help="micro-batches a step (trainer.grad_accum_steps)"
+    )
+    parser.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="build, time and free each engine in turn (models whose engines do not fit together)",
+    )
     parser.add_argument("--tag", default="nvlink")
     parser.add_argument(
         "--kernels",
@@ -433,6 +548,14 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.accum < 1:
+        parser.error(f"--accum {args.accum}: a step takes at least one micro-batch")
+    static = [e for e in args.engines if ENGINES[e].dist.ddp_static_graph]
+    if args.accum > 1 and static:
+        parser.error(
+            f"--accum {args.accum} with {', '.join(static)}: torch DDP's static graph fails on "
+            f"micro-steps that skip the reduction; take torch_ddp or torch_ddp_view instead"
+        )
     backend = "nccl"
     if args.quick:
         args.steps, args.rounds, args.warmup, backend = 2, 1, 1, "auto"
@@ -449,6 +572,8 @@ def main() -> None:
                 "command": " ".join(["torchrun", f"--nproc_per_node={rt.world_size}", *sys.argv]),
                 "steps": args.steps,
                 "rounds": args.rounds,
+                "accum": args.accum,
+                "one_at_a_time": args.one_at_a_time,
             }
             report(rows, meta, args)
 

@@ -4,6 +4,8 @@ Trainer's steps, then GPU time per kernel (`--kernels`) and where the GPU sits i
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -18,7 +20,7 @@ def profiled(trainer: Trainer, batch, steps: int, warmup: int = 2):
     queue with the ranks together (the host is otherwise a step ahead, and the queued step's
     kernels would fall into the window), and closes once its last kernel has run."""
     plan = schedule(wait=0, warmup=warmup, active=steps, repeat=1)  # one cycle: kept after
-    batches = iter([batch] * (warmup + steps))
+    batches = itertools.repeat(batch)  # as many as the steps' micro-batches take
     with profile(activities=[ProfilerActivity.CUDA], schedule=plan) as prof:
         for i in range(warmup + steps):
             trainer.train_step(batches)

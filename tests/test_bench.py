@@ -69,6 +69,33 @@ def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
     assert rows["mgpu_sharded"]["exposed_comm_ms"] is not None
 
 
+def test_engines_one_at_a_time_with_micro_batches(tmp_path):
+    """GPT-2 XL's path (engines that do not fit a GPU together): each engine built, timed and
+    freed in turn, several micro-batches a step; a step's tokens count every micro-batch."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    engines = ["none", "mgpu", "torch_ddp_view"]
+    args = ["--quick", "--models", "gpt2_xl", "--accum", "2", "--one-at-a-time", "--engines"]
+    result = run([*torchrun, "bench/engines.py", *args, *engines], tmp_path)
+    assert result["accum"] == 2 and result["one_at_a_time"] is True
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert set(rows) == set(engines), rows
+    for r in rows.values():
+        tokens = 4 * 32 * 2  # QUICK's gpt2_xl: 4 sequences of 32 tokens, 2 micro-batches
+        assert r["per_gpu_throughput"] == pytest.approx(tokens / (r["step_ms"] / 1e3)), r
+    assert rows["mgpu"]["exposed_comm_ms"] is not None
+    # torch DDP's static graph cannot take micro-steps without the reduction: refused up front
+    static = ["--quick", "--accum", "2", "--engines", "torch_ddp_tuned"]
+    proc = subprocess.run(
+        [sys.executable, "bench/engines.py", *static],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert proc.returncode == 2 and "static graph" in proc.stderr, proc.stderr
+
+
 def test_optim_step_quick_runs(tmp_path):
     result = run([sys.executable, "bench/optim_step.py", "--quick"], tmp_path)
     assert set(result["rows"]) == {"fused", "compiled"}

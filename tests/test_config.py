@@ -97,6 +97,23 @@ def test_bad_input_exits_before_any_run_directory(tmp_path, override, expected):
     assert not run_dir.exists() and not (tmp_path / "outputs").exists()
 
 
+def test_ddp_static_graph_with_accumulation_is_refused_before_the_run(tmp_path):
+    """torch's reducer asserts on the first micro-step that skips the reduction under a static
+    graph; mgpu stops the pair in one line naming both keys. Without accumulation it runs."""
+    pair = ["dist.engine=torch_ddp", "dist.ddp_static_graph=true"]
+    to_config(compose_config(*pair))  # one micro-step: fine
+    with pytest.raises(ConfigError, match=r"dist\.ddp_static_graph.*trainer\.grad_accum_steps=2"):
+        to_config(compose_config(*pair, "trainer.grad_accum_steps=2"))
+    mgpu_engine = ["dist.engine=mgpu", "dist.ddp_static_graph=true"]  # a torch DDP key only
+    to_config(compose_config(*mgpu_engine, "trainer.grad_accum_steps=2"))
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [*pair, "trainer.grad_accum_steps=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2
+    )
+    line = one_line_under_torchrun(proc, run_dir)
+    assert "dist.ddp_static_graph" in line and "set dist.ddp_static_graph=false" in line, line
+
+
 @pytest.fixture(scope="module")
 def bad_token_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("odd") / "odd.bin"

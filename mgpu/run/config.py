@@ -13,7 +13,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from mgpu.config.checks import ConfigError, _require
-from mgpu.config.schema import CheckpointConfig, DistConfig, OptimConfig, TrainerConfig
+from mgpu.config.schema import CheckpointConfig, DistConfig, Engine, OptimConfig, TrainerConfig
 from mgpu.data.config import (
     CustomDataConfig,
     DataConfig,
@@ -49,6 +49,22 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_model_fits_data(self.model, self.data)
+        _check_dist_fits_trainer(self.dist, self.trainer)
+
+
+def _check_dist_fits_trainer(dist_cfg: DistConfig, trainer: TrainerConfig) -> None:
+    """torch DDP's static graph cannot take micro-steps that skip the reduction: its reducer
+    stops the first such backward with an internal assertion (torch 2.11 and 2.13), after the
+    run directory exists. Said here, before anything starts."""
+    if dist_cfg.engine is Engine.torch_ddp and dist_cfg.ddp_static_graph:
+        _require(
+            trainer.grad_accum_steps == 1,
+            "dist.ddp_static_graph",
+            True,
+            f"torch DDP's static graph fails on the micro-steps of trainer.grad_accum_steps="
+            f"{trainer.grad_accum_steps} that skip the reduction; set dist.ddp_static_graph=false"
+            f" or trainer.grad_accum_steps=1",
+        )
 
 
 def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
