@@ -380,9 +380,9 @@ def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
     assert "Traceback" not in output(proc)
 
 
-def run_with_a_hung_rank(tmp_path, *settings: str) -> tuple[str, float]:
-    """Rank 1 stops for good in its loader at step 3; the run's output and its wall time."""
-    hang = faulty("hang", rank=1, step=3, marker=tmp_path / "m")
+def run_with_a_hung_rank(tmp_path, *settings: str, step: int = 3) -> tuple[str, float]:
+    """Rank 1 stops for good in its loader at `step`; the run's output and its wall time."""
+    hang = faulty("hang", rank=1, step=step, marker=tmp_path / "m")
     start = time.monotonic()
     proc = run_train([*RUN, *hang, *settings], cwd=tmp_path, nproc=2, timeout=120)
     assert proc.returncode != 0
@@ -406,6 +406,18 @@ def test_a_loader_that_never_yields_ends_the_run_after_stall_timeout_s(tmp_path)
     said = r"rank 1: no progress for \d+ s .* in step \d+, data loading"
     assert re.search(said, text), text[-3000:]
     assert "lagging: rank 1" in text
+    assert elapsed < 60  # far below dist.timeout_s: the stall clock ended it
+
+
+def test_a_rank_stuck_in_its_first_batch_is_the_one_named(tmp_path):
+    """The first batch is read and agreed on before the loop (a GPU's prefetcher reads three
+    batches there, so a loader stuck at step 3 is stuck in it): the rank still reading is named
+    as lagging, not both, though neither has begun a step."""
+    settings = ("dist.timeout_s=300", "trainer.stall_timeout_s=4")
+    text, elapsed = run_with_a_hung_rank(tmp_path, *settings, step=1)
+    said = r"rank 1: no progress for \d+ s .* in step 1, data loading"
+    assert re.search(said, text), text[-3000:]
+    assert re.search(r"lagging: rank 1; rank 1: step 1, data loading", text), text[-3000:]
     assert elapsed < 60  # far below dist.timeout_s: the stall clock ended it
 
 

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from mgpu.data.batches import to_device
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.runtime.dist import BAD_INPUT, RunStopped, Runtime, all_ok, waiting
+from mgpu.train import watchdog
 
 
 class Feed:
@@ -64,18 +65,26 @@ class Feed:
         return prefetcher, True
 
 
-def first_batch_everywhere(batches: Generator[Any, None, None], rt: Runtime) -> Iterator[Any]:
+def first_batch_everywhere(
+    batches: Generator[Any, None, None], rt: Runtime, watch: watchdog.Watchdog, step: int
+) -> Iterator[Any]:
     """The batches, the first one read before the first step and agreed on: bad input found
     there (an unreadable image under data.bad_files=error) stops every rank, the one that
     read it with its one line and the others quietly, all with exit code 2; not that rank
-    alone, leaving the others to fail in the step's collectives with tracebacks."""
+    alone, leaving the others to fail in the step's collectives with tracebacks.
+
+    `watch` hears of the read and of the agreement as phases of `step` (the first one the loop
+    trains), so that a rank stuck in its first batch is the one a stall report names as
+    lagging (a GPU's prefetcher reads three batches here, so a loader stuck at step 3 is)."""
     error = None
+    watch.beat(step, watchdog.DATA)
     try:
         first = [next(batches)]
     except StopIteration:
         first = []
     except RunStopped as err:
         error = err
+    watch.beat(step, watchdog.FIRST_BATCH)
     with waiting(rt.rank, "agreeing that every rank read its first batch"):
         everywhere = all_ok(error is None, rt)
     if error is not None:

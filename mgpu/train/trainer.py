@@ -233,7 +233,7 @@ class Trainer:
         batches = self._begin(train)
         try:
             self.watch.start()  # the stall clock and progress reports, until the end
-            batches = first_batch_everywhere(batches, self.rt)
+            batches = first_batch_everywhere(batches, self.rt, self.watch, self.start_step + 1)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
                 lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
                 loss, bad = self._step(batches, step)  # data, forward/backward, agree, update

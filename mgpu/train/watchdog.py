@@ -29,6 +29,7 @@ STALLED_EXIT_CODE = 70
 
 # Phases the training loop reports; those that wait in a collective say which one.
 DATA = "data loading"
+FIRST_BATCH = "agreeing that every rank read its first batch (all_reduce)"  # before the loop
 STEP = "forward/backward and the gradient all_reduce"
 UPDATE = "optimizer step and the step's agreement all_reduce (non-finite, preemption)"
 LOG = "logging: the loss all_reduce and rank all_gather"
@@ -38,7 +39,7 @@ SAVE = "checkpoint save and its barriers"
 
 # A step's phases in the order the loop goes through them: ranks at the same step are ordered
 # by phase, so the one still loading data lags the one waiting in the gradient all_reduce.
-ORDER = (DATA, STEP, UPDATE, LOG, EVAL, SAVE)
+ORDER = (DATA, FIRST_BATCH, STEP, UPDATE, LOG, EVAL, SAVE)
 
 
 def progress(record: dict) -> tuple[int, int]:
