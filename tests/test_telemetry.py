@@ -160,7 +160,17 @@ def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
     The steps must be GPU-bound (the engines benchmark's GPT-2 shape, B=16, T=1024) for the
     figure to be communication: in a short step the GPU can wait after backward for a host (its
     own, or the slower rank's launching its half of the all-reduce), and that wait counts as
-    exposed too, whatever the buckets."""
+    exposed too, whatever the buckets. And the all-reduce must take long enough to tell the
+    tail of overlapped buckets from the whole: over NVLink between 2 H200s this model's
+    gradients all-reduce in about 2 ms (2.08 ms exposed with one bucket, 1.24 ms with 25 MB
+    buckets, in one run), so the test takes NCCL off peer-to-peer (about 27 GB/s, the slow-link
+    stand-in of bench/scaling.sh), where the whole takes over 10 ms and the tail stays small."""
+    env = {
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
     base = ["model=gpt2_small", "data.seq_len=1024", "data.batch_size=16", "data.num_workers=4"]
     base += ["trainer.max_steps=30"]
     base += ["trainer.log_every=10", "trainer.eval_every=0", "ckpt.every=0"]
@@ -176,6 +186,7 @@ def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
             ],  # fmt: skip
             cwd=tmp_path,
             nproc=2,
+            env=env,
             timeout=600,
         )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
