@@ -472,7 +472,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
         eff, exp = row["scaling_efficiency"], row["exposed_comm_ms"]
         print(
             f"{row['model']:<11} {row['engine']:<28} {row['step_ms']:8.2f} "
-            f"{row['per_gpu_throughput']:12,.0f} {eff or 0:6.3f} {ratio or 0:11.3f} "
+            f"{row['per_gpu_throughput']:12,.0f} {eff or 0:6.3f} "
+            f"{ratio if ratio is not None else float('nan'):11.3f} "
             f"{row['peak_memory_gib'] or float('nan'):8.2f} "
             f"{exp if exp is not None else float('nan'):10.2f} "
             f"{row['host_ahead_ms']:13.1f}"
