@@ -12,7 +12,9 @@ All engines of a model are built up front and timed in interleaved rounds, so dr
 machine's state hits them alike. GPT-2 XL's engines do not fit one GPU together (each holds
 25 GB of weights, gradients and AdamW moments): --one-at-a-time builds, times and frees them in
 turn, in the order given, each one's rounds back to back (drift then falls between engines; the
-table says so). --accum N: N micro-batches a step, gradients reduced on the last one, as
+table says so); an engine named twice is built and timed twice, its rounds pooled, so that
+`--engines mgpu mgpu_nocomm mgpu_nocomm mgpu` puts drift on both alike (A-B-B-A).
+--accum N: N micro-batches a step, gradients reduced on the last one, as
 trainer.grad_accum_steps does. Batches are random tensors already on the GPU: this measures
 compute and gradient communication, not input. Rank 0 prints the table and writes
 bench/results/engines-<tag>-<time>.json (or into --out).
@@ -115,6 +117,10 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     "mgpu_cap10": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=10)),
     "mgpu_cap50": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=50)),
     "mgpu_cap100": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=100)),
+    # every gradient in one bucket, reduced once backward is done: no overlap at all
+    "mgpu_one_bucket": Lever(
+        DistConfig(engine=Engine.mgpu, bucket_cap_mb=100_000, first_bucket_mb=100_000)
+    ),
     "mgpu_ctas2": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=2)),
     "mgpu_ctas4": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=4)),
     "mgpu_ctas8": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=8)),
@@ -341,8 +347,10 @@ class Samples:
 def one_at_a_time(name, engines, rt, args, models, batch):
     """Each engine built, warmed up, timed over all its rounds, profiled if asked, and freed
     before the next is built: for models whose engines do not fit a GPU together. Its peak
-    memory is that of its own warm-up and rounds, above what was allocated before it."""
-    samples, memory, kernels, idle = Samples(engines), {}, {}, {}
+    memory is that of its own warm-up and rounds, above what was allocated before it. An
+    engine named more than once is built each time; its rounds are pooled, its peak is the
+    highest, its profiles are the last build's."""
+    samples, memory, kernels, idle = Samples(list(dict.fromkeys(engines))), {}, {}, {}
     cuda = rt.device.type == "cuda"
     for e in engines:
         if cuda:
@@ -354,7 +362,8 @@ def one_at_a_time(name, engines, rt, args, models, batch):
         timed(trainer, batch, args.warmup)
         for _ in range(args.rounds):
             samples.round(e, model, trainer, batch, args.steps)
-        memory[e] = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
+        memory[e] = max(peak, memory.get(e) or 0.0) if cuda else None
         if args.kernels:
             kernels[e] = kernel_table(trainer, batch)
         if args.idle:
@@ -391,6 +400,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
     measure = one_at_a_time if args.one_at_a_time else all_together
     samples, memory, kernels, idle = measure(name, engines, rt, args, models, batch)
     times, ahead, exposed = samples.times, samples.ahead, samples.exposed
+    engines = list(times)  # each engine once, in the order first given
     # Every rank's own median: a synchronous engine runs at its slowest rank's pace, while
     # `none` shows each GPU's (efficiency is taken against rank 0's, the one that reports).
     local = torch.tensor([statistics.median(times[e]) for e in engines], device=rt.device)
@@ -551,6 +561,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.accum < 1:
         parser.error(f"--accum {args.accum}: a step takes at least one micro-batch")
+    if len(set(args.engines)) < len(args.engines) and not args.one_at_a_time:
+        parser.error("an engine named twice is timed twice only with --one-at-a-time")
     static = [e for e in args.engines if ENGINES[e].dist.ddp_static_graph]
     if args.accum > 1 and static:
         parser.error(
