@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from profile_tables import idle_table, kernel_table  # noqa: E402  (bench/, beside this file)
 
 from mgpu.comm.engine import MgpuDataParallel, wrap_model  # noqa: E402
+from mgpu.config.checks import ConfigError  # noqa: E402
 from mgpu.config.schema import (  # noqa: E402
     DistConfig,
     Engine,
@@ -56,6 +57,7 @@ from mgpu.config.schema import (  # noqa: E402
 )
 from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
+from mgpu.run.config import check_dist_fits_trainer  # noqa: E402
 from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
 from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
 from mgpu.runtime.preempt import Preemption  # noqa: E402
@@ -300,6 +302,15 @@ def exposed_ms(model) -> float | None:
     return total / max(len(marks), 1)
 
 
+def memory_mark() -> int:
+    """Frees what can be freed and restarts the GPU's peak count; returns what stays allocated,
+    the floor an engine's peak is taken above."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
 def free(model) -> None:
     """Lets an engine's memory go: the reducer's hooks and the parameters refer to each other."""
     if isinstance(model, MgpuDataParallel):
@@ -311,10 +322,7 @@ def peak_memory_gib(name, engine, rt, use_compile, batch, models, accum) -> floa
     measured above whatever was allocated before it was built (None on a CPU)."""
     if rt.device.type != "cuda":
         return None
-    gc.collect()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    before = memory_mark()
     model, trainer = build(name, engine, rt, use_compile, models, accum)
     timed(trainer, batch, 3)
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30
@@ -353,11 +361,7 @@ def one_at_a_time(name, engines, rt, args, models, batch):
     samples, memory, kernels, idle = Samples(list(dict.fromkeys(engines))), {}, {}, {}
     cuda = rt.device.type == "cuda"
     for e in engines:
-        if cuda:
-            gc.collect()
-            torch.cuda.empty_cache()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+        before = memory_mark() if cuda else 0
         model, trainer = build(name, e, rt, args.compile, models, args.accum)
         timed(trainer, batch, args.warmup)
         for _ in range(args.rounds):
@@ -563,12 +567,11 @@ def main() -> None:
         parser.error(f"--accum {args.accum}: a step takes at least one micro-batch")
     if len(set(args.engines)) < len(args.engines) and not args.one_at_a_time:
         parser.error("an engine named twice is timed twice only with --one-at-a-time")
-    static = [e for e in args.engines if ENGINES[e].dist.ddp_static_graph]
-    if args.accum > 1 and static:
-        parser.error(
-            f"--accum {args.accum} with {', '.join(static)}: torch DDP's static graph fails on "
-            f"micro-steps that skip the reduction; take torch_ddp or torch_ddp_view instead"
-        )
+    for e in args.engines:  # the pairings train.py refuses (torch DDP's static graph, --accum)
+        try:
+            check_dist_fits_trainer(ENGINES[e].dist, TrainerConfig(grad_accum_steps=args.accum))
+        except ConfigError as err:
+            parser.error(f"--engines {e} with --accum {args.accum}: {err}")
     backend = "nccl"
     if args.quick:
         args.steps, args.rounds, args.warmup, backend = 2, 1, 1, "auto"

@@ -49,10 +49,10 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_model_fits_data(self.model, self.data)
-        _check_dist_fits_trainer(self.dist, self.trainer)
+        check_dist_fits_trainer(self.dist, self.trainer)
 
 
-def _check_dist_fits_trainer(dist_cfg: DistConfig, trainer: TrainerConfig) -> None:
+def check_dist_fits_trainer(dist_cfg: DistConfig, trainer: TrainerConfig) -> None:
     """torch DDP's static graph cannot take micro-steps that skip the reduction: its reducer
     stops the first such backward with an internal assertion (torch 2.11 and 2.13), after the
     run directory exists. Said here, before anything starts."""
