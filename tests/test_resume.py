@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -380,33 +379,31 @@ def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
     assert "Traceback" not in output(proc)
 
 
-def run_with_a_hung_rank(tmp_path, *settings: str, step: int = 3) -> tuple[str, float]:
-    """Rank 1 stops for good in its loader at `step`; the run's output and its wall time."""
+def run_with_a_hung_rank(tmp_path, *settings: str, step: int = 3) -> str:
+    """Rank 1 stops for good in its loader at `step`; the run's output. Which clock ended the
+    run is told by what it said, not by how long it took (a loaded machine is slow)."""
     hang = faulty("hang", rank=1, step=step, marker=tmp_path / "m")
-    start = time.monotonic()
-    proc = run_train([*RUN, *hang, *settings], cwd=tmp_path, nproc=2, timeout=120)
+    proc = run_train([*RUN, *hang, *settings], cwd=tmp_path, nproc=2, timeout=240)
     assert proc.returncode != 0
     assert os.path.exists(tmp_path / "m")
-    return output(proc), time.monotonic() - start
+    return output(proc)
 
 
 def test_a_hung_rank_fails_the_run_after_dist_timeout_s_naming_it(tmp_path):
-    text, elapsed = run_with_a_hung_rank(tmp_path, "dist.timeout_s=5", "trainer.stall_timeout_s=0")
+    text = run_with_a_hung_rank(tmp_path, "dist.timeout_s=5", "trainer.stall_timeout_s=0")
     # The step the loop was at: the loader fetches ahead of it.
     said = r"rank 0: a collective timed out \(dist.timeout_s\) in step \d+, forward/backward"
     assert re.search(said, text), text[-3000:]
     assert re.search(r"lagging: rank 1; rank 1: step \d+, data loading", text), text[-3000:]
     assert "Timed out waiting 5000ms" in text  # what the backend said, quoted
-    assert elapsed < 60  # start-up, 2 steps, 5 s of waiting, tear-down
 
 
 def test_a_loader_that_never_yields_ends_the_run_after_stall_timeout_s(tmp_path):
     settings = ("dist.timeout_s=300", "trainer.stall_timeout_s=4")
-    text, elapsed = run_with_a_hung_rank(tmp_path, *settings)
+    text = run_with_a_hung_rank(tmp_path, *settings)
     said = r"rank 1: no progress for \d+ s .* in step \d+, data loading"
     assert re.search(said, text), text[-3000:]
     assert "lagging: rank 1" in text
-    assert elapsed < 60  # far below dist.timeout_s: the stall clock ended it
 
 
 def test_a_rank_stuck_in_its_first_batch_is_the_one_named(tmp_path):
@@ -414,11 +411,10 @@ def test_a_rank_stuck_in_its_first_batch_is_the_one_named(tmp_path):
     batches there, so a loader stuck at step 3 is stuck in it): the rank still reading is named
     as lagging, not both, though neither has begun a step."""
     settings = ("dist.timeout_s=300", "trainer.stall_timeout_s=4")
-    text, elapsed = run_with_a_hung_rank(tmp_path, *settings, step=1)
+    text = run_with_a_hung_rank(tmp_path, *settings, step=1)
     said = r"rank 1: no progress for \d+ s .* in step 1, data loading"
     assert re.search(said, text), text[-3000:]
     assert re.search(r"lagging: rank 1; rank 1: step 1, data loading", text), text[-3000:]
-    assert elapsed < 60  # far below dist.timeout_s: the stall clock ended it
 
 
 # ---- the pieces: signal agreement, restart hazard ----
