@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on its run's eval split, with the run's saved config, on any number of
 processes: the mean loss over every eval sample exactly once (as training's evaluation counts
-it); for a token file also per byte of the text its targets decode to (with the run's tokenizer);
-for classifiers the accuracy.
+it); for a language model its perplexity, and for a token file with a tokenizer the loss per byte of
+the text its targets decode to; for classifiers the accuracy.
 
 python -m mgpu.evaluate RUN_DIR_OR_CHECKPOINT [key=value ...]
 torchrun --nproc_per_node=2 -m mgpu.evaluate RUN_DIR_OR_CHECKPOINT [key=value ...]
@@ -26,7 +26,7 @@ from mgpu.data import TokenFile, decode_split
 from mgpu.data.config import TokenFileDataConfig
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
-from mgpu.data.tokenizer import Tokenizer
+from mgpu.data.tokenizer import UNDECODED, Tokenizer
 from mgpu.models.loss import cross_entropy
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
 from mgpu.runtime.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = command_parser(
         PROG,
         "Evaluate a checkpoint on its run's eval split (torchrun for several "
-        "processes). Prints the mean loss and, for classifiers, the accuracy.",
+        "processes). Prints the mean loss and, for language models, the perplexity; for "
+        "classifiers, the accuracy.",
     )
     parser.add_argument(
         "overrides", nargs="*", help="key=value changes to the saved config, e.g. data.path=x.bin"
@@ -92,10 +93,15 @@ def bits_per_byte(result: Result, dataset: TokenFile, tokenizer: Tokenizer) -> f
     return result.loss * result.targets / len(text) / math.log(2)
 
 
+def perplexity(loss: float) -> float:
+    """exp of the mean loss per token: the number of equally likely tokens it amounts to."""
+    return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float above ~709
+
+
 def run(restored: Restored) -> None:
     cfg = restored.config
     # A token file's text, decoded with the run's tokenizer; other data have none.
-    decodes = isinstance(cfg.data, TokenFileDataConfig) and cfg.data.tokenizer != ""
+    decodes = isinstance(cfg.data, TokenFileDataConfig) and cfg.data.tokenizer not in UNDECODED
     tokenizer = restored.tokenizer() if decodes else None
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s) as rt:
         global JOINED
@@ -126,6 +132,8 @@ def run(restored: Restored) -> None:
         if rt.is_primary:
             line = f"{restored.path} (step {restored.step}) on {rt.world_size} process(es): "
             line += f"eval loss {result.loss:.6f}"
+            if result.accuracy is None:  # a language model: a loss per token
+                line += f", perplexity {perplexity(result.loss):.4f}"
             if tokenizer is not None:
                 line += f", {bits_per_byte(result, dataset, tokenizer):.4f} bits per byte of text"
             if result.accuracy is not None:

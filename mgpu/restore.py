@@ -35,6 +35,7 @@ from mgpu.data.config import TokenFileDataConfig
 from mgpu.data.tokenizer import (
     BYTE_VOCAB,
     BYTES,
+    NONE,
     RUN_TOKENIZER,
     ByteTokenizer,
     JsonTokenizer,
@@ -150,6 +151,12 @@ class Restored:
             raise UsageError(
                 f"{self.path}: trained on {data._target_}, which has no tokenizer (no text to "
                 "decode); train on text with data=tokens (python -m mgpu.data.prepare)"
+            )
+        if name == NONE:
+            raise UsageError(
+                f"{self.path}: trained with data.tokenizer=none (token ids without a tokenizer), "
+                "so there is nothing to turn text into tokens and back; train on a file made by "
+                "python -m mgpu.data.prepare (its tokenizer is kept) to sample from the model"
             )
         if name == "":
             raise UsageError(

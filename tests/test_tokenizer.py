@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, run_train
+from conftest import ROOT, one_line_under_torchrun, read_scalars, run_train
 from hydra import compose, initialize_config_dir
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
 
@@ -136,7 +136,8 @@ def test_evaluate_reports_bits_per_byte_of_the_decoded_eval_text(bpe_run):
     run_dir = bpe_run / "run"
     proc = run_train([str(run_dir)], cwd=bpe_run, nproc=None, program=("-m", "mgpu.evaluate"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"eval loss ([\d.]+), ([\d.]+) bits per byte of text over (\d+)", proc.stdout)
+    said = r"eval loss ([\d.]+), perplexity [\d.]+, ([\d.]+) bits per byte of text over (\d+)"
+    found = re.search(said, proc.stdout)
     assert found, proc.stdout
     loss, bits, targets = float(found[1]), float(found[2]), int(found[3])
     # The eval split: the file's last 32 windows of 64+1 tokens; their targets, decoded.
@@ -184,6 +185,54 @@ def test_a_model_vocabulary_below_the_datas_stops_in_one_line(bpe_run, tmp_path)
     assert not run_dir.exists()
 
 
+def test_token_ids_without_a_tokenizer_train_evaluate_and_refuse_to_sample(tmp_path):
+    """data.tokenizer=none: a file of ids from another tool (no metadata), as nanoGPT's GPT-2
+    train.bin; ids up to 999 here (a small vocabulary keeps the run quick on a CPU)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1000, size=40_000).astype("<u2")
+    ids[::7] = 999  # the highest id is in the file, and has a row
+    ids.tofile(tmp_path / "ids.bin")
+    run_dir = train(tmp_path, tmp_path / "ids.bin", "data.tokenizer=none", "data.vocab_size=1000")
+    assert saved(run_dir)["data"]["tokenizer"] == "none"
+    assert saved(run_dir)["model"]["vocab_size"] == 1024  # 1000 rounded up to a multiple of 64
+    assert not (run_dir / "tokenizer.json").exists()
+    proc = run_train([str(run_dir)], cwd=tmp_path, nproc=None, program=("-m", "mgpu.evaluate"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"eval loss ([\d.]+), perplexity ([\d.]+) over (\d+)", proc.stdout)
+    assert found, proc.stdout
+    (_, reference), *_ = reversed(read_scalars(run_dir)["eval/loss"])
+    assert float(found[1]) == pytest.approx(reference, rel=1e-5)
+    assert float(found[2]) == pytest.approx(math.exp(float(found[1])), rel=1e-4)
+    proc = run_train(
+        [str(run_dir), "--prompt", PROMPT], cwd=tmp_path, nproc=None, program=("-m", "mgpu.sample")
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "data.tokenizer=none" in lines[0] and proc.stdout == "", proc.stderr
+
+
+def test_text_given_as_a_token_file_stops_in_one_line_naming_prepare(tmp_path):
+    """Under torchrun, as users launch it: one line, before the run directory exists."""
+    (tmp_path / "corpus.txt").write_text(stdlib_text(100_000), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, "data.path=corpus.txt", "data.tokenizer=bytes", f"hydra.run.dir={run_dir}"]
+    proc = run_train(args, cwd=tmp_path, nproc=2)
+    line = one_line_under_torchrun(proc, run_dir)
+    assert "data.path='corpus.txt': holds text" in line, line
+    assert "python -m mgpu.data.prepare corpus.txt train.bin" in line, line
+
+
+def test_token_ids_above_the_vocabulary_stop_before_the_run_directory(tmp_path):
+    ids = np.arange(20_000) % 600  # ids up to 599
+    ids.astype("<u2").tofile(tmp_path / "ids.bin")
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, "data.path=ids.bin", "data.tokenizer=none", "data.vocab_size=512"]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    line = one_line_under_torchrun(proc, run_dir)
+    assert "data.vocab_size=512: is not above token id 599" in line, line
+    assert "at least 600" in line, line
+
+
 # ---------------------------------------------------------------- quick checks, no training
 
 
@@ -213,6 +262,28 @@ def test_a_token_file_without_metadata_needs_its_tokenizer_named(tmp_path):
         to_config(compose_config(f"data.path={path}"))
     cfg = to_config(compose_config(f"data.path={path}", "data.tokenizer=bytes"))
     assert (cfg.data.vocab_size, cfg.model.vocab_size) == (256, 256)
+
+
+def test_token_ids_without_a_tokenizer_need_the_vocabulary_given(tmp_path):
+    path = tmp_path / "ids.bin"
+    (np.arange(20_000) % 300).astype("<u2").tofile(path)
+    with pytest.raises(ConfigError, match=r"data\.vocab_size='auto'.*data\.tokenizer=none"):
+        to_config(compose_config(f"data.path={path}", "data.tokenizer=none"))
+    cfg = to_config(
+        compose_config(f"data.path={path}", "data.tokenizer=none", "data.vocab_size=300")
+    )
+    assert (cfg.data.tokenizer, cfg.data.vocab_size, cfg.model.vocab_size) == ("none", 300, 320)
+    with pytest.raises(ConfigError, match=r"data\.vocab_size=256: is not above token id 299"):
+        to_config(compose_config(f"data.path={path}", "data.tokenizer=bytes"))
+
+
+@pytest.mark.parametrize("tokenizer", ["auto", "bytes", "none"])
+def test_a_text_file_is_not_read_as_token_ids(tmp_path, tokenizer):
+    text = tmp_path / "corpus.txt"
+    text.write_text("Ünïcode text, line after line.\n" * 2000, encoding="utf-8")
+    args = [f"data.path={text}", f"data.tokenizer={tokenizer}", "data.vocab_size=50257"]
+    with pytest.raises(ConfigError, match=r"holds text.*python -m mgpu\.data\.prepare"):
+        to_config(compose_config(*args))
 
 
 def test_a_tokenizer_changed_since_prepare_is_refused(tmp_path):

@@ -21,9 +21,11 @@ from mgpu.config.checks import (
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
 from mgpu.data.image_shards import load_index
-from mgpu.data.token_file import check_token_file
+from mgpu.data.token_file import check_token_file, looks_like_text, max_token, text_error
 from mgpu.data.tokenizer import (
     BYTES,
+    NONE,
+    UNDECODED,
     TokenizerError,
     TokenMeta,
     load_tokenizer,
@@ -135,10 +137,12 @@ class TokenFileDataConfig(DataConfig):
     # Every token id in the file is below this. auto: the size of the file's tokenizer.
     vocab_size: Any = "auto"
     # The tokenizer that made the file: auto (the one its metadata, PATH.meta.json, names), bytes
-    # (byte-level tokens), or a tokenizer.json (for a file without metadata). The run's
-    # config.yaml records what was found, and the run directory keeps a copy of the
-    # tokenizer.json (mgpu.sample and mgpu.evaluate decode with it). "": none recorded (a run
-    # saved before runs recorded their tokenizer).
+    # (byte-level tokens), a tokenizer.json (for a file without metadata), or none (token ids
+    # only, e.g. nanoGPT's GPT-2 train.bin: data.vocab_size must be given; mgpu.evaluate
+    # reports the loss and perplexity, and mgpu.sample, having nothing to decode with,
+    # refuses). The run's config.yaml records what was found, and the run directory keeps a
+    # copy of the tokenizer.json (mgpu.sample and mgpu.evaluate decode with it). "": none
+    # recorded (a run saved before runs recorded their tokenizer).
     tokenizer: str = "auto"
     tokenizer_sha256: str = ""  # the tokenizer.json's sha256; found and recorded by mgpu
 
@@ -153,12 +157,26 @@ class TokenFileDataConfig(DataConfig):
                 check_token_file(self.path, self.seq_len, self.eval_samples)
             except ValueError as err:
                 raise ConfigError("data.path", self.path, str(err)) from None
+            self._check_ids()
+
+    def _check_ids(self) -> None:
+        """Every token id has a row: an id at or above the vocabulary would fail deep in the
+        first step (or only on the batch that holds it), after the run directory exists."""
+        highest = max_token(self.path)
+        _require(
+            highest < self.vocab_size,
+            "data.vocab_size",
+            self.vocab_size,
+            f"is not above token id {highest}, which data.path={self.path} holds: set "
+            f"data.vocab_size to the size of the tokenizer that made the file (at least "
+            f"{highest + 1}), or prepare the file again with python -m mgpu.data.prepare",
+        )
 
     def _resolve_tokenizer(self) -> None:
         """auto from the file's metadata, a tokenizer.json given by path hashed, and the
         metadata, where the file has one, checked against what is set. A saved config (every
         value resolved) reads nothing but the metadata: its token file may be gone."""
-        given = self.tokenizer not in ("auto", BYTES, "") and not self.tokenizer_sha256
+        given = self.tokenizer not in ("auto", BYTES, *UNDECODED) and not self.tokenizer_sha256
         if (given or "auto" in (self.tokenizer, self.vocab_size)) and not os.path.isfile(self.path):
             why = "no such file; make one from a text file with python -m mgpu.data.prepare"
             raise ConfigError("data.path", self.path, why)
@@ -166,12 +184,22 @@ class TokenFileDataConfig(DataConfig):
             meta = read_meta(self.path)
         except TokenizerError as err:
             raise ConfigError("data.path", self.path, str(err)) from None
+        if meta is None and os.path.isfile(self.path) and looks_like_text(self.path):
+            raise ConfigError("data.path", self.path, text_error(self.path))
+        if self.tokenizer == NONE:
+            why = (
+                "follows the file's tokenizer, and data.tokenizer=none names none: set "
+                "data.vocab_size to the number of token ids of the tool that made the file "
+                "(50257 for GPT-2's)"
+            )
+            _require(self.vocab_size != "auto", "data.vocab_size", "auto", why)
         if self.tokenizer == "auto":
             found = meta_path(self.path)
             why = (
                 f"reads the file's tokenizer from {found}, which is missing (the file was not "
                 "made by python -m mgpu.data.prepare, or by an older one): prepare it again, or "
-                "set data.tokenizer=bytes (byte-level tokens) or data.tokenizer=TOKENIZER.json"
+                "set data.tokenizer=bytes (byte-level tokens), data.tokenizer=TOKENIZER.json, "
+                "or data.tokenizer=none data.vocab_size=N (token ids only; N=50257 for GPT-2's)"
             )
             _require(meta is not None, "data.tokenizer", "auto", why)
             self.tokenizer = meta.tokenizer_path(self.path)
@@ -183,7 +211,7 @@ class TokenFileDataConfig(DataConfig):
             self._check_meta(meta)
         if self.vocab_size == "auto":
             why = "follows data.tokenizer, and none is recorded; set data.vocab_size"
-            _require(self.tokenizer != "", "data.vocab_size", "auto", why)
+            _require(self.tokenizer not in UNDECODED, "data.vocab_size", "auto", why)
             self.vocab_size = meta.vocab_size if meta else self._tokenizer_size()
 
     def _tokenizer_size(self) -> int:

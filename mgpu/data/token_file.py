@@ -3,6 +3,7 @@
 Cut into non-overlapping windows of seq_len+1 tokens; the last `eval_samples` windows are eval.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -11,15 +12,50 @@ from torch.utils.data import Dataset
 
 TOKEN_DTYPE = np.dtype("<u2")
 SCAN_CHUNK = 1 << 24  # tokens per chunk of the construction-time max-token scan
+TEXT_PROBE = 1 << 16  # bytes read from the start of a file to tell text from token ids
+# Control bytes a text file holds: tab, line feed, form feed, carriage return.
+TEXT_CONTROLS = frozenset(b"\t\n\f\r")
 
 
-def _max_token(path: str, n_tokens: int) -> int:
+def max_token(path: str) -> int:
+    """The highest token id in the file, scanned once per file version in a process (the config
+    check and the dataset both ask, and a file may hold billions of tokens)."""
+    stat = os.stat(path)
+    return _max_token(path, stat.st_size // TOKEN_DTYPE.itemsize, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _max_token(path: str, n_tokens: int, mtime_ns: int) -> int:
     data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", shape=(n_tokens,))
     try:
         # Chunked so a multi-GB file never needs to be resident at once.
         return max(int(data[s : s + SCAN_CHUNK].max()) for s in range(0, n_tokens, SCAN_CHUNK))
     finally:
         del data  # closes the map; workers reopen their own lazily
+
+
+def looks_like_text(path: str) -> bool:
+    """Whether the file starts as UTF-8 text rather than uint16 token ids. Token ids below 256
+    (common in any tokenizer, every one of byte-level tokens) put a zero byte in each pair, and
+    ids below 8192 a control byte; text has neither, and must decode as UTF-8 (a character cut
+    at the probe's end aside)."""
+    with open(path, "rb") as f:
+        head = f.read(TEXT_PROBE)
+    if not head or any(b < 0x20 and b not in TEXT_CONTROLS for b in head):
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return err.start >= len(head) - 3  # only a multi-byte character cut by the probe
+    return True
+
+
+def text_error(path: str) -> str:
+    """What to say about a text file given as a token file."""
+    return (
+        "holds text, not token ids (uint16, nanoGPT's .bin layout): make a token file of it "
+        f"with python -m mgpu.data.prepare {path} train.bin, then set data.path=train.bin"
+    )
 
 
 def check_token_file(path: str, seq_len: int, eval_samples: int) -> int:
@@ -31,6 +67,8 @@ def check_token_file(path: str, seq_len: int, eval_samples: int) -> int:
             f"token file {path!r} not found; create it from a text file with "
             f"`python -m mgpu.data.prepare INPUT.txt {path}`"
         )
+    if looks_like_text(path):
+        raise ValueError(f"token file {path!r} {text_error(path)}")
     n_bytes = os.path.getsize(path)
     if n_bytes % TOKEN_DTYPE.itemsize:
         raise ValueError(
@@ -71,11 +109,11 @@ class TokenFile(Dataset):
         path = os.fspath(path)
         n_tokens = check_token_file(path, seq_len, eval_samples)
         windows = (n_tokens - 1) // seq_len
-        max_token = _max_token(path, n_tokens)
-        if max_token >= vocab_size:
+        highest = max_token(path)
+        if highest >= vocab_size:
             raise ValueError(
-                f"token file {path!r} holds token {max_token}, which is >= "
-                f"vocab_size={vocab_size}; set vocab_size to at least {max_token + 1}"
+                f"token file {path!r} holds token {highest}, which is >= "
+                f"vocab_size={vocab_size}; set vocab_size to at least {highest + 1}"
             )
         self.split = split
         self.path = path

@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any
 
 BYTES = "bytes"  # the tokenizer of byte-level tokens: token id = byte value
+# Token ids without a tokenizer (a file another tool made, e.g. nanoGPT's GPT-2 train.bin): the
+# run trains and evaluates on the ids, and nothing decodes them. A run saved before runs
+# recorded their tokenizer has "" instead, which means the same.
+NONE = "none"
+UNDECODED = (NONE, "")
 BYTE_VOCAB = 256
 MAX_VOCAB = 1 << 16  # token files hold uint16 ids (nanoGPT's layout): at most 65,536 tokens
 META_SUFFIX = ".meta.json"

@@ -30,7 +30,7 @@ from mgpu.config.schema import Engine, Precision
 from mgpu.data import decode_split
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
-from mgpu.data.tokenizer import BYTES, copy_to_run
+from mgpu.data.tokenizer import BYTES, UNDECODED, copy_to_run
 from mgpu.models import build_model, compile_mode, compile_model
 from mgpu.models.config import VOCAB_MULTIPLE, GPTModelConfig
 from mgpu.models.gpt import FUSED_HEAD_MAX_COMPILED_WIDTH, fused_head_miscompiles
@@ -196,7 +196,7 @@ def keep_tokenizer(cfg: Config, run_dir: Path) -> None:
     """A copy of the data's tokenizer.json in the run directory, which the after-training
     commands decode with (config.yaml holds its sha256)."""
     tokenizer = getattr(cfg.data, "tokenizer", BYTES)
-    if tokenizer not in (BYTES, ""):
+    if tokenizer not in (BYTES, *UNDECODED):
         copy_to_run(tokenizer, run_dir)
 
 
