@@ -246,12 +246,11 @@ print("EXITING")
 
 def test_nothing_hangs_at_exit_with_an_epoch_left_running():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    start = time.monotonic()
+    # A hang at exit never ends: the subprocess timeout catches it, whatever the machine's load.
     proc = subprocess.run(
-        [sys.executable, "-c", LEFT_RUNNING], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", LEFT_RUNNING], env=env, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and "EXITING" in proc.stdout, proc.stderr[-3000:]
-    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize("copy_thread", [False, True])
