@@ -14,12 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from conftest import ROOT, gloo_runtime, one_line_under_torchrun, read_scalars, run_train, spawn
 from PIL import Image
 
 from mgpu.config.checks import ConfigError
 from mgpu.data.config import ImageFolderDataConfig
-from mgpu.data.image_folder import BadImageFile, ImageFolder
+from mgpu.data.image_folder import BadImageFile, ImageFolder, auto_eval_samples
 from mgpu.data.loader import build_dataloader, build_loader
 from mgpu.data.sampler import SampleKey
 from mgpu.runtime.dist import Runtime
@@ -645,3 +646,41 @@ def test_check_images_names_every_unreadable_file_as_training_would_meet_it(tmp_
     proc = check(str(tmp_path / "nowhere"), str(tmp_path / "train"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
     assert "1 of 15 images unreadable" in proc.stdout and files[2][0] in proc.stdout
+
+
+# ---- settings that follow the folder ----
+
+
+def test_auto_holdout_is_a_share_with_a_floor_and_a_ceiling():
+    assert [auto_eval_samples(n) for n in (10, 90, 800, 5_000, 1_281_167)] == [
+        2,  # a fifth of a tiny folder: the rest trains
+        16,  # the floor
+        16,
+        100,  # 2 %
+        10_000,  # the ceiling
+    ]
+
+
+def test_a_small_folder_trains_with_the_default_holdout_and_classes(tmp_path):
+    """90 images of 3 classes, nothing set but the path: data.eval_samples=auto holds 16 out
+    (the old default of 1000 stopped the run once its directory existed), and
+    model.num_classes=auto is the folder's 3; the run's config.yaml records both."""
+    write_tree(tmp_path / "train", per_class=30, sizes=((16, 16),))
+    run_dir = tmp_path / "run"
+    args = ["data=image_folder", "data.path=train", "data.image_size=16", "model=resnet_tiny"]
+    args += ["data.batch_size=8", "data.num_workers=0", "data.decode=cpu", "trainer.max_steps=2"]
+    proc = train_on_cpu([*args, "trainer.log_every=1", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (saved["data"]["eval_samples"], saved["model"]["num_classes"]) == (16, 3)
+    state = torch.load(next(run_dir.glob("checkpoints/*/state.pt")), weights_only=True)
+    assert state["model"]["fc.weight"].shape[0] == 3  # the head has the folder's classes
+
+
+def test_too_many_held_out_images_stop_in_the_config_check(tmp_path):
+    write_tree(tmp_path / "train", per_class=3)  # 9 images
+    with pytest.raises(ConfigError, match=r"data\.eval_samples=9: data\.path holds only 9 images"):
+        ImageFolderDataConfig(**folder(tmp_path / "train", eval_samples=9))
+    assert (
+        ImageFolderDataConfig(**folder(tmp_path / "train", eval_samples="auto")).eval_samples == 1
+    )

@@ -277,6 +277,19 @@ def test_token_ids_without_a_tokenizer_need_the_vocabulary_given(tmp_path):
         to_config(compose_config(f"data.path={path}", "data.tokenizer=bytes"))
 
 
+@pytest.mark.parametrize("model, context", [("gpt_tiny", 64), ("gpt2_small", 1024)])
+def test_the_sequence_length_follows_the_models_context(tmp_path, model, context):
+    """data.seq_len=auto (the default): data=tokens on the default model no longer stops on
+    1024 > model.block_size=64; the number is recorded for the run's config.yaml."""
+    path = tmp_path / "ids.bin"
+    (np.arange(300_000) % 256).astype("<u2").tofile(path)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        args = [f"model={model}", "data=tokens", f"data.path={path}", "data.tokenizer=bytes"]
+        composed = compose(config_name="config", overrides=args)
+    assert to_config(composed).data.seq_len == context
+    assert yaml.safe_load(resolved_yaml(composed))["data"]["seq_len"] == context
+
+
 @pytest.mark.parametrize("tokenizer", ["auto", "bytes", "none"])
 def test_a_text_file_is_not_read_as_token_ids(tmp_path, tokenizer):
     text = tmp_path / "corpus.txt"

@@ -19,7 +19,14 @@ from mgpu.config.checks import (
     _require,
 )
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
-from mgpu.data.image_folder import FolderError, check_layout, check_root, class_folders
+from mgpu.data.image_folder import (
+    FolderError,
+    auto_eval_samples,
+    check_layout,
+    check_root,
+    class_folders,
+    count_images,
+)
 from mgpu.data.image_shards import load_index
 from mgpu.data.token_file import check_token_file, looks_like_text, max_token, text_error
 from mgpu.data.tokenizer import (
@@ -132,7 +139,9 @@ class ImageDataConfig(DataConfig):
 class TokenFileDataConfig(DataConfig):
     _target_: str = "mgpu.data.TokenFile"
     path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
-    seq_len: int = 1024
+    # Tokens a sample holds: auto (the model's context, model.block_size; the run's config.yaml
+    # records the number) or a number up to it.
+    seq_len: Any = "auto"
     eval_samples: int = 256  # the file's last windows, held out for evaluation
     # Every token id in the file is below this. auto: the size of the file's tokenizer.
     vocab_size: Any = "auto"
@@ -148,16 +157,34 @@ class TokenFileDataConfig(DataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("seq_len", "eval_samples"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
+        _auto_or_positive_int("data.seq_len", self.seq_len, "the model's context, model.block_size")
+        _positive("data.eval_samples", self.eval_samples, "256")
         _auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
         self._resolve_tokenizer()
         if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
+            self._check_ids()
+        if self.seq_len != "auto":  # else once the model's context is known (follow_model)
+            self._check_windows()
+
+    def follow_model(self, block_size: int | None, model_name: str) -> None:
+        """Resolve seq_len=auto from the model's context (None: the model gives none)."""
+        if self.seq_len != "auto":
+            return
+        why = (
+            f"follows the model's context (model.block_size; model.kwargs.block_size for "
+            f"model=custom), which {model_name} does not give; set data.seq_len"
+        )
+        _require(block_size is not None, "data.seq_len", "auto", why)
+        self.seq_len = block_size
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        """The file holds enough windows of seq_len + 1 tokens for the eval split and more."""
+        if os.path.isfile(self.path):
             try:
                 check_token_file(self.path, self.seq_len, self.eval_samples)
             except ValueError as err:
                 raise ConfigError("data.path", self.path, str(err)) from None
-            self._check_ids()
 
     def _check_ids(self) -> None:
         """Every token id has a row: an id at or above the vocabulary would fail deep in the
@@ -254,8 +281,8 @@ class TokenFileDataConfig(DataConfig):
             )
 
     def resolved(self) -> dict[str, Any]:
-        """What the file's metadata said, for the run's saved config."""
-        keys = ("vocab_size", "tokenizer", "tokenizer_sha256")
+        """What the file's metadata said, and the model's context, for the run's saved config."""
+        keys = ("seq_len", "vocab_size", "tokenizer", "tokenizer_sha256")
         return {key: getattr(self, key) for key in keys}
 
     def dataset_kwargs(self) -> dict[str, Any]:
@@ -280,7 +307,10 @@ class ImageFolderDataConfig(DataConfig):
     # The same layout for evaluation; empty: eval_samples images of data.path are held out
     # (spread evenly over its sorted file list) and not trained on.
     eval_path: str = ""
-    eval_samples: int = 1000
+    # auto: 2 % of data.path's images, at least 16 and at most 10,000, and never more than a
+    # fifth of a small folder (mgpu.data.image_folder.auto_eval_samples); the run's config.yaml
+    # records the number. Unused with data.eval_path.
+    eval_samples: Any = "auto"
     # The class folders, in label order. Empty: every subfolder of data.path, sorted by name;
     # the run's config.yaml records the list, so a later evaluation keeps the same labels.
     classes: list[str] = field(default_factory=list)
@@ -323,7 +353,7 @@ class ImageFolderDataConfig(DataConfig):
         self.decode = Decode(getattr(self.decode, "value", self.decode))
         self.bad_files = BadFiles(getattr(self.bad_files, "value", self.bad_files))
         _positive("data.image_size", self.image_size, "224")
-        _positive("data.eval_samples", self.eval_samples, "1000")
+        _auto_or_positive_int("data.eval_samples", self.eval_samples, "a share of data.path")
         ok = len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] <= 1
         _require(ok, "data.scale", self.scale, "must be [min,max] in (0, 1], e.g. [0.08,1.0]")
         ok = len(self.ratio) == 2 and 0 < self.ratio[0] <= self.ratio[1]
@@ -353,12 +383,28 @@ class ImageFolderDataConfig(DataConfig):
                 check_layout("data.eval_path", self.eval_path, self.classes)
                 found = class_folders(self.eval_path)
                 _no_extra_classes(self.eval_path, found, self.classes, "class folders", "remove")
+            else:
+                self._hold_out(count_images(self.path, self.classes))
         except FolderError as err:
             raise ConfigError(err.key, err.value, err.why) from None
 
+    def _hold_out(self, images: int) -> None:
+        """eval_samples of data.path's `images` held out: auto resolved, a number checked (too
+        many would stop the run as it builds its data, after the run directory exists)."""
+        if self.eval_samples == "auto":
+            self.eval_samples = auto_eval_samples(images)
+        _require(
+            self.eval_samples < images,
+            "data.eval_samples",
+            self.eval_samples,
+            f"data.path holds only {images} images, and some must be left to train on; set "
+            f"data.eval_samples=auto ({auto_eval_samples(images)} here), a lower number, or "
+            "data.eval_path",
+        )
+
     def resolved(self) -> dict[str, Any]:
-        """Values found on disk, for the run's saved config: the class list."""
-        return {"classes": list(self.classes)}
+        """Values found on disk, for the run's saved config: the class list and the holdout."""
+        return {"classes": list(self.classes), "eval_samples": self.eval_samples}
 
     def dataset_kwargs(self) -> dict[str, Any]:
         kwargs = super().dataset_kwargs()
@@ -403,7 +449,9 @@ class ImageShardsDataConfig(ImageFolderDataConfig):
         try:
             index = load_index("data.path", self.path)
             self.classes = self.classes or list(index.classes)
-            index.labels_for("data.path", self.classes)
+            labels = index.labels_for("data.path", self.classes)
+            if not self.eval_path:
+                self._hold_out(int((labels >= 0).sum()))
             if self.eval_path:
                 evals = load_index("data.eval_path", self.eval_path)
                 evals.labels_for("data.eval_path", self.classes)

@@ -123,15 +123,34 @@ def list_images(root: str, classes: list[str]) -> tuple[list[str], list[int]]:
     return files, labels
 
 
+EVAL_SHARE = 0.02  # data.eval_samples=auto: this share of data.path's images is held out,
+EVAL_FLOOR = 16  # but no fewer than this (a small folder's evaluation is not one batch),
+EVAL_CEILING = 10_000  # nor more than this (ImageNet-sized folders: an evaluation stays short),
+EVAL_MOST = 0.2  # nor, in a small folder, more than this share of it: the rest trains
+
+
+def auto_eval_samples(n: int) -> int:
+    """data.eval_samples=auto for a folder of `n` images with no data.eval_path."""
+    share = min(max(round(EVAL_SHARE * n), EVAL_FLOOR), EVAL_CEILING)
+    return max(1, min(share, int(EVAL_MOST * n)))
+
+
+def count_images(root: str, classes: list[str]) -> int:
+    """How many images the classes' folders under `root` hold (a listing per class)."""
+    return sum(sum(map(_is_image, os.listdir(os.path.join(root, name)))) for name in classes)
+
+
 def holdout(n: int, eval_samples: int) -> list[int]:
     """Indices of `eval_samples` of `n` sorted files, spread evenly over the list (so over the
     classes too), held out for evaluation."""
     return sorted({int((k + 0.5) * n / eval_samples) for k in range(eval_samples)})
 
 
-def split_indices(n: int, eval_samples: int, train: bool) -> list[int]:
+def split_indices(n: int, eval_samples: int | str, train: bool) -> list[int]:
     """Which of `n` sorted images of data.path a split takes when there is no data.eval_path:
-    the `holdout` for eval, the rest for training."""
+    the `holdout` for eval (eval_samples of them, or auto_eval_samples), the rest for training."""
+    if eval_samples == "auto":
+        eval_samples = auto_eval_samples(n)
     if eval_samples >= n:
         raise ConfigError(
             "data.eval_samples",
@@ -170,7 +189,7 @@ class ImageFolder(Dataset):
         image_size: int = 224,
         decode: str = "cpu",
         bad_files: str = "error",
-        eval_samples: int = 1000,
+        eval_samples: int | str = "auto",
         scale: tuple[float, float] = (0.08, 1.0),
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         eval_crop: float = 0.875,
@@ -205,7 +224,7 @@ class ImageFolder(Dataset):
             "GPU (nvJPEG; PNGs on the CPU)" if decode == "gpu" else "CPU (Pillow, in the workers)",
         )
 
-    def _split_files(self, path: str, eval_path: str, eval_samples: int):
+    def _split_files(self, path: str, eval_path: str, eval_samples: int | str):
         if eval_path and not self.train:
             check_layout("data.eval_path", eval_path, self.classes)
             return list_images(eval_path, self.classes)

@@ -111,7 +111,7 @@ class ImageShards(ImageFolder):
         self._maps_pid = -1
         super().__init__(split, path, eval_path, classes, **kwargs)
 
-    def _split_files(self, path: str, eval_path: str, eval_samples: int):
+    def _split_files(self, path: str, eval_path: str, eval_samples: int | str):
         key, root = ("data.path", path)
         if eval_path and not self.train:
             key, root = ("data.eval_path", eval_path)

@@ -122,9 +122,42 @@ class GPTModelConfig(ModelConfig):
 
 
 @dataclass
-class ResNetModelConfig(ModelConfig):
+class ClassifierConfig(ModelConfig):
+    """A model that scores classes: its head's size follows the data's classes."""
+
+    # Outputs of the head: auto (the data's classes: data.num_classes, data=image_folder's class
+    # folders, data.kwargs.num_classes for data=custom; the run's config.yaml records the
+    # number) or a number at least that.
+    num_classes: Any = "auto"
+
+    def follow_classes(self, data_classes: int | None, data_name: str) -> None:
+        """Resolve num_classes=auto from the data's classes (None: the data gives none), and
+        check that every label of the data has an output."""
+        if self.num_classes == "auto":
+            why = (
+                f"follows the data's classes (data.num_classes, the class folders of "
+                f"data=image_folder, data.kwargs.num_classes for data=custom), which "
+                f"{data_name} does not give; set model.num_classes"
+            )
+            _require(data_classes is not None, "model.num_classes", "auto", why)
+            self.num_classes = data_classes
+        elif data_classes is not None:
+            _require(
+                self.num_classes >= data_classes,
+                "model.num_classes",
+                self.num_classes,
+                f"is smaller than the data's {data_classes} classes; set model.num_classes=auto "
+                f"(follows the data) or at least {data_classes}",
+            )
+
+    def resolved(self) -> dict[str, Any]:
+        """What follow_classes decided, for the run's saved config."""
+        return {"num_classes": self.num_classes}
+
+
+@dataclass
+class ResNetModelConfig(ClassifierConfig):
     _target_: str = "mgpu.models.ResNet"
-    num_classes: int = 10
     block: str = "basic"  # basic | bottleneck
     layers: list[int] = field(default_factory=lambda: [1, 1, 1, 1])  # blocks per stage
     width: int = 16  # channels of the first stage
@@ -147,7 +180,7 @@ class ResNetModelConfig(ModelConfig):
             "is implemented for GPT's transformer blocks only, not for ResNet's residual "
             "stages; set model.activation_checkpointing=none",
         )
-        _positive("model.num_classes", self.num_classes, "10")
+        _auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
         _positive("model.width", self.width, "64")
         _require(
             self.block in ("basic", "bottleneck"),
@@ -167,16 +200,15 @@ class ResNetModelConfig(ModelConfig):
 
 
 @dataclass
-class MLPModelConfig(ModelConfig):
+class MLPModelConfig(ClassifierConfig):
     _target_: str = "mgpu.models.MLP"
     in_features: int = 3 * 32 * 32
-    num_classes: int = 10
     hidden: list[int] = field(default_factory=lambda: [256, 256])
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("model.in_features", self.in_features, "3072")
-        _positive("model.num_classes", self.num_classes, "10")
+        _auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
         _require(
             all(h > 0 for h in self.hidden),
             "model.hidden",

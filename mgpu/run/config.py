@@ -24,6 +24,7 @@ from mgpu.data.config import (
     TokenFileDataConfig,
 )
 from mgpu.models.config import (
+    ClassifierConfig,
     CustomModelConfig,
     GPTModelConfig,
     MLPModelConfig,
@@ -68,15 +69,27 @@ def check_dist_fits_trainer(dist_cfg: DistConfig, trainer: TrainerConfig) -> Non
 
 
 def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
-    """Resolve model.vocab_size=auto from the data, and catch a model/data pairing that would
-    only fail deep inside the first step."""
+    """Resolve model.vocab_size=auto and model.num_classes=auto from the data, and
+    data.seq_len=auto from the model; catch a model/data pairing that would only fail deep
+    inside the first step."""
+    classifier = isinstance(model, (ResNetModelConfig, MLPModelConfig))
+    if classifier and isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
+        raise ConfigError("data", "tokens", "an image model needs image data: data=images")
     if isinstance(data, ImageFolderDataConfig):
         _check_model_fits_folder(model, data)
+    # A user's dataset (data=custom) tells its vocabulary and classes by the kwargs it is built
+    # with, a user's model its context likewise.
+    custom = isinstance(data, CustomDataConfig)
+    if isinstance(model, ClassifierConfig) and not isinstance(data, ImageFolderDataConfig):
+        classes = data.kwargs.get("num_classes") if custom else getattr(data, "num_classes", None)
+        model.follow_classes(classes, data._target_)
+    if isinstance(data, TokenFileDataConfig):
+        is_gpt, is_custom = isinstance(model, GPTModelConfig), isinstance(model, CustomModelConfig)
+        context = model.block_size if is_gpt else None
+        data.follow_model(model.kwargs.get("block_size") if is_custom else context, model._target_)
     if isinstance(model, GPTModelConfig):
         if isinstance(data, ImageDataConfig):
             raise ConfigError("data", "images", "a GPT model needs token data, e.g. data=ngram")
-        # A user's dataset (data=custom) tells its vocabulary by the kwarg it is built with.
-        custom = isinstance(data, CustomDataConfig)
         vocab = data.kwargs.get("vocab_size") if custom else getattr(data, "vocab_size", None)
         model.follow_data(vocab, data._target_)
         if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
@@ -84,17 +97,8 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
                 data.seq_len <= model.block_size,
                 "data.seq_len",
                 data.seq_len,
-                f"exceeds model.block_size ({model.block_size}); lower it or raise that",
-            )
-    if isinstance(model, (ResNetModelConfig, MLPModelConfig)):
-        if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
-            raise ConfigError("data", "tokens", "an image model needs image data: data=images")
-        if isinstance(data, ImageDataConfig):
-            _require(
-                data.num_classes <= model.num_classes,
-                "model.num_classes",
-                model.num_classes,
-                f"is smaller than data.num_classes ({data.num_classes})",
+                f"exceeds model.block_size ({model.block_size}), the model's context; set "
+                "data.seq_len=auto (follows it), lower it, or raise model.block_size",
             )
     if isinstance(model, ResNetModelConfig) and isinstance(data, ImageDataConfig):
         _require(
@@ -124,13 +128,8 @@ def _check_model_fits_folder(model: ModelConfig, data: ImageFolderDataConfig) ->
     classes = len(data.classes)
     if isinstance(model, GPTModelConfig):
         raise ConfigError("data", "image_folder", "a GPT model needs token data, e.g. data=tokens")
-    if isinstance(model, (ResNetModelConfig, MLPModelConfig)):
-        _require(
-            model.num_classes >= classes,
-            "model.num_classes",
-            model.num_classes,
-            f"is smaller than the {classes} classes of data.path; set model.num_classes={classes}",
-        )
+    if isinstance(model, ClassifierConfig):
+        model.follow_classes(classes, f"data.path={data.path}")
     if isinstance(model, ResNetModelConfig):
         _require(model.in_channels == 3, "model.in_channels", model.in_channels, "must be 3 (RGB)")
     if isinstance(model, MLPModelConfig):
