@@ -269,6 +269,10 @@ def test_token_file_errors(tmp_path):
         TokenFile("train", str(odd), seq_len=8, eval_samples=2)
     with pytest.raises(ValueError, match="'test'"):
         TokenFile("test", high)
+    text = tmp_path / "corpus.txt"
+    text.write_text("words on a line\n" * 200)
+    with pytest.raises(ValueError, match=r"holds text.*mgpu\.data\.prepare .*corpus\.txt"):
+        TokenFile("train", str(text), seq_len=8, eval_samples=2)
 
 
 def test_token_file_pickles_into_workers(tmp_path):
