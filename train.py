@@ -14,7 +14,13 @@ STARTED_AT = time.time()  # goodput's start-up counts from here
 HELD_SIGTERMS: list[int] = []
 signal.signal(signal.SIGTERM, lambda signum, _frame: HELD_SIGTERMS.append(signum))
 
+import os
 import sys
+
+# A user's own model or dataset (model._target_=mypkg.nets.TwoLayer) is imported from the folder
+# the run starts in, as under `python -m`: a script's sys.path begins with the script's folder,
+# not the working directory. Second, so that mgpu's own modules win over a same-named folder.
+sys.path.insert(1, os.getcwd())
 
 from mgpu.runtime.orphan import end_with_agent
 
