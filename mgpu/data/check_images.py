@@ -5,7 +5,7 @@ into training (where `data.bad_files=error` stops the run at it, and `skip` repl
 A file counts as readable as data=image_folder reads it on the CPU: Pillow identifies it,
 decodes all of it and converts it to RGB. Every DIR is checked; exit 0 when every file is
 readable, 1 listing every one that is not, 2 where a DIR is not an image folder. It writes
-nothing.
+nothing. On a terminal a progress line comes every few seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import nullcontext
 from multiprocessing import Pool
 
 from PIL import Image
@@ -26,6 +27,7 @@ from mgpu.data.image_folder import (
     list_images,
     unreadable_line,
 )
+from mgpu.data.progress import Progress
 
 PROG = "python -m mgpu.data.check_images"
 
@@ -47,11 +49,13 @@ def check(root: str, workers: int) -> tuple[int, list[str]]:
     check_layout("DIR", root, classes)  # FolderError, said as a usage error
     files, _ = list_images(root, classes)
     workers = min(workers, len(files))
-    if workers == 1:
-        found = list(map(unreadable, files))
-    else:
-        with Pool(workers) as pool:
-            found = pool.map(unreadable, files, chunksize=64)
+    progress = Progress(f"{root}: checked", len(files), "images")
+    found = []
+    with Pool(workers) if workers > 1 else nullcontext() as pool:
+        results = pool.imap(unreadable, files, chunksize=64) if pool else map(unreadable, files)
+        for why in results:
+            found.append(why)
+            progress.update(len(found))
     return len(files), [why for why in found if why is not None]
 
 

@@ -4,6 +4,8 @@ metadata that says which tokenizer made it (mgpu.data.tokenizer).
 python -m mgpu.data.prepare INPUT.txt OUTPUT.bin                          # byte-level, vocab 256
 python -m mgpu.data.prepare INPUT.txt OUTPUT.bin --tokenizer tokenizer.json
 python -m mgpu.data.prepare INPUT.txt OUTPUT.bin --train-bpe 8192
+
+On a terminal a progress line comes every few seconds while the input is read.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mgpu.data.progress import Progress
 from mgpu.data.tokenizer import (
     BYTE_VOCAB,
     BYTES,
@@ -33,6 +36,7 @@ from mgpu.data.tokenizer import (
 )
 
 READ_CHUNK = 1 << 24  # bytes per read, so big inputs stream instead of loading whole
+MB = 10**6  # progress is counted in these
 PIECE = 1 << 20  # characters per piece a tokenizer encodes; pieces end at a line's end
 TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT .bin layout; must match mgpu.data.token_file
 
@@ -55,21 +59,31 @@ def write_ids(dst: str, chunks: Iterator[np.ndarray]) -> int:
     return n_tokens
 
 
+def reading(src: str, what: str) -> Progress:
+    """A progress line every few seconds (on a terminal) while `src` is read, in MB."""
+    return Progress(f"{what} {src}", os.path.getsize(src) // MB, "MB")
+
+
 def byte_ids(src: str) -> Iterator[np.ndarray]:
+    progress, offset = reading(src, "tokenizing"), 0
     with open(src, "rb") as fin:
         while chunk := fin.read(READ_CHUNK):
+            offset += len(chunk)
+            progress.update(offset // MB)
             yield np.frombuffer(chunk, dtype=np.uint8)
 
 
-def text_pieces(src: str) -> Iterator[str]:
+def text_pieces(src: str, what: str = "tokenizing") -> Iterator[str]:
     """The input's text in pieces of about PIECE characters, each ending at a line's end where
     the text has one. Each piece is encoded on its own, so no token spans two pieces: a
     tokenizer's output differs from encoding the text whole at most at each piece's end."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, rest = 0, ""
+    progress = reading(src, what)
     with open(src, "rb") as fin:
         while True:
             chunk = fin.read(READ_CHUNK)
+            progress.update((offset + len(chunk)) // MB)
             try:
                 rest += decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as err:
@@ -129,7 +143,9 @@ def prepare(args: argparse.Namespace) -> TokenMeta:
             os.remove(stale)
     tokenizer = None
     if args.train_bpe is not None:
-        tokenizer = train_bpe(text_pieces(args.input), args.train_bpe, tok_file)
+        tokenizer = train_bpe(
+            text_pieces(args.input, "training the BPE on"), args.train_bpe, tok_file
+        )
     elif given is not None:
         write_atomic(tok_file, given)  # the very file, so its sha256 is the user's file's
         tokenizer = JsonTokenizer(tok_file)

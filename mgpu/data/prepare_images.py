@@ -31,6 +31,7 @@ from mgpu.data.image_folder import (
     list_images,
 )
 from mgpu.data.image_shards import FORMAT, INDEX_NAME, SAMPLE_FIELDS, VERSION, shard_name
+from mgpu.data.progress import Progress
 
 PROG = "python -m mgpu.data.prepare_images"
 # What a run writes into DST, finished or not: removed before a run writes anew (--overwrite,
@@ -205,6 +206,8 @@ def prepare(args: argparse.Namespace) -> None:
     print(f"{PROG}: {len(files):,} images of {len(classes)} classes in {src}", flush=True)
     writer = ShardWriter(dst, int(args.shard_mb * 2**20))
     bad, kept, start = [], 0, time.monotonic()
+    # Between the shards' lines (a shard can take minutes), on a terminal only.
+    done = Progress(f"{PROG}: encoded", len(files), "images")
 
     def progress(shard: str | None, k: int) -> None:  # a line a shard: modest at any size
         if shard:
@@ -213,6 +216,7 @@ def prepare(args: argparse.Namespace) -> None:
 
     try:
         for k, result in enumerate(encoded(files, args)):
+            done.update(k + 1)
             if isinstance(result, str):
                 bad.append((os.path.relpath(files[k], src), result))
                 if args.bad_files == "error":

@@ -1,0 +1,87 @@
+"""Progress lines of the data commands: every few seconds on a terminal (a pseudo-terminal
+here), none when the output is piped, so scripts and logs read as before."""
+
+import io
+import os
+import pty
+import re
+import subprocess
+import sys
+
+import numpy as np
+from conftest import ROOT
+from PIL import Image
+
+from mgpu.data import progress
+from mgpu.data.progress import Progress
+
+# The command with progress lines at every update, so that a short run shows them.
+EVERY_UPDATE = "import sys, runpy, mgpu.data.progress as p; p.EVERY_S = 0; "
+EVERY_UPDATE += "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__')"
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_line_when_the_interval_has_passed_with_the_time_left():
+    now = [0.0]
+    out = Terminal()
+    bar = Progress("checked", 400, "images", stream=out, clock=lambda: now[0])
+    for done, at in [(50, 3.0), (100, progress.EVERY_S), (150, progress.EVERY_S + 1)]:
+        now[0] = at
+        bar.update(done)
+    # one line: the first update came too soon, the third too soon after the second
+    assert out.getvalue() == "checked: 100 of 400 images (25 %), 10 s, about 30 s left\n"
+
+
+def test_no_line_off_a_terminal():
+    out = io.StringIO()
+    bar = Progress("checked", 10, "images", stream=out, clock=lambda: 1e9)
+    bar.update(5)
+    assert out.getvalue() == ""
+
+
+def run(args: list[str], terminal: bool) -> str:
+    """`python -c EVERY_UPDATE module args`, its stdout a pseudo-terminal or a pipe."""
+    command = [sys.executable, "-c", EVERY_UPDATE, *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if not terminal:
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120).stdout
+    main, child = pty.openpty()
+    proc = subprocess.Popen(command, env=env, stdout=child, stderr=subprocess.DEVNULL)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    proc.wait(timeout=120)
+    os.close(main)
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def test_check_images_and_prepare_show_progress_on_a_terminal_only(tmp_path):
+    for name in ("ant", "bee"):
+        (tmp_path / "imgs" / name).mkdir(parents=True)
+        for k in range(3):
+            Image.new("RGB", (8, 8), (k, 2 * k, 3 * k)).save(tmp_path / "imgs" / name / f"{k}.png")
+    (tmp_path / "in.txt").write_bytes(np.full(3_000_000, ord("a"), np.uint8).tobytes())
+    for module, args, line in [
+        ("mgpu.data.check_images", [tmp_path / "imgs", "--workers", "1"], "checked: 6 of 6"),
+        ("mgpu.data.prepare", [tmp_path / "in.txt", tmp_path / "o.bin"], "of 3 MB (100 %)"),
+    ]:
+        args = [module, *map(str, args)]
+        piped, shown = run(args, terminal=False), run(args, terminal=True)
+        assert line in shown and line not in piped, (shown, piped)
+        # besides the progress lines, the output is the same (the time a check took aside)
+        assert same([t for t in shown.splitlines() if "%)" not in t]) == same(piped.splitlines())
+
+
+def same(lines: list[str]) -> list[str]:
+    return [re.sub(r"\(\d+ s\)", "(N s)", line) for line in lines]
