@@ -9,6 +9,10 @@
 # Each part has its own time limit (PART_TIMEOUT_S, default 240 s) so that one stuck part cannot
 # take the others with it; the exit status is the number of parts that failed.
 set -u
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+    sed -n '2,10s/^# \{0,1\}//p' "$0"
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 all=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 counts=("$@")

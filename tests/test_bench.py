@@ -99,7 +99,7 @@ def test_engines_one_at_a_time_with_micro_batches(tmp_path):
 
 
 def test_optim_step_quick_runs(tmp_path):
-    result = run([sys.executable, "bench/optim_step.py", "--quick"], tmp_path)
+    result = run([sys.executable, "bench/probes/optim_step.py", "--quick"], tmp_path)
     assert set(result["rows"]) == {"fused", "compiled"}
     assert all(r["ms"] > 0 for r in result["rows"].values())
     # the same arithmetic on the same gradients: the two sides' parameters agree
@@ -252,7 +252,7 @@ def test_profile_tables_group_kernels_by_what_bounds_a_step(monkeypatch):
 
 
 def test_fp8_layers_quick_times_bf16_and_each_fp8_variant(tmp_path):
-    result = run([sys.executable, "bench/fp8_layers.py", "--quick"], tmp_path)
+    result = run([sys.executable, "bench/probes/fp8_layers.py", "--quick"], tmp_path)
     runs = result["runs"]
     assert runs["bf16"]["ms"] > 0 and result["one_block_bf16"]["layers"] == 1
     if result["torchao"] is None:  # fp8 variants need torchao (pip install -e '.[fp8]')
@@ -268,7 +268,14 @@ def test_fp8_layers_times_the_dtype_layouts_over_micro_steps(tmp_path):
     """The layouts' own paths (bf16 stream, bf16 parameters, fp32 master weights fed by
     gradient hooks) train near bf16 over two micro-steps a step."""
     layouts = ["bf16_residual", "bf16_params", "bf16_params_fp32_grads"]
-    command = [sys.executable, "bench/fp8_layers.py", "--quick", "--accum", "2", "--variants"]
+    command = [
+        sys.executable,
+        "bench/probes/fp8_layers.py",
+        "--quick",
+        "--accum",
+        "2",
+        "--variants",
+    ]
     result = run([*command, "bf16", *layouts], tmp_path)
     runs = result["runs"]
     assert set(runs) == {"bf16", *layouts} and result["args"]["accum"] == 2
@@ -282,19 +289,32 @@ def test_fp8_layers_times_the_dtype_layouts_over_micro_steps(tmp_path):
     }
 
 
-def test_loss_probe_quick_compares_the_compiled_step_with_eager(tmp_path):
-    """bench/loss_probe.py's rows at the steps it probes: on the CPU (aot_eager, the fused
-    head's torch path) the compiled step's loss is the eager model's and the two heads agree."""
-    runs = ["fp32:model.residual=fp32", "stream:model.residual=autocast"]
-    result = run([sys.executable, "bench/loss_probe.py", "--quick", "--base",
-                  "trainer.precision=bf16", "--steps", "3", "--every", "2", "--runs", *runs],
-                 tmp_path)  # fmt: skip
-    assert set(result["runs"]) == {"fp32", "stream"}
-    for label, r in result["runs"].items():
-        probes = [s for s in r["steps"] if "compiled" in s]
-        assert [s["step"] for s in probes] == [0, 2], label
-        for s in probes:
-            assert s["compiled"] == pytest.approx(s["eager_fused"], rel=1e-5), (label, s)
-            assert s["eager_fused"] == pytest.approx(s["eager_logits"], rel=1e-4), (label, s)
-            assert s["grad_rel_err_median"] < 1e-3, (label, s)
-        assert all(s["train_loss"] > 0 for s in r["steps"])
+def scripts() -> list[str]:
+    """Every script of bench/ and bench/probes/, as its README row names it."""
+    found = [*(ROOT / "bench").glob("*.py"), *(ROOT / "bench").glob("*.sh")]
+    found += (ROOT / "bench" / "probes").glob("*.py")
+    return sorted(str(p.relative_to(ROOT / "bench")) for p in found)
+
+
+def test_every_benchmark_has_one_readme_row_and_a_help():
+    """Each script is listed once in bench/README.md, and each that runs (a __main__ guard; a
+    shell script) answers --help: read from the source, since running fifteen --help's, each
+    importing torch, would cost the suite a minute (test_docs runs those the guide names)."""
+    readme = (ROOT / "bench" / "README.md").read_text()
+    rows = {name: readme.count(f"\n| `{name}` |") for name in scripts()}
+    assert all(n == 1 for n in rows.values()), rows
+    no_help = []
+    for name in scripts():
+        source = (ROOT / "bench" / name).read_text()
+        if name.endswith(".sh"):
+            ok = '"--help"' in source
+        else:
+            ok = "__main__" not in source or "ArgumentParser(" in source
+        no_help += [] if ok else [name]
+    assert not no_help
+
+
+def test_a_shell_benchmark_answers_help():
+    proc = subprocess.run(["bash", "bench/scaling.sh", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and "bench/scaling.sh 8" in proc.stdout, proc.stderr

@@ -1,9 +1,9 @@
 """Which of GPT-2 XL's linear layers gain from fp8, under which torchao recipe: a few XL-wide
 blocks, compiled whole, one micro-batch of real shape, bf16 against fp8 variants in one process.
 
-    python bench/fp8_layers.py [--layers 4] [--batch 16] [--variants bf16 tensorwise ...]
-    python bench/fp8_layers.py --accum 8 --variants bf16 bf16_residual bf16_params ...
-    python bench/fp8_layers.py --quick        # tiny shapes on the CPU: checks the script only
+    python bench/probes/fp8_layers.py [--layers 4] [--batch 16] [--variants bf16 tensorwise ...]
+    python bench/probes/fp8_layers.py --accum 8 --variants bf16 bf16_residual bf16_params ...
+    python bench/probes/fp8_layers.py --quick   # tiny shapes on the CPU: checks the script only
 
 Each variant builds the same model (seed 0) at XL's width (1600, 25 heads, T=1024, vocabulary
 50304), converts its linear layers as trainer.fp8_recipe / trainer.fp8_skip would
@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))  # bench/engines.py imports its helpers from beside it
 
 from mgpu.models.gpt import GPT  # noqa: E402
 from mgpu.train import fp8  # noqa: E402

@@ -1,8 +1,8 @@
 """The optimizer's share of a training step on one GPU: global-norm clipping and the AdamW update
 over GPT-2-small's parameters, as mgpu runs them today against a torch.compile'd update.
 
-    python bench/optim_step.py [--model gpt2_small]
-    python bench/optim_step.py --quick       # a tiny GPT on the CPU: checks the script
+    python bench/probes/optim_step.py [--model gpt2_small]
+    python bench/probes/optim_step.py --quick       # a tiny GPT on the CPU: checks the script
 
 fused: what mgpu's Trainer does on one GPU (its optimizer from mgpu.optim.optimizer.build_optimizer,
 the model's optim.* and trainer.grad_clip): the gradients' global norm (one multi-tensor norm), the
@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))  # bench/engines.py imports its helpers from beside it
 
 from bench.engines import versions  # noqa: E402
 from bench.head_loss import events_ms as cuda_events_ms  # noqa: E402
