@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
-from conftest import ROOT
+from conftest import ROOT, run_train
 from PIL import Image
 
 from mgpu.data import progress
@@ -85,3 +85,12 @@ def test_check_images_and_prepare_show_progress_on_a_terminal_only(tmp_path):
 
 def same(lines: list[str]) -> list[str]:
     return [re.sub(r"\(\d+ s\)", "(N s)", line) for line in lines]
+
+
+def test_a_compiled_run_says_the_first_step_compiles_before_it_does(tmp_path):
+    args = ["trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.max_steps=2"]
+    args += ["trainer.log_every=1", "trainer.eval_every=0", "data.num_workers=0"]
+    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout.index("trainer.compile: the first step compiles the model (aot_eager")
+    assert said < proc.stdout.index("step 1/2"), proc.stdout

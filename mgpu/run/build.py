@@ -86,6 +86,13 @@ def build_parallel_model(cfg: Config, model: nn.Module, rt: Runtime) -> nn.Modul
             tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap, tc.grad_accum_steps
         )
         model = compile_model(model, tc.compile_backend, mode, overlap)
+        # torch.compile works inside the first step and prints nothing meanwhile: say so, or a
+        # large model looks hung for minutes before the first progress line.
+        log.info(
+            "trainer.compile: the first step compiles the model (%s mode %s); the first progress "
+            "line comes after it, minutes later for a large model (trainer.compile=false starts "
+            "at once)", tc.compile_backend, mode or "default",
+        )  # fmt: skip
     return wrap_model(model, cfg.dist, rt)
 
 
