@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from mgpu.data import TokenFile, decode_split
-from mgpu.data.config import TokenFileDataConfig
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
+from mgpu.data.token_config import TokenFileDataConfig
 from mgpu.data.tokenizer import UNDECODED, Tokenizer
 from mgpu.models.loss import cross_entropy
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore

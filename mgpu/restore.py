@@ -31,7 +31,7 @@ from mgpu.ckpt.checkpoint import (
 )
 from mgpu.ckpt.state import CheckpointMismatch, restore_model
 from mgpu.config.checks import ConfigError
-from mgpu.data.config import TokenFileDataConfig
+from mgpu.data.token_config import TokenFileDataConfig
 from mgpu.data.tokenizer import (
     BYTE_VOCAB,
     BYTES,

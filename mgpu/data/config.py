@@ -1,10 +1,10 @@
 """The data group's schemas (`data=...`): one per built-in dataset, plus a user's own; the loader
-keys (batch size, workers, prefetching) are shared by all of them in DataConfig."""
+keys (batch size, workers, prefetching) are shared by all of them in DataConfig. A token file's
+schema is mgpu.data.token_config's."""
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -28,18 +28,6 @@ from mgpu.data.image_folder import (
     count_images,
 )
 from mgpu.data.image_shards import load_index
-from mgpu.data.token_file import check_token_file, looks_like_text, max_token, text_error
-from mgpu.data.tokenizer import (
-    BYTES,
-    NONE,
-    UNDECODED,
-    TokenizerError,
-    TokenMeta,
-    load_tokenizer,
-    meta_path,
-    read_meta,
-    sha256_file,
-)
 
 log = logging.getLogger(__name__)
 
@@ -133,162 +121,6 @@ class ImageDataConfig(DataConfig):
         for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
             _positive(f"data.{key}", getattr(self, key), "a positive integer")
         _non_negative("data.noise", self.noise, "48")
-
-
-@dataclass
-class TokenFileDataConfig(DataConfig):
-    _target_: str = "mgpu.data.TokenFile"
-    path: str = MISSING  # uint16 tokens, nanoGPT .bin layout (`python -m mgpu.data.prepare`)
-    # Tokens a sample holds: auto (the model's context, model.block_size; the run's config.yaml
-    # records the number) or a number up to it.
-    seq_len: Any = "auto"
-    eval_samples: int = 256  # the file's last windows, held out for evaluation
-    # Every token id in the file is below this. auto: the size of the file's tokenizer.
-    vocab_size: Any = "auto"
-    # The tokenizer that made the file: auto (the one its metadata, PATH.meta.json, names), bytes
-    # (byte-level tokens), a tokenizer.json (for a file without metadata), or none (token ids
-    # only, e.g. nanoGPT's GPT-2 train.bin: data.vocab_size must be given; mgpu.evaluate
-    # reports the loss and perplexity, and mgpu.sample, having nothing to decode with,
-    # refuses). The run's config.yaml records what was found, and the run directory keeps a
-    # copy of the tokenizer.json (mgpu.sample and mgpu.evaluate decode with it). "": none
-    # recorded (a run saved before runs recorded their tokenizer).
-    tokenizer: str = "auto"
-    tokenizer_sha256: str = ""  # the tokenizer.json's sha256; found and recorded by mgpu
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _auto_or_positive_int("data.seq_len", self.seq_len, "the model's context, model.block_size")
-        _positive("data.eval_samples", self.eval_samples, "256")
-        _auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
-        self._resolve_tokenizer()
-        if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
-            self._check_ids()
-        if self.seq_len != "auto":  # else once the model's context is known (follow_model)
-            self._check_windows()
-
-    def follow_model(self, block_size: int | None, model_name: str) -> None:
-        """Resolve seq_len=auto from the model's context (None: the model gives none)."""
-        if self.seq_len != "auto":
-            return
-        why = (
-            f"follows the model's context (model.block_size; model.kwargs.block_size for "
-            f"model=custom), which {model_name} does not give; set data.seq_len"
-        )
-        _require(block_size is not None, "data.seq_len", "auto", why)
-        self.seq_len = block_size
-        self._check_windows()
-
-    def _check_windows(self) -> None:
-        """The file holds enough windows of seq_len + 1 tokens for the eval split and more."""
-        if os.path.isfile(self.path):
-            try:
-                check_token_file(self.path, self.seq_len, self.eval_samples)
-            except ValueError as err:
-                raise ConfigError("data.path", self.path, str(err)) from None
-
-    def _check_ids(self) -> None:
-        """Every token id has a row: an id at or above the vocabulary would fail deep in the
-        first step (or only on the batch that holds it), after the run directory exists."""
-        highest = max_token(self.path)
-        _require(
-            highest < self.vocab_size,
-            "data.vocab_size",
-            self.vocab_size,
-            f"is not above token id {highest}, which data.path={self.path} holds: set "
-            f"data.vocab_size to the size of the tokenizer that made the file (at least "
-            f"{highest + 1}), or prepare the file again with python -m mgpu.data.prepare",
-        )
-
-    def _resolve_tokenizer(self) -> None:
-        """auto from the file's metadata, a tokenizer.json given by path hashed, and the
-        metadata, where the file has one, checked against what is set. A saved config (every
-        value resolved) reads nothing but the metadata: its token file may be gone."""
-        given = self.tokenizer not in ("auto", BYTES, *UNDECODED) and not self.tokenizer_sha256
-        if (given or "auto" in (self.tokenizer, self.vocab_size)) and not os.path.isfile(self.path):
-            why = "no such file; make one from a text file with python -m mgpu.data.prepare"
-            raise ConfigError("data.path", self.path, why)
-        try:
-            meta = read_meta(self.path)
-        except TokenizerError as err:
-            raise ConfigError("data.path", self.path, str(err)) from None
-        if meta is None and os.path.isfile(self.path) and looks_like_text(self.path):
-            raise ConfigError("data.path", self.path, text_error(self.path))
-        if self.tokenizer == NONE:
-            why = (
-                "follows the file's tokenizer, and data.tokenizer=none names none: set "
-                "data.vocab_size to the number of token ids of the tool that made the file "
-                "(50257 for GPT-2's)"
-            )
-            _require(self.vocab_size != "auto", "data.vocab_size", "auto", why)
-        if self.tokenizer == "auto":
-            found = meta_path(self.path)
-            why = (
-                f"reads the file's tokenizer from {found}, which is missing (the file was not "
-                "made by python -m mgpu.data.prepare, or by an older one): prepare it again, or "
-                "set data.tokenizer=bytes (byte-level tokens), data.tokenizer=TOKENIZER.json, "
-                "or data.tokenizer=none data.vocab_size=N (token ids only; N=50257 for GPT-2's)"
-            )
-            _require(meta is not None, "data.tokenizer", "auto", why)
-            self.tokenizer = meta.tokenizer_path(self.path)
-            if self.tokenizer != BYTES:
-                self.tokenizer_sha256 = self._hash("data.tokenizer")
-        elif given:
-            self.tokenizer_sha256 = self._hash("data.tokenizer")
-        if meta is not None:
-            self._check_meta(meta)
-        if self.vocab_size == "auto":
-            why = "follows data.tokenizer, and none is recorded; set data.vocab_size"
-            _require(self.tokenizer not in UNDECODED, "data.vocab_size", "auto", why)
-            self.vocab_size = meta.vocab_size if meta else self._tokenizer_size()
-
-    def _tokenizer_size(self) -> int:
-        try:
-            return load_tokenizer(self.tokenizer).vocab_size
-        except TokenizerError as err:
-            raise ConfigError("data.tokenizer", self.tokenizer, str(err)) from None
-
-    def _hash(self, key: str) -> str:
-        _require(os.path.isfile(self.tokenizer), key, self.tokenizer, "no such file")
-        return sha256_file(self.tokenizer)
-
-    def _check_meta(self, meta: TokenMeta) -> None:
-        """What the file's metadata says against the file and what is set."""
-        size = os.path.getsize(self.path)
-        why = (
-            f"holds {size // 2:,} tokens, and its metadata ({meta_path(self.path)}) says "
-            f"{meta.tokens:,}: it was rewritten since; prepare it again"
-        )
-        _require(size == 2 * meta.tokens, "data.path", self.path, why)
-        theirs = meta.tokenizer if meta.tokenizer == BYTES else meta.tokenizer_sha256
-        ours = self.tokenizer if self.tokenizer == BYTES else self.tokenizer_sha256
-        _require(
-            ours == theirs,
-            "data.tokenizer",
-            self.tokenizer,
-            f"is not the tokenizer that made data.path={self.path} (its metadata names "
-            f"{meta.tokenizer_path(self.path)}, sha256 {meta.tokenizer_sha256[:12] or '-'}; "
-            f"this one's is {self.tokenizer_sha256[:12] or '-'}); prepare the file with this "
-            "one (python -m mgpu.data.prepare ... --tokenizer), or to train on the file's own "
-            "tokenizer leave data.tokenizer=auto",
-        )
-        if self.vocab_size != "auto":
-            _require(
-                self.vocab_size >= meta.vocab_size,
-                "data.vocab_size",
-                self.vocab_size,
-                f"is below the {meta.vocab_size} tokens of the file's tokenizer; set "
-                f"data.vocab_size=auto (follows the file) or at least {meta.vocab_size}",
-            )
-
-    def resolved(self) -> dict[str, Any]:
-        """What the file's metadata said, and the model's context, for the run's saved config."""
-        keys = ("seq_len", "vocab_size", "tokenizer", "tokenizer_sha256")
-        return {key: getattr(self, key) for key in keys}
-
-    def dataset_kwargs(self) -> dict[str, Any]:
-        kwargs = super().dataset_kwargs()
-        del kwargs["tokenizer"], kwargs["tokenizer_sha256"]  # the config's business, not the data's
-        return kwargs
 
 
 def _no_extra_classes(eval_path: str, found, classes: list[str], what: str, fix: str) -> None:

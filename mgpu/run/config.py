@@ -21,8 +21,8 @@ from mgpu.data.config import (
     ImageFolderDataConfig,
     ImageShardsDataConfig,
     NgramDataConfig,
-    TokenFileDataConfig,
 )
+from mgpu.data.token_config import TokenFileDataConfig
 from mgpu.models.config import (
     ClassifierConfig,
     CustomModelConfig,
