@@ -169,7 +169,7 @@ def test_workers_run_on_the_spare_cpus_under_keep_trainer_cores(keep):
     rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
     loader = build_dataloader(cfg, _Affinity(), rt, seed=0, train=False)
     # the setting reaches the workers on any host (a host of two CPUs narrows nothing)
-    assert loader.worker_init_fn.keywords == {"keep_trainer_cores": keep}
+    assert loader.worker_init_fn.keywords["keep_trainer_cores"] == keep
     seen = {tuple(batch[0].tolist()) for batch in loader}
     assert seen == {tuple(spare_cpus(mine) if keep else mine)}
     assert sorted(os.sched_getaffinity(0)) == mine

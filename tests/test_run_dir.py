@@ -190,6 +190,42 @@ def test_the_lock_names_its_holder_and_is_not_kept_by_forked_children(tmp_path):
     assert f"pid {os.getpid()}" in (tmp_path / LOCK_FILE).read_text()  # stays, naming the last
 
 
+# A rank 0 that takes the lock, then forks a child the way a DataLoader worker that hangs in
+# CPython's post-fork code is left: through libc's fork, which runs none of Python's at-fork
+# hooks. It prints the child's pid and waits to be killed; the child sleeps on as an orphan.
+HOLDER_WITH_STUCK_CHILD = textwrap.dedent(
+    """
+    import ctypes, sys, time
+    from mgpu.runtime.run_lock import acquire
+    acquire(sys.argv[1])
+    libc = ctypes.CDLL(None)
+    child = libc.fork()
+    if child == 0:
+        libc.sleep(60)
+        libc._exit(0)
+    print(child, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_dead_holders_lock_frees_itself_though_its_forked_child_lives_on(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", HOLDER_WITH_STUCK_CHILD, str(tmp_path)]
+    holder = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(RunDirInUse, match=rf"pid {holder.pid},"):
+            acquire(tmp_path)  # held while its holder lives
+        holder.kill()  # as the stall clock's os._exit or an OOM kill ends a rank 0
+        holder.wait()
+        assert alive(child)  # the orphan lives on, as the stuck worker did
+        release(acquire(tmp_path))  # and does not keep the directory from a relaunch
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
 # A parent that starts a worker calling end_with_agent (as under torchrun), prints its pid,
 # and waits; the worker records how it is tied to its parent.
 PARENT = textwrap.dedent(

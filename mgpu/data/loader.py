@@ -1,11 +1,23 @@
 """Input pipeline from config: the dataset, the pinned DataLoader over mgpu.data.sampler's rank
 shard, and the side-stream prefetcher (mgpu.data.prefetch.DeviceLoader) put in front of it.
+
+DataLoader workers come from a fork server (worker_context), never from a fork of the training
+process: that process runs threads (the stall clock, the parent watch, TensorBoard's writer,
+the backends' own), and a fork taken while one of them holds an interpreter lock leaves the
+child stuck in CPython's post-fork code for good (seen about once in 350 evaluation starts).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import multiprocessing
 import os
+import sys
+from dataclasses import dataclass
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
+from types import ModuleType
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -71,9 +83,56 @@ def build_dataloader(
         # and then; kept workers would hold processes and memory through all of training.
         persistent_workers=train and workers > 0,
         generator=torch.Generator().manual_seed(seed + rt.rank),
-        worker_init_fn=functools.partial(start_worker, keep_trainer_cores=cfg.keep_trainer_cores),
+        worker_init_fn=functools.partial(
+            start_worker, keep_trainer_cores=cfg.keep_trainer_cores, logs=log_targets()
+        ),
         collate_fn=getattr(dataset, "collate", None),  # a dataset's own batch type, if any
+        multiprocessing_context=worker_context(dataset) if workers > 0 else None,
     )
+
+
+# What the fork server imports once, before it forks any worker: with them in the server, a
+# worker starts in milliseconds (bench/README.md, worker start-up) instead of the seconds that
+# importing torch takes a new interpreter, which each evaluation's workers would pay again.
+WORKER_PRELOAD = ("torch", "numpy", "mgpu.data.loader")
+
+
+def entry_imports() -> list[str]:
+    """The modules the entry script (`__main__`) took its names from: those its top level
+    imports, e.g. train.py's hydra and mgpu.run.build."""
+    main = sys.modules.get("__main__")
+    names = []
+    for key, value in vars(main).items() if main is not None else ():
+        if key.startswith("__"):  # the interpreter's own: __builtins__, __loader__, __spec__
+            continue
+        name = (
+            value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+        )
+        if isinstance(name, str) and name in sys.modules and name != "builtins":
+            names.append(name)
+    return names
+
+
+def worker_context(dataset: Dataset) -> BaseContext:
+    """The start method of DataLoader workers: forkserver. The server is a new interpreter,
+    started once per training process (when its first loader is built) and single-threaded,
+    so the forks it makes cannot inherit a lock that another thread held; nor do they inherit
+    the training process's descriptors (its run lock included). The dataset and
+    worker_init_fn travel to each worker pickled, as under spawn. The preload is the server's
+    for its whole life: the first loader built (the training set's) sets it. The workers'
+    parent is the server, which ends with this process; torch's workers then end on their own
+    (they watch their parent)."""
+    ctx = multiprocessing.get_context("forkserver")
+    # A user's dataset's module too, and what the entry script imports: each worker runs the
+    # script's top level again as `__mp_main__` (as spawn's children do; how a dataset defined
+    # there reaches it), and with its imports preloaded that costs milliseconds, not seconds.
+    preload = [*WORKER_PRELOAD, type(dataset).__module__, *entry_imports()]
+    ctx.set_forkserver_preload(sorted({name for name in preload if name != "__main__"}))
+    # Started now, not on the first iteration: its imports (seconds of CPU) overlap with
+    # building the model. It starts by fork and exec in C (as subprocess does), with no Python
+    # run between them, so the threads here cannot leave it stuck either.
+    forkserver.ensure_running()
+    return ctx
 
 
 # Cores left to each training process by data.num_workers=auto: its Python thread that launches
@@ -89,11 +148,58 @@ def spare_cpus(allowed: list[int], keep: int = TRAINER_CORES) -> list[int]:
     return allowed[keep:] if len(allowed) > keep else allowed
 
 
-def start_worker(worker_id: int, keep_trainer_cores: bool = False) -> None:
-    """Each DataLoader worker's first act: SIGTERM and SIGUSR1 left to the trainer, and under
-    `keep_trainer_cores` its CPUs narrowed to spare_cpus (the training process, which forked
-    it, keeps the whole set)."""
+@dataclass(frozen=True)
+class LogTarget:
+    """One of the training process's log handlers, as a worker makes it again: a file (the
+    rank's log) or a console stream, with its level and format."""
+
+    path: str | None
+    stream: str | None  # "stdout" or "stderr", where path is None
+    level: int
+    formatter: logging.Formatter | None
+
+
+def log_targets() -> tuple[int, tuple[LogTarget, ...]]:
+    """The root logger's level and the handlers a worker writes to as its trainer does."""
+    root, targets = logging.getLogger(), []
+    for handler in root.handlers:
+        if isinstance(handler, logging.FileHandler):
+            target = LogTarget(handler.baseFilename, None, handler.level, handler.formatter)
+        elif type(handler) is logging.StreamHandler and handler.stream in (sys.stdout, sys.stderr):
+            stream = "stdout" if handler.stream is sys.stdout else "stderr"
+            target = LogTarget(None, stream, handler.level, handler.formatter)
+        else:
+            continue
+        targets.append(target)
+    return root.level, tuple(targets)
+
+
+def log_like_the_trainer(logs: tuple[int, tuple[LogTarget, ...]]) -> None:
+    """A worker's log lines (a replaced image, a dataset's warning) go where its trainer's go.
+    A forked worker inherited the handlers; one from the fork server starts with none."""
+    level, targets = logs
+    root = logging.getLogger()
+    root.setLevel(level)
+    for target in targets:
+        if target.path is not None:  # appended to, beside the trainer's own lines
+            handler: logging.Handler = logging.FileHandler(target.path, encoding="utf-8")
+        else:
+            handler = logging.StreamHandler(getattr(sys, target.stream))
+        handler.setLevel(target.level)
+        handler.setFormatter(target.formatter)
+        root.addHandler(handler)
+
+
+def start_worker(
+    worker_id: int,
+    keep_trainer_cores: bool = False,
+    logs: tuple[int, tuple[LogTarget, ...]] = (logging.WARNING, ()),
+) -> None:
+    """Each DataLoader worker's first act: SIGTERM and SIGUSR1 left to the trainer, its log
+    lines sent where the trainer's go, and under `keep_trainer_cores` its CPUs narrowed to
+    spare_cpus (the training process keeps the whole set)."""
     leave_preemption_to_the_trainer(worker_id)
+    log_like_the_trainer(logs)
     if keep_trainer_cores:
         os.sched_setaffinity(0, spare_cpus(sorted(os.sched_getaffinity(0))))
 

@@ -29,6 +29,8 @@ import time
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# The pid of the torchrun worker that armed the ties, inherited by the processes it starts
+WORKER_PID = "MGPU_WORKER_PID"
 CHECK_EVERY_S = 2.0
 
 
@@ -64,6 +66,11 @@ def end_with_agent(environ: dict[str, str] | None = None) -> str | None:
     "parent watch"), or None outside torchrun."""
     environ = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in environ:  # set by torchrun's agent for its workers only
+        return None
+    if environ.setdefault(WORKER_PID, str(os.getpid())) != str(os.getpid()):
+        # A process the worker started that runs train.py's top level again (a DataLoader
+        # worker imports it as __mp_main__): its parent is the worker, not the agent, and a
+        # watch thread would make the DataLoader fork server a threaded process.
         return None
     parent = os.getppid()
     how = "prctl" if _set_parent_death_signal() else "parent watch"

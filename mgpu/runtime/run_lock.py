@@ -2,22 +2,30 @@
 as its process lives, and a launch that finds the lock held stops before any work (exit code 2),
 naming the directory, the holder and the fix.
 
-Why flock(2): the kernel drops the lock when the holder's last descriptor of the file closes, and
-that happens however its process ends (exit, crash, SIGKILL, the OOM killer), so no dead run can
-leave the directory locked, and after a torchrun restart (`--max-restarts`), whose agent ends
-the old workers before it starts new ones, the new rank 0 takes the lock again. The file stays
-behind; it is never removed, since a process waiting on a removed file would lock a different
-file than the next one to create it. Its text only names the last holder.
+Why a POSIX record lock (fcntl F_SETLK, what `fcntl.lockf` takes): it belongs to the process that
+took it, not to the open file, so the kernel drops it when that process ends however it ends
+(exit, crash, SIGKILL, the OOM killer), and no process forked from it ever holds it. flock(2),
+used before, belongs to the open file, which a fork shares: a DataLoader worker that hung in
+CPython's post-fork code (before any at-fork hook could close its copy) lived on as an orphan
+after its trainer died and kept the lock, and every relaunch was refused naming a dead pid.
+After a torchrun restart (`--max-restarts`), whose agent ends the old workers before it starts
+new ones, the new rank 0 takes the lock again. The file stays behind; it is never removed,
+since a process waiting on a removed file would lock a different file than the next one to
+create it. Its text only names the last holder.
+
+The hazard of record locks: closing ANY descriptor of the file drops this process's lock on it,
+whichever descriptor took it. So this process opens run.lock once, through acquire(), and a
+second acquire() of a directory it already holds is refused without opening the file again.
 
 Held by global rank 0 alone, not by every node's local rank 0: all ranks of a run resolve one run
 directory (mgpu.runtime.dist.check_same_config), and one holder per run means the lock never has to
 tell this run's processes from another's. On a filesystem shared between nodes, whether a launch
-on another node sees the lock is the filesystem's business: the Linux NFS client emulates flock
-with byte-range locks kept by the server, so every client sees it (unless mounted with
-`local_lock=flock` or `nolock`, which keep locks on one node); a lock whose node crashed (not
-just its process) is freed when the server's lease for that client expires (NFSv4: about 90 s).
-Lustre shares flock only when mounted with `-o flock` (`localflock` keeps it per node, neither
-fails it). Where the filesystem refuses flock, the run goes on unguarded, with a warning.
+on another node sees the lock is the filesystem's business: NFS keeps record locks on the server
+(NLM for v3, the protocol itself for v4), so every client sees them unless mounted with
+`local_lock=posix` or `nolock`; a lock whose node crashed (not just its process) is freed when
+the server's lease for that client expires (NFSv4: about 90 s). Lustre shares them only when
+mounted with `-o flock` (`localflock` keeps them per node). Where the filesystem refuses locks,
+the run goes on unguarded, with a warning.
 """
 
 from __future__ import annotations
@@ -43,19 +51,8 @@ LOCK_FILE = "run.lock"
 # dead worker's memory being released, a slow filesystem) gets this long.
 RESTART_WAIT_S = 30.0
 
-# Lock files of the run directories this process holds, closed in every process forked from it
-# (DataLoader workers): flock belongs to the open file, which a fork shares, and a worker
-# outliving its parent by a few seconds would keep the lock from a restarted rank 0.
-_held: set[int] = set()
-
-
-def _close_held() -> None:
-    for fd in _held:
-        os.close(fd)  # the child's copy only: the parent's lock stays
-    _held.clear()
-
-
-os.register_at_fork(after_in_child=_close_held)
+# The run directories whose lock this process holds, and the descriptor that holds each.
+_held: dict[Path, int] = {}
 
 
 class RunDirInUse(RunStopped):
@@ -81,29 +78,33 @@ def _refusal(run_dir: Path, holder: str, waited: float) -> str:
 
 def acquire(run_dir: Path, wait_s: float = 0.0) -> int | None:
     """The run directory's lock, taken by this process: the lock file's descriptor, kept open
-    while the run lives (release() lets go sooner). None where the filesystem refuses flock.
+    while the run lives (release() lets go sooner). None where the filesystem refuses locks.
     Raises RunDirInUse, naming the holder, when another process keeps it for `wait_s`."""
-    path = Path(run_dir) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path = (Path(run_dir) / LOCK_FILE).resolve()
     start = time.monotonic()
+    while path in _held:  # opening it again and closing that copy would drop the lock (above)
+        if time.monotonic() - start >= wait_s:
+            raise RunDirInUse(_refusal(run_dir, _holder(_held[path]), wait_s))
+        time.sleep(0.2)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file, from offset 0
             break
-        except BlockingIOError:  # EWOULDBLOCK: held, by another open file of it
-            if time.monotonic() - start >= wait_s:
+        except OSError as err:
+            if err.errno not in (errno.EACCES, errno.EAGAIN):  # ENOLCK, ENOSYS, EOPNOTSUPP
+                os.close(fd)
+                log.warning(
+                    "%s: the filesystem refuses file locks (%s), so a second launch on this "
+                    "run directory would not be stopped; make sure none runs",
+                    path, errno.errorcode.get(err.errno, err),
+                )  # fmt: skip
+                return None
+            if time.monotonic() - start >= wait_s:  # held by another process
                 holder = _holder(fd)
                 os.close(fd)
                 raise RunDirInUse(_refusal(run_dir, holder, wait_s)) from None
             time.sleep(0.2)
-        except OSError as err:  # ENOLCK, ENOSYS, EOPNOTSUPP: no flock on this filesystem
-            os.close(fd)
-            log.warning(
-                "%s: the filesystem refuses file locks (%s), so a second launch on this run "
-                "directory would not be stopped; make sure none runs",
-                path, errno.errorcode.get(err.errno, err),
-            )  # fmt: skip
-            return None
     waited = time.monotonic() - start
     if waited > 0.5:
         log.info("took %s after %.1f s (the attempt before this restart let go)", path, waited)
@@ -111,14 +112,15 @@ def acquire(run_dir: Path, wait_s: float = 0.0) -> int | None:
     holder = f"rank 0 on host {socket.gethostname()}, pid {os.getpid()}, since {since}"
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{holder}\n".encode(), 0)
-    _held.add(fd)
+    _held[path] = fd
     return fd
 
 
 def release(fd: int | None) -> None:
-    if fd is not None and fd in _held:
-        _held.discard(fd)
-        os.close(fd)  # the lock goes with the last descriptor of the open file
+    for path, held in list(_held.items()):
+        if held == fd:
+            del _held[path]
+            os.close(fd)  # closing a descriptor of the file drops this process's lock on it
 
 
 def leave_logs_of(run_dir: Path) -> None:
