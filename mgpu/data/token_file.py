@@ -26,6 +26,8 @@ def max_token(path: str) -> int:
 
 @functools.lru_cache(maxsize=8)
 def _max_token(path: str, n_tokens: int, mtime_ns: int) -> int:
+    if n_tokens == 0:
+        return -1  # no token at all: an empty file cannot be mapped (and is refused elsewhere)
     data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", shape=(n_tokens,))
     try:
         # Chunked so a multi-GB file never needs to be resident at once.
