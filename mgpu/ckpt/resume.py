@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import secrets
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ class CheckpointPlan:
     keep_last: int
     token: str  # the same on every rank of one launch, new for each (checkpoint.staging_dir)
     config: str  # the resolved config, as YAML
+    max_failed_saves: int = 3  # failed saves in a row before the run stops (ckpt.*)
 
 
 def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded | None, str]:
@@ -97,11 +99,16 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
             raise error or CheckpointError(path, why)
         why = error or f"{path}: unreadable on another rank (its log says why)"
         log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", why)
-        older = None
+        older, error = None, None
         if rt.is_primary:
-            older = _newest_valid(Path(root), below=step_number(Path(path)))
+            try:
+                older = _newest_valid(Path(root), below=step_number(Path(path)))
+            except CheckpointError as err:  # none older: every rank stops, not rank 0 alone
+                error = (str(err.file), err.check)
         with waiting(rt.rank, "agreeing on an older checkpoint to resume from"):
-            path = broadcast_object(str(older) if older else None, rt)
+            path, error = broadcast_object((str(older) if older else None, error), rt)
+        if error is not None:
+            raise CheckpointError(*error)
     return None, token
 
 
@@ -115,9 +122,14 @@ def resolve_resume(setting: str, root: Path, *, restarted: bool = False) -> Path
     (another run's): pruning would delete this run's checkpoints first, and a restart would
     resume from the other run's.
     """
-    if setting == "auto" or restarted:
-        path = _newest_valid(Path(root))
-        if path is not None or setting == "auto":
+    if setting == "auto":
+        return _newest_valid(Path(root))
+    if restarted:
+        try:
+            path = _newest_valid(Path(root))
+        except CheckpointError:  # none valid: the setting (never, or a path) decides
+            path = None
+        if path is not None:
             return path
     start = None if setting == "never" else _checkpoint_in(Path(setting))
     step = 0 if start is None else verify(start)["step"]
@@ -158,12 +170,32 @@ def _newest_valid(root: Path, below: int | None = None) -> Path | None:
     for problem in problems:
         log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", problem)
     skipped = problems or below is not None
+    if path is None and skipped:
+        # A fresh start here would train over a damaged run from step 0 and exit 0: only
+        # when asked. (Said by rank 0 in one line; the checkpoints stay for inspection.)
+        first = problems[0] if problems else "none of them could be loaded on every rank"
+        raise CheckpointError(
+            root,
+            f"holds checkpoints but none is valid (the newest: {first}); restore them, or "
+            "start this run again from step 0 with ckpt.resume=never",
+        )
     if path is None:
-        level = logging.WARNING if skipped else logging.INFO
-        log.log(level, "ckpt.resume=auto: no valid checkpoint under %s", root)
+        log.info("ckpt.resume=auto: no valid checkpoint under %s", root)
     elif skipped:
         log.warning("ckpt.resume=auto: resuming from an OLDER checkpoint, %s", path)
     return path
+
+
+def free_space(path: Path) -> str:
+    """The space free on `path`'s filesystem (its nearest existing directory), for a message."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError as err:
+        return f"unknown space ({err.strerror})"
+    return f"{free / 2**20:,.1f} MiB"
 
 
 def check_same_data(loaded: Loaded, sampler: ShardedSampler) -> None:
@@ -256,6 +288,7 @@ class Checkpointer:
 
     def __init__(self, plan: CheckpointPlan, rt: Runtime, *, seed: int, loaded: Loaded | None):
         self.plan, self.rt = plan, rt
+        self._failed_in_row = 0  # the same on every rank: each save's outcome is agreed
         self._rng_state: dict | None = None  # a checkpoint's RNG states, restored by fit
         self._reseed: int | None = None  # or, resuming on another world size, a fresh seed
         if loaded is None:
@@ -306,7 +339,9 @@ class Checkpointer:
         if all_ok(error is None, rt):  # barrier: sealed (or not) before anyone goes on
             if rt.is_primary:
                 prune(plan.root, plan.keep_last)
+            self._failed_in_row = 0
             return path
+        self._failed_in_row += 1
         if error is not None:
             log.error("checkpoint at step %d failed on rank %d: %s", step, rt.rank, error)
         else:
@@ -314,6 +349,14 @@ class Checkpointer:
         if required:
             raise CheckpointError(step_dir(plan.root, step), "not saved (errors above)")
         kept = newest_kept(plan.root)
+        if self._failed_in_row >= plan.max_failed_saves:  # every rank: the count is agreed
+            raise CheckpointError(
+                plan.root,
+                f"the last {self._failed_in_row} saves failed (ckpt.max_failed_saves="
+                f"{plan.max_failed_saves}), {free_space(plan.root)} free there; newest "
+                f"checkpoint: {kept or 'none'}. Free space, or resume in a run directory "
+                "elsewhere (hydra.run.dir=PATH ckpt.resume=<this run directory>)",
+            )
         if kept is not None:
             log.warning("training goes on; %s stays the newest checkpoint", kept)
         else:

@@ -283,10 +283,17 @@ class CheckpointConfig:
     # directory (its newest valid checkpoint), or one checkpoint (<run dir>/checkpoints/step-N).
     # After a torchrun restart the newest valid one in the run dir comes first, whatever this is.
     resume: str = "auto"
+    # Saves that may fail in a row (a full disk, a lost mount) before the run stops, naming the
+    # directory and its free space: training on with no checkpoint would lose every step.
+    max_failed_saves: int = 3
 
     def __post_init__(self) -> None:
         _non_negative("ckpt.every", self.every, "100 (0: only the final checkpoint)")
         _positive("ckpt.keep_last", self.keep_last, "3")
+        _positive("ckpt.max_failed_saves", self.max_failed_saves, "3")
+        if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
+            why = "does not exist; name a run directory or one of its checkpoints"
+            _require(False, "ckpt.resume", self.resume, why)
         ok = self.resume in ("auto", "never") or os.path.isdir(self.resume)
         why = (
             "must be auto, never, a run directory (its newest valid checkpoint) or one of its "

@@ -303,7 +303,10 @@ def build_run(
     board = build_board(run_dir, rt, root, loaded)
     recorder = build_recorder(cfg, rt, board, model, train_set, mfu, goodput)
     tc = cfg.trainer
-    plan = CheckpointPlan(root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text)
+    plan = CheckpointPlan(
+        root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text,
+        max_failed_saves=cfg.ckpt.max_failed_saves,
+    )  # fmt: skip
     trainer = Trainer(
         tc,
         model,
