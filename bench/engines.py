@@ -75,6 +75,7 @@ class Lever:
     wrap: Callable[[nn.Module, DistConfig, Any], nn.Module] = wrap_model
     whole_compile: bool = False  # with --compile: the whole model as one graph
     preemptible: bool = False  # a Preemption takes part: the per-step agreement runs
+    graphs: bool | None = None  # trainer.cuda_graphs for this lever; None: the run's --graphs
 
 
 def ddp_bf16_compressed(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
@@ -112,6 +113,9 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # static graph fails on the micro-steps that skip the reduction)
     "torch_ddp_view": Lever(DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True)),
     "mgpu": Lever(DistConfig(engine=Engine.mgpu)),
+    # trainer.cuda_graphs=true: the step replayed as CUDA graphs with the reducer's bucket
+    # reductions recorded inside the backward (mgpu.train.graphs; one micro-batch a step)
+    "mgpu_graphs": Lever(DistConfig(engine=Engine.mgpu), graphs=True),
     # ZeRO-1 in the reducer: reduce-scatter, each rank steps 1/N, all-gather (mgpu.comm.shard)
     "mgpu_sharded": Lever(DistConfig(engine=Engine.mgpu, shard_optimizer=True)),
     # levers, measured one at a time against "mgpu": the wire dtype and the bucket size
@@ -240,7 +244,15 @@ def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Modul
     return torch.compile(model)  # torch DDP splits the graph at its buckets itself
 
 
-def build(name: str, engine: str, rt, use_compile: bool, models: dict = MODELS, accum: int = 1):
+def build(
+    name: str,
+    engine: str,
+    rt,
+    use_compile: bool,
+    models: dict = MODELS,
+    accum: int = 1,
+    graphs: str | bool = "auto",
+):
     factory, _, _, optim = models[name]
     torch.manual_seed(0)
     model = factory().to(rt.device)
@@ -250,15 +262,15 @@ def build(name: str, engine: str, rt, use_compile: bool, models: dict = MODELS, 
     optimizer = build_optimizer(ocfg, model, rt.device)
     schedule = build_schedule(ocfg, optimizer, max_steps=10**6)
     spec = ENGINES[engine]
-    # The Trainer compiles the loss when compile is on (as train.py's does) and leaves it eager
-    # when off, so eager engines measure eager steps: without CUDA graphs too, which
-    # trainer.cuda_graphs=auto would give the unwrapped engines (none, none_agree) only.
+    # The Trainer compiles the loss when compile is on (as train.py's does) and replays steps
+    # as CUDA graphs where trainer.cuda_graphs (--graphs, or the lever's own) says: under auto
+    # the engines that train alone (one GPU's fastest path), as in train.py.
     precision = Precision.bf16 if rt.device.type == "cuda" else Precision.fp32
     tcfg = TrainerConfig(
         precision=precision,
         grad_clip=1.0,
         compile=use_compile,
-        cuda_graphs=False,
+        cuda_graphs=graphs if spec.graphs is None else spec.graphs,
         grad_accum_steps=accum,
     )
     if use_compile:
@@ -317,13 +329,13 @@ def free(model) -> None:
         model.reducer.remove()
 
 
-def peak_memory_gib(name, engine, rt, use_compile, batch, models, accum) -> float | None:
+def peak_memory_gib(name, engine, rt, use_compile, batch, models, accum, graphs) -> float | None:
     """Peak memory of one engine: its model, optimizer, gradients, buckets and activations,
     measured above whatever was allocated before it was built (None on a CPU)."""
     if rt.device.type != "cuda":
         return None
     before = memory_mark()
-    model, trainer = build(name, engine, rt, use_compile, models, accum)
+    model, trainer = build(name, engine, rt, use_compile, models, accum, graphs)
     timed(trainer, batch, 3)
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30
     free(model)
@@ -362,7 +374,7 @@ def one_at_a_time(name, engines, rt, args, models, batch):
     cuda = rt.device.type == "cuda"
     for e in engines:
         before = memory_mark() if cuda else 0
-        model, trainer = build(name, e, rt, args.compile, models, args.accum)
+        model, trainer = build(name, e, rt, args.compile, models, args.accum, args.graphs)
         timed(trainer, batch, args.warmup)
         for _ in range(args.rounds):
             samples.round(e, model, trainer, batch, args.steps)
@@ -384,9 +396,10 @@ def one_at_a_time(name, engines, rt, args, models, batch):
 def all_together(name, engines, rt, args, models, batch):
     """Every engine built up front and timed in interleaved rounds."""
     memory = {
-        e: peak_memory_gib(name, e, rt, args.compile, batch, models, args.accum) for e in engines
+        e: peak_memory_gib(name, e, rt, args.compile, batch, models, args.accum, args.graphs)
+        for e in engines
     }
-    built = {e: build(name, e, rt, args.compile, models, args.accum) for e in engines}
+    built = {e: build(name, e, rt, args.compile, models, args.accum, args.graphs) for e in engines}
     for _model, trainer in built.values():
         timed(trainer, batch, args.warmup)
     samples = Samples(engines)
@@ -540,6 +553,12 @@ def main() -> None:
         "--accum", type=int, default=1, help="micro-batches a step (trainer.grad_accum_steps)"
     )
     parser.add_argument(
+        "--graphs",
+        choices=["auto", "off"],
+        default="auto",
+        help="trainer.cuda_graphs for every engine without its own (auto: as train.py)",
+    )
+    parser.add_argument(
         "--one-at-a-time",
         action="store_true",
         help="build, time and free each engine in turn (models whose engines do not fit together)",
@@ -563,6 +582,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    args.graphs = "auto" if args.graphs == "auto" else False
     if args.accum < 1:
         parser.error(f"--accum {args.accum}: a step takes at least one micro-batch")
     if len(set(args.engines)) < len(args.engines) and not args.one_at_a_time:
@@ -589,6 +609,7 @@ def main() -> None:
                 "steps": args.steps,
                 "rounds": args.rounds,
                 "accum": args.accum,
+                "graphs": args.graphs,
                 "one_at_a_time": args.one_at_a_time,
             }
             report(rows, meta, args)

@@ -2,6 +2,10 @@
 rank 0) trained with dist.engine=mgpu (with dist.shard_optimizer=true given "shard") and with
 torch DDP from the same start on the same batches; rank 0 prints the largest difference of
 parameters and buffers.
+"graphs": one micro-batch a step, the mgpu runs replayed as CUDA graphs with the reduction
+recorded inside (mgpu.train.graphs) against torch DDP uncaptured; "compiled": the GPT alone,
+compiled as train.py compiles it on several processes, replayed with the reduction inside against
+the same compiled model uncaptured (the reference sees the same kernels).
 Used by test_reducer_gpu.py, also under TORCH_CUDA_SANITIZER=1."""
 
 import sys
@@ -14,12 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mgpu.comm.engine import wrap_model  # noqa: E402
 from mgpu.comm.sharded_optim import ShardedOptimizer  # noqa: E402
 from mgpu.config.schema import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
-from mgpu.models import GPT, ResNet
+from mgpu.models import GPT, ResNet, compile_model  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
-from mgpu.runtime.dist import distributed  # noqa: E402
+from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
 from mgpu.train.trainer import Trainer  # noqa: E402
 
-STEPS, ACCUM = int(sys.argv[1]), 2
+GRAPHS = "graphs" in sys.argv[2:]
+COMPILED = "compiled" in sys.argv[2:]
+STEPS, ACCUM = int(sys.argv[1]), 1 if GRAPHS or COMPILED else 2
 # Two trainings compared to 1e-5: no TF32 and no nondeterministic convolution algorithms.
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cudnn.deterministic = True
@@ -53,13 +59,15 @@ def batch(model: str, g: torch.Generator, device: torch.device) -> list:
     return list(zip(images, labels, strict=True))
 
 
-def train(name: str, engine: Engine, rt) -> dict:
+def train(name: str, engine: Engine, rt, graphs: bool = False, compiled: bool = False) -> dict:
     torch.manual_seed(0)
     if name == "gpt":
         model = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     else:
         model = ResNet(num_classes=10, block="basic", layers=[1, 1, 1, 1], width=8)
     model = model.to(rt.device)
+    if compiled:
+        model = compile_model(model, "inductor", None)  # block by block, as on several processes
     ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     # tiny buckets: many buckets in flight at once, the hardest case for stream ordering
@@ -69,13 +77,13 @@ def train(name: str, engine: Engine, rt) -> dict:
     if shard:
         optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
     schedule = build_schedule(ocfg, optimizer, STEPS)
-    trainer = Trainer(
-        TrainerConfig(grad_accum_steps=ACCUM, precision=Precision.fp32),
-        model,
-        optimizer,
-        schedule,
-        rt,
+    tcfg = TrainerConfig(
+        grad_accum_steps=ACCUM, precision=Precision.fp32, compile=compiled, cuda_graphs=graphs
     )
+    trainer = Trainer(tcfg, model, optimizer, schedule, rt)
+    if graphs and rt.is_primary:  # what ran: the capture with the reduction inside
+        loss = trainer.forward_loss
+        print(f"{name}: {type(loss).__name__} reduces={getattr(loss, 'reduces', False)}")
     g = torch.Generator(device=rt.device).manual_seed(rt.rank)
     for _ in range(STEPS):
         trainer.train_step(iter(batch(name, g, rt.device)))
@@ -83,13 +91,23 @@ def train(name: str, engine: Engine, rt) -> dict:
     return {f"{name}.{k}": v.detach().double().clone() for k, v in state.items()}
 
 
-with distributed("nccl", timeout_s=120) as rt:
-    mine, ddp = {}, {}
-    for name in ("gpt", "resnet"):
-        mine.update(train(name, Engine.mgpu, rt))
-        ddp.update(train(name, Engine.torch_ddp, rt))
-    # Rank 0's values, buffers included (rank 1's last statistics are its own under DDP).
-    diff = max((mine[k] - v).abs().max().item() for k, v in ddp.items())
-    scale = max(v.abs().max().item() for v in ddp.values() if v.is_floating_point())
-    if rt.is_primary:
-        print(f"max_abs_diff={diff:.3e} max_abs_param={scale:.3e}")
+def main() -> None:
+    with distributed("nccl", timeout_s=120) as rt:
+        mine, ddp = {}, {}
+        for name in ("gpt",) if COMPILED else ("gpt", "resnet"):
+            if COMPILED:  # the reference: the same compiled model, uncaptured
+                mine.update(train(name, Engine.mgpu, rt, graphs=True, compiled=True))
+                ddp.update(train(name, Engine.mgpu, rt, compiled=True))
+                continue
+            mine.update(train(name, Engine.mgpu, rt, graphs=GRAPHS))
+            ddp.update(train(name, Engine.torch_ddp, rt))
+        # Rank 0's values, buffers included (rank 1's last statistics are its own under DDP).
+        diff = max((mine[k] - v).abs().max().item() for k, v in ddp.items())
+        scale = max(v.abs().max().item() for v in ddp.values() if v.is_floating_point())
+        if rt.is_primary:
+            print(f"max_abs_diff={diff:.3e} max_abs_param={scale:.3e}")
+
+
+# Ends without the teardown of torch's communication threads, as train.py does: a process
+# that captured NCCL collectives in CUDA graphs hung there once its work was done.
+exit_process(main)

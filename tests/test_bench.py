@@ -69,6 +69,21 @@ def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
     assert rows["mgpu_sharded"]["exposed_comm_ms"] is not None
 
 
+def test_scaling_quick_writes_efficiency_and_ddp_ratios_per_job(tmp_path):
+    """bench/scaling.py on the CPU: one torchrun of engines.py per model and mode, summarized
+    as the ratios of the steps its jobs measured (recomputed here from the rows)."""
+    scaling = [sys.executable, "bench/scaling.py", "--quick", "--models", "gpt2_small"]
+    record = run(scaling, tmp_path)
+    assert {j["key"] for j in record["jobs"]} == {"gpt2_small_compiled_2", "gpt2_small_eager_2"}
+    for job in record["jobs"]:
+        steps = {r["engine"]: r["step_ms"] for r in job["rows"]}
+        key = job["key"]
+        mgpu = steps[record["engine"][key]]
+        assert record["efficiency"][key] == pytest.approx(steps["none"] / mgpu, rel=1e-3)
+        ddp = min(steps["torch_ddp"], steps["torch_ddp_tuned"])
+        assert record["vs_ddp"][key] == pytest.approx(ddp / mgpu, rel=1e-3)
+
+
 def test_engines_one_at_a_time_with_micro_batches(tmp_path):
     """GPT-2 XL's path (engines that do not fit a GPU together): each engine built, timed and
     freed in turn, several micro-batches a step; a step's tokens count every micro-batch."""

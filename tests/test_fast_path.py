@@ -16,7 +16,7 @@ from mgpu.models import GPT, ResNet, compile_mode, compile_model
 from mgpu.optim.optimizer import build_optimizer, build_schedule, param_groups
 from mgpu.run.config import to_config
 from mgpu.runtime.dist import Runtime
-from mgpu.train.graphs import ModelLoss, unreplayed_hooks, use_graphs
+from mgpu.train.graphs import ModelLoss, reduction_in_graphs, unreplayed_hooks, use_graphs
 from mgpu.train.trainer import Trainer
 
 CPU = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
@@ -168,12 +168,30 @@ def test_cuda_graphs_auto_replays_uncompiled_unwrapped_models_on_gpus_only():
     assert to_config(compose_config("trainer.cuda_graphs=false")).trainer.cuda_graphs is False
 
 
+def test_cuda_graphs_record_mgpus_reductions_only_when_asked():
+    """A model whose reducer the capture can record replays under true (compiled block by block
+    or not) and stays uncaptured under auto; recompute of checkpointed blocks still refuses."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for compiled in (False, True):
+        assert use_graphs(True, cuda, compiled, wrapped=True, captures_reduction=True)
+        assert not use_graphs("auto", cuda, compiled, wrapped=True, captures_reduction=True)
+    assert not use_graphs(False, cuda, False, wrapped=True, captures_reduction=True)
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        use_graphs(True, cuda, False, wrapped=True, checkpointed=2, captures_reduction=True)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        use_graphs(True, cpu, False, wrapped=True, captures_reduction=True)
+    # what reduction_in_graphs refuses before asking the reducer: no mgpu wrapper, one process,
+    # micro-batches, or CUDA graphs of torch.compile's own
+    plain = torch.nn.Linear(2, 2)
+    assert not reduction_in_graphs(plain, distributed=True, accum=1, own_graphs=False)
+
+
 @pytest.mark.parametrize(
     "device, compiled, wrapped, needle",
     [
         ("cpu", False, False, "needs a CUDA device (this run is on cpu)"),
         ("cuda", True, False, "set trainer.compile=false or trainer.cuda_graphs=auto"),
-        ("cuda", False, True, "could not reduce gradient buckets while backward runs"),
+        ("cuda", False, True, "only with dist.engine=mgpu on several processes"),
     ],
 )
 def test_cuda_graphs_true_where_they_cannot_run_says_why(device, compiled, wrapped, needle):

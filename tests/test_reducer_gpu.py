@@ -18,7 +18,9 @@ pytestmark = [
 WORKER = Path(__file__).with_name("reducer_worker.py")
 
 
-def run_worker(steps: int, env: dict, *extra: str) -> subprocess.CompletedProcess:
+def run_worker(
+    steps: int, env: dict, *extra: str, timeout: int = 600
+) -> subprocess.CompletedProcess:
     import os
 
     cmd = [
@@ -32,14 +34,24 @@ def run_worker(steps: int, env: dict, *extra: str) -> subprocess.CompletedProces
         *extra,
     ]
     return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **NCCL_ENV, **env}
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **NCCL_ENV, **env}
     )
 
 
-@pytest.mark.parametrize("extra", [(), ("shard",)], ids=["mgpu", "mgpu_sharded"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("shard",), ("graphs",), ("compiled",)],
+    ids=["mgpu", "mgpu_sharded", "mgpu_graphs", "mgpu_compiled_graphs"],
+)
 def test_mgpu_matches_torch_ddp_over_nccl(extra):
-    proc = run_worker(20, {}, *extra)
+    """The captured variants (trainer.cuda_graphs=true) printed equal parameters on 2 H200s but
+    their processes then hung in the process group's teardown (bench/README.md, "Reductions
+    inside CUDA graphs"): their bound is short, so that the hang fails the test in minutes."""
+    captured = extra in (("graphs",), ("compiled",))
+    proc = run_worker(20, {}, *extra, timeout=240 if captured else 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if captured:  # the path under test did run
+        assert "GraphedLoss reduces=True" in proc.stdout, proc.stdout
     diff, scale = map(
         float, re.search(r"max_abs_diff=(\S+) max_abs_param=(\S+)", proc.stdout).groups()
     )

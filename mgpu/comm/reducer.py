@@ -103,6 +103,13 @@ class GradReducer:
         hook = self._on_grad_ready
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
 
+    def capturable(self) -> bool:
+        """Whether a CUDA graph can record this reducer's work for every later step
+        (mgpu.train.graphs): the same buckets reduced in the same order each step. Not under
+        dist.shard_optimizer (its shards are gathered after the optimizer, outside the step's
+        backward) nor dist.find_unused (which parameters get no gradient may change per step)."""
+        return self.cuda and self.shards is None and not self.find_unused
+
     def take_exposed(self) -> list:
         """The (backward end, communication end) marks of the synchronised steps since the last
         call (CUDA events, or host times on CPU), for telemetry; the reducer forgets them."""
@@ -338,24 +345,37 @@ class GradReducer:
             self._finish_reductions()
 
     def _finish_reductions(self) -> None:
-        start = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-        if self.cuda:
-            start.record()  # backward compute is done here (compute stream)
-            # The buffers were last written by this step's forwards: read them after this.
-            self.stream.wait_event(start)
-            with torch.cuda.stream(self.stream):
-                self._wait_all()
-                self._broadcast_buffers()
-            # The optimizer and the next backward, queued later on the compute stream, run
-            # only after every reduction and copy-back has finished.
-            torch.cuda.current_stream().wait_stream(self.stream)
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        else:
+        if not self.cuda:
+            start = time.perf_counter()
             self._wait_all()
             self._broadcast_buffers()
-            end = time.perf_counter()
-        self.exposed.append((start, end))
+            self.exposed.append((start, time.perf_counter()))
+            self._done()
+            return
+        # A backward that a CUDA graph records (mgpu.train.graphs) follows the same stream rules
+        # without the timing marks: a timed event cannot be recorded into a graph. The graph
+        # holds the buckets' addresses from then on, so their layout never changes again (no
+        # relayout in the observed gradient order).
+        captured = torch.cuda.is_current_stream_capturing()
+        start = torch.cuda.Event(enable_timing=not captured)
+        start.record()  # backward compute is done here (compute stream)
+        # The buffers were last written by this step's forwards: read them after this.
+        self.stream.wait_event(start)
+        with torch.cuda.stream(self.stream):
+            self._wait_all()
+            self._broadcast_buffers()
+        # The optimizer and the next backward, queued later on the compute stream, run only
+        # after every reduction and copy-back has finished.
+        torch.cuda.current_stream().wait_stream(self.stream)
+        if captured:
+            self.observed = None
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.exposed.append((start, end))
+        self._done()
+
+    def _done(self) -> None:
         self._reset()
         self.step_done = True
 

@@ -100,7 +100,9 @@ class TrainerConfig:
     # An uncompiled model's forward, loss and backward captured from the first batch and
     # replayed as CUDA graphs (mgpu.train.graphs): the eager kernels without launching each from
     # Python. auto: on a GPU, for a model that is not compiled nor wrapped for data parallelism
-    # (one process); true elsewhere is an error that says why.
+    # (one process). true on several processes with dist.engine=mgpu and one micro-batch a step
+    # also records the gradient reductions into the replayed backward (compiled block by block
+    # too); true where neither holds is an error that says why.
     cuda_graphs: Any = "auto"
     # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
     # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.

@@ -29,7 +29,7 @@ from mgpu.ckpt.resume import Checkpointer, check_resumable
 from mgpu.ckpt.state import restore_training_state, training_state
 from mgpu.comm.engine import MgpuDataParallel, local_module, sync_gradients, unwrap
 from mgpu.comm.sharded_optim import ShardedOptimizer
-from mgpu.config.schema import Precision, TrainerConfig
+from mgpu.config.schema import CUDA_GRAPH_MODES, Precision, TrainerConfig
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.sampler import DataCursor, advance, epochs
 from mgpu.models import compile_mode
@@ -47,7 +47,7 @@ from mgpu.telemetry.timing import StepTimer
 from mgpu.train import watchdog
 from mgpu.train.feed import Feed, first_batch_everywhere
 from mgpu.train.fp8 import check_fp8
-from mgpu.train.graphs import GraphedLoss, ModelLoss, use_graphs
+from mgpu.train.graphs import GraphedLoss, ModelLoss, reduction_in_graphs, use_graphs
 from mgpu.train.guard import NonFiniteGuard
 from mgpu.train.numerics import autocast_dtype, training_loss
 from mgpu.train.update import Update, build_scaler
@@ -110,11 +110,13 @@ class Trainer:
         compiled = cfg.compiles(rt.device.type)
         # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
         checkpointed = getattr(unwrap(model), "checkpointed", 0)
-        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed)
+        own_graphs = compiled and mode in CUDA_GRAPH_MODES
+        reduces = reduction_in_graphs(model, rt.distributed, cfg.grad_accum_steps, own_graphs)
+        graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed, reduces)
         # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
-        # graphs (mgpu.train.graphs).
+        # graphs (mgpu.train.graphs), with mgpu's gradient reduction inside where it can be.
         self.forward_loss = (
-            GraphedLoss(model, loss_fn, self.amp_dtype, required=cfg.cuda_graphs is True)
+            GraphedLoss(model, loss_fn, self.amp_dtype, cfg.cuda_graphs is True, reduces)
             if graphs
             else ModelLoss(model, loss_fn)
         )

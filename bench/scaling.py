@@ -1,0 +1,173 @@
+"""Data-parallel scaling of one host in one command: each model trained by mgpu on 2 and 4 GPUs
+(every count up to the GPUs the machine has), beside the same GPUs each training alone (the one-GPU
+step, measured in the same job) and torch DDP, compiled and eager.
+
+    python bench/scaling.py                       # GPT-2-small and ResNet-50, all GPU counts
+    python bench/scaling.py --models gpt2_small --gpus 2 --modes compiled
+    python bench/scaling.py --xl                  # GPT-2 XL too (experiment=gpt2_xl's micro-batch)
+    python bench/scaling.py --quick               # tiny models on the CPU over gloo: checks it
+
+Each job is one `torchrun bench/engines.py` (mgpu's Trainer, wrappers and compile as train.py
+builds them, batches already on the GPU, so the figures are compute and communication, not
+input): engine `none` is every GPU training alone, mgpu's fastest one-GPU path (the whole model
+compiled with CUDA graphs, or the eager step replayed as CUDA graphs); `mgpu` is data parallelism
+as train.py runs it by default (trainer.cuda_graphs=auto), `mgpu_graphs` with
+trainer.cuda_graphs=true (the step replayed as CUDA graphs with the reductions inside; not on
+the CPU of --quick); `torch_ddp` and `torch_ddp_tuned` are torch's DistributedDataParallel
+(compiled whole by torch.compile under --compile, eager otherwise).
+
+Writes bench/results/scaling-<device>-<time>.json: the machine, versions and commit, every job's
+rows (each engine's step times, peak memory, exposed communication), and two summaries keyed
+`<model>_<compiled|eager>_<gpus>`: "efficiency" (the one-GPU step over mgpu's step),
+"vs_ddp" (the faster torch DDP step over mgpu's step), both for mgpu's faster setting, which
+"engine" names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ENGINES = ["none", "mgpu", "mgpu_graphs", "torch_ddp", "torch_ddp_tuned"]
+MODES = ("compiled", "eager")
+
+
+def engines(quick: bool) -> list[str]:
+    """The engines of a job: CUDA graphs need a GPU, so --quick leaves mgpu_graphs out."""
+    return [e for e in ENGINES if not (quick and e == "mgpu_graphs")]
+
+
+def gpu_count(quick: bool) -> int:
+    if quick:
+        return 2
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], dict, str]:
+    """One torchrun of engines.py: its rows and metadata, and how it ended ('ok' or why not)."""
+    xl = model == "gpt2_xl"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={gpus}", str(HERE / "engines.py"),
+        "--models", model, "--engines", *(args.xl_engines if xl else engines(args.quick)),
+        "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+        "--out", str(out), "--tag", f"{model}-{mode}-x{gpus}",
+    ]  # fmt: skip
+    if mode == "compiled":
+        cmd.append("--compile")
+    if xl:
+        cmd += ["--accum", str(args.xl_accum), "--one-at-a-time"]
+    if args.quick:
+        cmd.append("--quick")
+    env = dict(os.environ)
+    if not args.quick:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
+    print(f"=== {model} {mode} on {gpus} GPU(s): {' '.join(cmd[2:])}", flush=True)
+    before = set(out.glob("engines-*.json"))
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=args.job_timeout_s, text=True)
+    except subprocess.TimeoutExpired:
+        return [], {}, f"timed out after {args.job_timeout_s} s"
+    written = sorted(set(out.glob("engines-*.json")) - before)
+    if proc.returncode != 0 or not written:
+        return [], {}, f"exit {proc.returncode}"
+    data = json.loads(written[-1].read_text())
+    rows = data.pop("rows")
+    return rows, data, "ok"
+
+
+def summarize(rows: list[dict], key: str, summary: dict) -> None:
+    """Efficiency and speed against torch DDP of mgpu's faster setting in one job's rows
+    (`mgpu`, trainer.cuda_graphs=auto, or `mgpu_graphs`, true), and which one it was."""
+    by_engine = {r["engine"]: r["step_ms"] for r in rows}
+    mine = {e: ms for e, ms in by_engine.items() if e in ("mgpu", "mgpu_graphs")}
+    if not mine:
+        return
+    engine = min(mine, key=mine.__getitem__)
+    mgpu = mine[engine]
+    summary["engine"][key] = engine
+    if "none" in by_engine:
+        summary["efficiency"][key] = round(by_engine["none"] / mgpu, 4)
+    ddp = [ms for e, ms in by_engine.items() if e.startswith("torch_ddp")]
+    if ddp:
+        summary["vs_ddp"][key] = round(min(ddp) / mgpu, 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["gpt2_small", "resnet50"])
+    parser.add_argument("--xl", action="store_true", help="GPT-2 XL too, compiled, --xl-accum")
+    parser.add_argument("--xl-accum", type=int, default=4)
+    parser.add_argument("--xl-engines", nargs="+", default=["none", "mgpu", "torch_ddp_view"])
+    parser.add_argument("--gpus", nargs="+", type=int, help="GPU counts (default: 2, 4, ... all)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--job-timeout-s", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="tiny models on the CPU (gloo)")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args()
+    available = gpu_count(args.quick)
+    if available < 2:
+        parser.error(f"this machine has {available} GPU(s); scaling needs at least 2")
+    counts = args.gpus or sorted({n for n in (2, 4, 8) if n <= available} | {available})
+    too_many = [n for n in counts if n > available or n < 2]
+    if too_many:
+        parser.error(f"--gpus {too_many}: between 2 and the {available} GPUs this machine has")
+    jobs = [(m, n, mode) for m in args.models for mode in args.modes for n in counts]
+    if args.xl:
+        jobs += [("gpt2_xl", n, "compiled") for n in counts]
+    summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}}
+    results, meta, started = [], {}, time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, gpus, mode in jobs:
+            rows, job_meta, status = job(model, gpus, mode, args, Path(tmp))
+            key = f"{model}_{gpus}" if model == "gpt2_xl" else f"{model}_{mode}_{gpus}"
+            meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
+            results.append({"key": key, "status": status, **job_meta, "rows": rows})
+            summarize(rows, key, summary)
+    device = str(meta.get("device", "cpu")).replace(" ", "_")
+    record = {
+        "what": "bench/scaling.py: mgpu on N GPUs against each GPU alone and torch DDP, one job "
+        "per model, mode and GPU count",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "device": meta.get("device", "cpu"),
+        "gpus": available,
+        "torch": meta.get("torch"),
+        "nccl": meta.get("nccl"),
+        "git_commit": meta.get("git_commit"),
+        "env": meta.get("env", {}),
+        "wall_s": round(time.time() - started, 1),
+        **summary,
+        "jobs": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"scaling-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"\n{'key':<28} {'efficiency':>10} {'vs ddp':>7} {'mgpu engine':>12}  status")
+    for r in results:
+        k = r["key"]
+        eff, ddp = summary["efficiency"].get(k), summary["vs_ddp"].get(k)
+        print(
+            f"{k:<28} {eff if eff is not None else float('nan'):10.3f} "
+            f"{ddp if ddp is not None else float('nan'):7.3f} "
+            f"{summary['engine'].get(k, '-'):>12}  {r['status']}"
+        )
+    print(f"wrote {path} ({record['wall_s']:.0f} s)")
+    failed = [r["key"] for r in results if r["status"] != "ok"]
+    if failed:
+        sys.exit(f"jobs that did not finish: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
