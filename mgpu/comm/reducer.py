@@ -28,12 +28,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
 from mgpu.comm.buckets import Bucket, FlatBuffers, assign_buckets
+from mgpu.comm.groups import capped_group
 from mgpu.comm.shard import sharding
 from mgpu.config.schema import DistConfig, ReduceDtype
 from mgpu.runtime.dist import Runtime
@@ -78,7 +80,7 @@ class GradReducer:
         # One persistent stream per reducer: a stream per step would leak.
         self.stream = torch.cuda.Stream(device=rt.device) if self.cuda else None
         self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
-        self.group = group if group is not None else self._communicator(cfg.nccl_max_ctas)
+        self.group = group if group is not None else capped_group(rt, cfg.nccl_max_ctas)
         self.communicate = communicate
         self.sync_enabled = True
         self.step_done = True  # the last synchronised backward finished: next forward is new
@@ -105,9 +107,8 @@ class GradReducer:
 
     def capturable(self) -> bool:
         """Whether a CUDA graph can record this reducer's work for every later step
-        (mgpu.train.graphs): the same buckets reduced in the same order each step. Not under
-        dist.shard_optimizer (its shards are gathered after the optimizer, outside the step's
-        backward) nor dist.find_unused (which parameters get no gradient may change per step)."""
+        (mgpu.train.graphs): not under dist.shard_optimizer (its shards are gathered after the
+        optimizer) nor dist.find_unused (which parameters get no gradient may change)."""
         return self.cuda and self.shards is None and not self.find_unused
 
     def take_exposed(self) -> list:
@@ -125,23 +126,6 @@ class GradReducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-    def _communicator(self, max_ctas: int):
-        """The default group, or with dist.nccl_max_ctas a communicator of mgpu's own whose
-        kernels may occupy at most that many SMs, leaving the rest to backward's kernels.
-        Creating a group is a collective: every rank wraps its model at the same point."""
-        if max_ctas == 0:
-            return None
-        if self.rt.backend != "nccl":
-            raise ValueError(
-                f"dist.nccl_max_ctas={max_ctas} needs the nccl backend, not "
-                f"{self.rt.backend}; set dist.nccl_max_ctas=0"
-            )
-        if not self.rt.distributed:  # a world of one (dist.shard_optimizer): no communicator
-            return None
-        options = tdist.ProcessGroupNCCL.Options()
-        options.config.max_ctas = max_ctas
-        return tdist.new_group(backend="nccl", pg_options=options)
 
     def _build(self, order: list[int]) -> None:
         ordered = [self.params[i] for i in order]
@@ -338,44 +322,36 @@ class GradReducer:
         for b in self.buckets[self.next_launch :]:
             b.pending = 0  # unused parameters contribute their zeros
         self._launch_ready()
-        self._finish()
-
-    def _finish(self) -> None:
         with phase(REDUCE):  # the reductions' share that backward did not hide
             self._finish_reductions()
 
     def _finish_reductions(self) -> None:
-        if not self.cuda:
-            start = time.perf_counter()
+        # A backward that a CUDA graph records (mgpu.train.graphs) keeps these stream rules but
+        # not the timing marks (a timed event cannot be recorded into a graph); the graph holds
+        # the buckets' addresses, so they are never laid out again (observed order: none).
+        captured = self.cuda and torch.cuda.is_current_stream_capturing()
+        start = torch.cuda.Event(enable_timing=not captured) if self.cuda else time.perf_counter()
+        if self.cuda:
+            start.record()  # backward compute is done here (compute stream)
+            # The buffers were last written by this step's forwards: read them after this.
+            self.stream.wait_event(start)
+            with torch.cuda.stream(self.stream):
+                self._wait_all()
+                self._broadcast_buffers()
+            # The optimizer and the next backward, queued later on the compute stream, run
+            # only after every reduction and copy-back has finished.
+            torch.cuda.current_stream().wait_stream(self.stream)
+            end = None if captured else torch.cuda.Event(enable_timing=True)
+            if end is not None:
+                end.record()
+        else:
             self._wait_all()
             self._broadcast_buffers()
-            self.exposed.append((start, time.perf_counter()))
-            self._done()
-            return
-        # A backward that a CUDA graph records (mgpu.train.graphs) follows the same stream rules
-        # without the timing marks: a timed event cannot be recorded into a graph. The graph
-        # holds the buckets' addresses from then on, so their layout never changes again (no
-        # relayout in the observed gradient order).
-        captured = torch.cuda.is_current_stream_capturing()
-        start = torch.cuda.Event(enable_timing=not captured)
-        start.record()  # backward compute is done here (compute stream)
-        # The buffers were last written by this step's forwards: read them after this.
-        self.stream.wait_event(start)
-        with torch.cuda.stream(self.stream):
-            self._wait_all()
-            self._broadcast_buffers()
-        # The optimizer and the next backward, queued later on the compute stream, run only
-        # after every reduction and copy-back has finished.
-        torch.cuda.current_stream().wait_stream(self.stream)
+            end = time.perf_counter()
         if captured:
             self.observed = None
         else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
             self.exposed.append((start, end))
-        self._done()
-
-    def _done(self) -> None:
         self._reset()
         self.step_done = True
 
@@ -411,9 +387,4 @@ class GradReducer:
         self.next_launch = 0
 
 
-class _NoWork:
-    def wait(self) -> None:
-        pass
-
-
-_NO_WORK = _NoWork()  # what a bucket waits on when the reducer does not communicate
+_NO_WORK = SimpleNamespace(wait=lambda: None)  # a bucket's work when nothing is communicated

@@ -23,7 +23,6 @@ share one memory pool) and the backward replay writes it anew.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 
@@ -33,6 +32,7 @@ from torch import nn
 from mgpu.comm.engine import MgpuDataParallel
 from mgpu.config.checks import ConfigError
 from mgpu.runtime.dist import RunStopped
+from mgpu.train.replay_checks import difference, signature, unreplayed_hooks
 
 log = logging.getLogger(__name__)
 
@@ -126,57 +126,6 @@ class ModelLoss(nn.Module):
         return self.loss_fn(self.model(inputs), targets)
 
 
-def _signature(model: nn.Module, *tensors: torch.Tensor) -> tuple:
-    """What a replay assumes of a call: the batch's shapes, dtypes and devices; each module's
-    train/eval mode; which parameters take gradients; where the parameters and buffers live
-    (the graphs read and write those addresses: a tensor given new storage, as `p.data = ...`
-    or load_state_dict(assign=True) do, would be left behind)."""
-    return (
-        tuple((t.shape, t.dtype, t.device) for t in tensors),
-        tuple(m.training for m in model.modules()),
-        tuple(p.requires_grad for p in model.parameters()),
-        tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers())),
-    )
-
-
-def _difference(captured: tuple, now: tuple) -> str:
-    names = (
-        "batch shapes",
-        "a module's train/eval mode",
-        "which parameters take gradients",
-        "the storage of a parameter or buffer",
-    )
-    changed = [n for n, a, b in zip(names, captured, now, strict=True) if a != b]
-    batch = f": {now[0]} against {captured[0]}" if captured[0] != now[0] else ""
-    return ", ".join(changed) + batch
-
-
-def unreplayed_hooks(model: nn.Module) -> list[str]:
-    """Hooks a replay would not run as eager steps do: module hooks run while recording only, and
-    a hook on a parameter's gradient is recorded into the backward graph and then run again when
-    autograd accumulates the replayed gradient. torch lists neither publicly; these dicts are
-    what torch's own make_graphed_callables checks. (Hooks run after accumulation are fine.)"""
-    import torch.nn.modules.module as tm
-
-    found = [
-        f"global module {kind} hooks"
-        for kind, hooks in (
-            ("forward", tm._global_forward_hooks),
-            ("forward pre", tm._global_forward_pre_hooks),
-            ("backward", tm._global_backward_hooks),
-            ("backward pre", tm._global_backward_pre_hooks),
-        )
-        if hooks
-    ]
-    for name, m in model.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-            found.append(f"module hooks on {name or type(m).__name__}")
-    for name, p in model.named_parameters():
-        if p._backward_hooks:
-            found.append(f"a gradient hook on {name}")
-    return found
-
-
 WARMUP_STEPS = 3  # uncaptured steps before capturing, on a side stream (see _capture)
 
 
@@ -262,8 +211,8 @@ class GraphedLoss:
         if not self.captured:
             if not self._capture(inputs, targets):
                 return self.eager(inputs, targets)
-        signature = _signature(self.model, inputs, targets)
-        if signature != self.captured:
+        now = signature(self.model, inputs, targets)
+        if now != self.captured:
             # A graph replays fixed shapes, one train/eval mode, one set of parameters with
             # gradients, at fixed addresses. Training batches all have one shape (the loader
             # drops the last partial batch) and fit trains in train mode; a call that differs (a
@@ -273,7 +222,7 @@ class GraphedLoss:
             if self.reduces:
                 raise CaptureError(
                     "trainer.cuda_graphs: a training step differs from the captured one "
-                    f"({_difference(self.captured, signature)}); under data parallelism the "
+                    f"({difference(self.captured, now)}); under data parallelism the "
                     "captured step reduces the gradients, so every step must replay it. Train "
                     "on batches of one shape (data loaders drop ragged last batches), or set "
                     "trainer.cuda_graphs=false"
@@ -282,7 +231,7 @@ class GraphedLoss:
                 log.warning(
                     "trainer.cuda_graphs: a step differs from the captured one (%s); steps like "
                     "it run uncaptured",
-                    _difference(self.captured, signature),
+                    difference(self.captured, now),
                 )
                 self.warned = True
             return self.eager(inputs, targets)
@@ -321,7 +270,7 @@ class GraphedLoss:
                 "device). Set trainer.cuda_graphs=false to train it uncaptured."
             ) from err
         torch.cuda.set_rng_state(rng, inputs.device)
-        self.captured = _signature(self.model, inputs, targets)
+        self.captured = signature(self.model, inputs, targets)
         log.info(
             "trainer.cuda_graphs: %s and its loss captured as CUDA graphs for batches of %s",
             type(self.model).__name__,
