@@ -200,3 +200,22 @@ def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
         assert "memory/max_allocated_gib" in scalars and "throughput/mfu_pct" in scalars
     print(f"exposed comm ms/step: {exposed}")
     assert exposed["none"] > 2 * exposed["overlap"], exposed
+
+
+def test_breakdown_leaves_exposed_comm_out_where_the_reducer_left_no_marks():
+    """Host-time marks (seconds): one step of data 1-2, compute 2-10, optimizer 10-11. A reducer's
+    marks take exposed communication out of compute; a reducer that reduced inside replayed CUDA
+    graphs leaves none (an empty list), and the figure is left out rather than written as 0."""
+    from mgpu.telemetry.timing import Clock, Interval, breakdown
+
+    clock = Clock(torch.device("cpu"))
+
+    def interval(comm):
+        return Interval(1, 1, 0.1, None, 0.0, 11.0, comm=comm, marks=[[1.0, 2.0, 10.0, 11.0]])
+
+    hooks = breakdown(interval([(8.0, 10.0)]), clock)
+    assert hooks["exposed_comm"] == 2000.0 and hooks["compute"] == 6000.0
+    captured = breakdown(interval([]), clock)
+    assert "exposed_comm" not in captured and captured["compute"] == 8000.0
+    alone = breakdown(interval(None), clock)  # no reducer at all: nothing was communicated
+    assert alone["exposed_comm"] == 0.0 and alone["compute"] == 8000.0

@@ -13,6 +13,7 @@ TAGS = [
     "time/data_wait_pct",
     "time/exposed_comm_ms",
     "time/exposed_comm_pct",
+    "time/no_comm_efficiency",
     "time/data_host_wait_ms",
     "throughput/samples_per_sec",
     "throughput/samples_per_sec_per_device",
@@ -62,7 +63,16 @@ def test_two_process_run_trains_and_writes_one_run_directory(tmp_path):
         strict=True,
     ):
         assert 0 < wait_ms < step_ms and math.isclose(pct, 100 * wait_ms / step_ms, rel_tol=1e-3)
+    # the step against itself without its exposed communication, in TensorBoard and the line
+    for (_, eff), (_, exposed), (_, step_ms) in zip(
+        scalars["time/no_comm_efficiency"],
+        scalars["time/exposed_comm_ms"],
+        scalars["time/step_ms"],
+        strict=True,
+    ):
+        assert math.isclose(eff, (step_ms - exposed) / step_ms, rel_tol=1e-4)
     assert "loss" in proc.stdout and "tokens/s" in proc.stdout  # rank 0's progress line
+    assert "ms exposed" in proc.stdout and "of no-comm" in proc.stdout
 
 
 def test_python_without_torchrun_is_a_world_of_one(tmp_path):

@@ -240,6 +240,13 @@ class Recorder:
             for part, ms in breakdown(iv, self.clock).items():
                 values[f"time/{part}_ms"] = ms
                 values[f"time/{part}_pct"] = 100.0 * ms / step_ms
+            if iv.comm and "time/exposed_comm_ms" in values:
+                # The step against its own estimate without communication: the same step less
+                # the time the compute stream waited for the last gradient buckets. What NCCL's
+                # kernels take from backward's while they overlap is not in it (a lower bound
+                # on the cost of data parallelism, not the whole of it).
+                exposed = values["time/exposed_comm_ms"]
+                values["time/no_comm_efficiency"] = (step_ms - exposed) / step_ms
         elif iv.data_wait is not None:
             values["time/data_wait_ms"] = iv.data_wait.total_ms() / iv.steps
             values["time/data_wait_pct"] = 100.0 * values["time/data_wait_ms"] / step_ms
@@ -288,6 +295,11 @@ class Recorder:
         waited = ""
         if "time/data_wait_pct" in values:
             waited = f" | data {values['time/data_wait_pct']:.1f}%"
+        if "time/no_comm_efficiency" in values:  # several processes reducing from hooks
+            waited += (
+                f" | comm {values['time/exposed_comm_ms']:.1f} ms exposed, "
+                f"{values['time/no_comm_efficiency']:.3f} of no-comm"
+            )
         step_ms = values["time/step_ms"]
         eta = timedelta(seconds=round((self.max_steps - iv.step) * step_ms / 1e3))
         log.info(
