@@ -1,0 +1,543 @@
+"""A data-parallel step's time on paper, 1 to 64 nodes of 8 GPUs: the one-GPU step (measured)
+plus the gradient communication that overlap does not hide, checked against mgpu's measured
+multi-GPU points. No GPU needed.
+
+    python bench/scaling_model.py                      # the table, the check, recommendations
+    python bench/scaling_model.py --out                # and bench/results/scaling_model-*.json
+    python bench/scaling_model.py --step-ms gpt2_small=35.0 --nodes 1 4 16
+
+The model, per optimizer step and GPU (docs/scaling.md says it for users):
+- compute: the measured one-GPU step (COMPUTE below, with its source), the same on N GPUs;
+- communication: each bucket's all-reduce takes ALPHA + 2(n-1)/n * bytes / busbw on n GPUs,
+  busbw the NVLink bus bandwidth measured on 2 H200s at the bucket's size within a node, and at
+  most gpus_per_node * link * LINK_EFFICIENCY across nodes (a ring through one NIC per GPU);
+- overlap: buckets become ready evenly through the last micro-step's backward (BACKWARD_SHARE of
+  it) and reduce one after another; what ends after backward is exposed (always the last
+  bucket; for GPT, whose tied embedding's gradient completes only at backward's end, that whole
+  parameter);
+- slowdown: overlapped communication slows backward's kernels by SLOWDOWN ms per ms (NCCL's
+  kernels take SMs and memory bandwidth), a constant fitted to the measured points marked "fit".
+Gradient accumulation runs the reduction once per step of `accum` micro-steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BACKWARD_SHARE = 2 / 3  # backward's share of a micro-step (~2x the forward's FLOPs)
+LINK_EFFICIENCY = 0.9  # assumed: share of a NIC's line rate NCCL reaches (not measured here)
+ALPHA_MS = 0.02  # assumed: one all-reduce's fixed cost within a node
+ALPHA_HOP_MS = 0.01  # assumed: added per level of a tree across nodes (2 * log2 nodes levels)
+FIRST_BUCKET_MB = 1.0  # dist.first_bucket_mb's default
+GPUS_PER_NODE = 8
+# NCCL all_reduce bus bandwidth, 2 H200s over NVLink (docs: /work/shared/GPU.md, "Reference
+# figures (2 x H200...)"): MB -> GB/s; log-interpolated, held flat outside.
+NVLINK_BUSBW = ((16, 222.0), (64, 270.0), (256, 300.0), (1024, 330.0))
+SLOW_BUSBW = 27.0  # same with NCCL_P2P_DISABLE=1, "about 27 GB/s from 16 MB up" (GPU.md)
+
+
+@dataclass(frozen=True)
+class Model:
+    params: float  # parameters (= gradient elements)
+    last_params: float  # a parameter whose gradient completes only at backward's end
+    accum: int  # micro-steps a step
+    label: str
+
+
+MODELS = {
+    # GPT-2-small with GPT-2's vocabulary padded to 50304, tied embedding 50304 x 768
+    "gpt2_small": Model(124.4e6, 50304 * 768, 1, "GPT-2-small, 16 x 1024 a GPU"),
+    # experiment=gpt2_xl: 16 x 1024 a micro-step, 8 micro-steps, tied embedding 50304 x 1600
+    "gpt2_xl": Model(1.558e9, 50304 * 1600, 8, "GPT-2 XL, 16 x 1024 x 8 micro-steps"),
+    "resnet50": Model(25.56e6, 0.0, 1, "ResNet-50, B=128 a GPU"),
+}
+# The one-GPU step (ms) the table projects from: mgpu's own fastest one-GPU path on an H200
+# (issue #39's table, 4 x H200, train.py at 4e1094c: compiled GPT-2-small and ResNet-50; XL with
+# experiment=gpt2_xl).
+COMPUTE = {
+    "gpt2_small": (31.35, "issue #39: mgpu 1 GPU, GPT-2-small compiled, H200"),
+    "gpt2_xl": (2424.0, "issue #39: mgpu 1 GPU, experiment=gpt2_xl, H200"),
+    "resnet50": (20.15, "issue #39: mgpu 1 GPU, ResNet-50 compiled, H200"),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    wire_bytes: int = 4  # 4: dist.reduce_dtype=fp32, 2: bf16
+    bucket_mb: float = 25.0  # dist.bucket_cap_mb (fp32 gradient bytes)
+    accum: int | None = None  # trainer.grad_accum_steps (None: the model's own)
+    overlap: bool = True  # False: one reduction after backward (no hooks)
+    shard: bool = False  # dist.shard_optimizer: reduce-scatter + an all-gather not overlapped
+
+
+def nvlink_busbw(mb: float) -> float:
+    """GB/s at a message of `mb` MB, log-interpolated in the measured 2-GPU figures."""
+    pts = NVLINK_BUSBW
+    if mb <= pts[0][0]:
+        return pts[0][1]
+    for (m0, b0), (m1, b1) in zip(pts, pts[1:], strict=False):
+        if mb <= m1:
+            return b0 + (b1 - b0) * math.log(mb / m0) / math.log(m1 / m0)
+    return pts[-1][1]
+
+
+def allreduce_ms(
+    nbytes: float, n_gpus: int, nodes: int, link_gbps: float | None, intra: str = "nvlink"
+) -> float:
+    """One ring all-reduce of `nbytes` on `n_gpus` spread over `nodes` (link: Gb/s per GPU)."""
+    if n_gpus <= 1:
+        return 0.0
+    busbw = SLOW_BUSBW if intra == "slow" else nvlink_busbw(nbytes / 1e6)
+    if nodes > 1:
+        busbw = min(busbw, GPUS_PER_NODE * link_gbps / 8 * LINK_EFFICIENCY)
+    alpha = ALPHA_MS + ALPHA_HOP_MS * 2 * math.log2(nodes)
+    return alpha + 2 * (n_gpus - 1) / n_gpus * nbytes / (busbw * 1e9) * 1e3
+
+
+def buckets(model: Model, bucket_mb: float) -> list[float]:
+    """Gradient elements per bucket in the order they become ready (mgpu.comm.buckets: a small
+    first bucket, then buckets of the cap; a parameter larger than the cap alone)."""
+    rest, out = model.params - model.last_params, []
+    first = FIRST_BUCKET_MB * 1e6 / 4
+    cap = bucket_mb * 1e6 / 4
+    out.append(min(first, rest))
+    rest -= out[-1]
+    while rest > 0:
+        out.append(min(cap, rest))
+        rest -= out[-1]
+    if model.last_params:
+        out.append(model.last_params)
+    return out
+
+
+def ready_at(model: Model, sizes: list[float], window: float) -> list[float]:
+    """When each bucket's gradients are complete: evenly through backward by gradient elements
+    (an assumption), the late parameter (GPT's tied embedding) at backward's end."""
+    early, cum, out = model.params - model.last_params, 0.0, []
+    for i, e in enumerate(sizes):
+        late = model.last_params and i == len(sizes) - 1
+        cum += 0.0 if late else e
+        out.append(window if late or not early else window * cum / early)
+    return out
+
+
+def step(
+    model: Model,
+    compute_ms: float,
+    gpus: int,
+    nodes: int,
+    link_gbps: float | None,
+    s: Setting,
+    slowdown: float,
+    intra: str = "nvlink",
+) -> dict:
+    """Predicted step time (ms) on `gpus` GPUs and its parts; compute_ms is the one-GPU step at
+    the model's own accumulation, rescaled to the setting's."""
+    accum = s.accum or model.accum
+    compute = compute_ms * accum / model.accum
+    window = BACKWARD_SHARE * compute / accum  # the last micro-step's backward
+    sizes = buckets(model, s.bucket_mb)
+    times = [allreduce_ms(e * s.wire_bytes, gpus, nodes, link_gbps, intra) for e in sizes]
+    if s.shard:  # a reduce-scatter moves half an all-reduce's bytes; the all-gather the rest
+        times = [t / 2 for t in times]
+    total = sum(times)
+    if not s.overlap:
+        exposed, overlapped = total, 0.0
+    else:
+        done = 0.0
+        for ready, t in zip(ready_at(model, sizes, window), times, strict=True):
+            done = max(done, ready) + t
+        exposed = max(0.0, done - window)
+        overlapped = total - exposed
+    gather = 0.0
+    if s.shard:  # fp32 parameters all-gathered before the next forward, which waits for all
+        gather = sum(allreduce_ms(e * 4, gpus, nodes, link_gbps, intra) / 2 for e in sizes)
+    slow = slowdown * overlapped
+    ms = compute + exposed + slow + gather
+    return {
+        "step_ms": ms,
+        "compute_ms": compute,
+        "comm_ms": total + gather,
+        "exposed_ms": exposed + gather,
+        "overlapped_ms": overlapped,
+        "slowdown_ms": slow,
+        "efficiency": compute / ms,
+    }
+
+
+@dataclass(frozen=True)
+class Point:
+    """A measured efficiency (one GPU's step over the N-GPU step, same job) to check against."""
+
+    key: str
+    model: str
+    gpus: int
+    one_gpu_ms: float
+    measured: tuple[float, float]  # low, high (equal for one figure)
+    source: str
+    setting: Setting = Setting()
+    intra: str = "nvlink"
+    structure: float = 1.0  # the N-GPU path's compute over the one-GPU step, where measured
+    fit: bool = False  # used to fit SLOWDOWN
+    note: str = ""
+
+
+R2 = "README Scaling, 2 H200 NVLink, engines.py 2026-11-27"
+I39 = "issue #39, 4 H200 NVLink, train.py at 4e1094c"
+G2 = "GPU.md, 2 H200, plain scripts, torch DDP"
+SL = "bench/results/engines-slowlink-x4-*, 4 H200, NCCL_P2P_DISABLE=1, 2026-11-22"
+# mgpu_nocomm over each GPU alone, compiled GPT-2-small on 4 H200s (issue #39: 34.59 / 32.10):
+# the block-by-block compile of the multi-GPU path, before any communication.
+BLOCKS = 34.59 / 32.10
+GRAPHS = "the multi-GPU step drops the one-GPU CUDA graphs (launch-bound), not modelled"
+WHOLE = "compiled whole on N GPUs: gradients complete at backward's end, no overlap"
+BF16, NO_OVERLAP = Setting(wire_bytes=2), Setting(overlap=False)
+POINTS = [
+    Point("2gpu_gpt2_small_eager_graphs", "gpt2_small", 2, 37.70, (0.939, 0.939), R2, fit=True),
+    Point("2gpu_resnet50_eager_graphs", "resnet50", 2, 28.89, (0.975, 0.975), R2, fit=True),
+    Point(
+        "2gpu_slow_gpt2_small_ddp",
+        "gpt2_small",
+        2,
+        46.6,
+        (0.828, 0.828),
+        G2,
+        intra="slow",
+        fit=True,
+    ),
+    Point("2gpu_gpt2_small_eager_hooks", "gpt2_small", 2, 37.70, (0.922, 0.922), R2, note=GRAPHS),
+    Point("2gpu_resnet50_eager_hooks", "resnet50", 2, 28.89, (0.908, 0.908), R2, note=GRAPHS),
+    Point(
+        "2gpu_gpt2_small_compiled_graphs",
+        "gpt2_small",
+        2,
+        31.97,
+        (0.901, 0.901),
+        R2,
+        structure=BLOCKS,
+    ),
+    Point(
+        "2gpu_gpt2_small_compiled_hooks",
+        "gpt2_small",
+        2,
+        31.97,
+        (0.877, 0.877),
+        R2,
+        structure=BLOCKS,
+    ),
+    Point("2gpu_gpt2_small_ddp", "gpt2_small", 2, 46.6, (0.947, 0.956), G2),
+    Point("2gpu_resnet50_ddp", "resnet50", 2, 29.2, (0.924, 0.935), G2),
+    Point(
+        "2gpu_gpt2_small_no_overlap", "gpt2_small", 2, 46.6, (0.937, 0.943), G2, setting=NO_OVERLAP
+    ),
+    Point("2gpu_resnet50_no_overlap", "resnet50", 2, 29.2, (0.955, 0.958), G2, setting=NO_OVERLAP),
+    Point(
+        "2gpu_slow_gpt2_small_ddp_bf16",
+        "gpt2_small",
+        2,
+        46.6,
+        (0.861, 0.861),
+        G2,
+        setting=BF16,
+        intra="slow",
+    ),
+    Point(
+        "2gpu_slow_gpt2_small_no_overlap",
+        "gpt2_small",
+        2,
+        46.6,
+        (0.708, 0.708),
+        G2,
+        setting=NO_OVERLAP,
+        intra="slow",
+    ),
+    Point(
+        "2gpu_gpt2_xl_accum4",
+        "gpt2_xl",
+        2,
+        1235.0,
+        (0.967, 0.967),
+        "bench/README.md, 2 H200, engines.py --accum 4, 2026-11-26",
+        setting=Setting(accum=4),
+    ),
+    Point(
+        "4gpu_gpt2_small_compiled", "gpt2_small", 4, 31.35, (0.879, 0.879), I39, structure=BLOCKS
+    ),
+    Point(
+        "4gpu_gpt2_small_compiled_engines",
+        "gpt2_small",
+        4,
+        32.10,
+        (0.862, 0.862),
+        "issue #39, engines.py on the same 4 H200",
+        structure=BLOCKS,
+    ),
+    Point(
+        "4gpu_gpt2_small_compiled_engines_bf16",
+        "gpt2_small",
+        4,
+        32.10,
+        (0.883, 0.883),
+        "issue #39, engines.py on the same 4 H200",
+        setting=BF16,
+        structure=BLOCKS,
+    ),
+    Point("4gpu_gpt2_small_eager", "gpt2_small", 4, 36.7, (0.918, 0.918), I39, note=GRAPHS),
+    Point(
+        "4gpu_resnet50_compiled",
+        "resnet50",
+        4,
+        20.15,
+        (0.939, 0.939),
+        I39,
+        setting=NO_OVERLAP,
+        note=WHOLE,
+    ),
+    Point("4gpu_resnet50_eager", "resnet50", 4, 28.7, (0.80, 0.83), I39, note=GRAPHS),
+    Point("4gpu_gpt2_xl", "gpt2_xl", 4, 2424.0, (0.941, 0.941), I39),
+    Point("4gpu_slow_gpt2_small", "gpt2_small", 4, 45.65, (0.765, 0.766), SL, intra="slow"),
+    Point(
+        "4gpu_slow_gpt2_small_bf16",
+        "gpt2_small",
+        4,
+        45.65,
+        (0.849, 0.857),
+        SL,
+        setting=BF16,
+        intra="slow",
+    ),
+    Point("4gpu_slow_resnet50", "resnet50", 4, 29.76, (0.863, 0.863), SL, intra="slow"),
+    Point(
+        "4gpu_slow_resnet50_bf16",
+        "resnet50",
+        4,
+        29.76,
+        (0.908, 0.908),
+        SL,
+        setting=BF16,
+        intra="slow",
+    ),
+]
+
+
+def predict_point(p: Point, slowdown: float) -> dict:
+    """The model's step for a measured point: its own one-GPU step (times the path's measured
+    structural cost), on one node of p.gpus GPUs."""
+    model = MODELS[p.model]
+    own = p.one_gpu_ms * p.structure * model.accum / (p.setting.accum or model.accum)
+    r = step(model, own, p.gpus, 1, None, p.setting, slowdown, p.intra)
+    return {**r, "efficiency": p.one_gpu_ms / r["step_ms"]}
+
+
+def fit_slowdown(points: list[Point]) -> float:
+    """Least squares for the one constant: measured step = step at no slowdown + k * overlapped."""
+    num = den = 0.0
+    for p in points:
+        base = predict_point(p, 0.0)
+        measured_ms = p.one_gpu_ms / (sum(p.measured) / 2)
+        num += base["overlapped_ms"] * (measured_ms - base["step_ms"])
+        den += base["overlapped_ms"] ** 2
+    return max(0.0, num / den) if den else 0.0
+
+
+def check(slowdown: float) -> list[dict]:
+    rows = []
+    for p in POINTS:
+        pred = predict_point(p, slowdown)["efficiency"]
+        mid = sum(p.measured) / 2
+        err = 0.0 if p.measured[0] <= pred <= p.measured[1] else (pred - mid) / mid
+        rows.append(
+            {
+                "key": p.key,
+                "measured": list(p.measured),
+                "predicted": round(pred, 4),
+                "error": round(err, 4),
+                "fit": p.fit,
+                "source": p.source,
+                "note": p.note,
+            }
+        )
+    return rows
+
+
+TARGET = 0.90  # the efficiency below which accumulation is worth its larger global batch
+WIRES, CAPS, ACCUMS = (4, 2), (25.0, 50.0, 100.0, 200.0), (1, 2, 4, 8)
+
+
+def project(name: str, compute_ms: float, nodes: int, link: float, s: Setting, k: float) -> dict:
+    return step(MODELS[name], compute_ms, nodes * GPUS_PER_NODE, nodes, link, s, k)
+
+
+def recommend(name: str, compute_ms: float, nodes: int, link: float, k: float) -> dict:
+    """The settings the model favours: the fp32 wire and the default bucket unless another wins
+    more than 1 %; more micro-steps only while below TARGET (they change the global batch);
+    the sharded optimizer for XL's memory where its exposed all-gather costs under 2 %."""
+    model = MODELS[name]
+    best = None
+    for mult in ACCUMS:
+        accum = model.accum * mult
+        for wire in WIRES:
+            for cap in CAPS:
+                s = Setting(wire_bytes=wire, bucket_mb=cap, accum=accum)
+                eff = project(name, compute_ms, nodes, link, s, k)["efficiency"]
+                if best is None or eff > best[1] + 0.01:
+                    best = (s, eff)
+        if best[1] >= TARGET:
+            break
+    s, eff = best
+    sharded = project(name, compute_ms, nodes, link, replace(s, shard=True), k)["efficiency"]
+    shard = name == "gpt2_xl" and sharded >= eff - 0.02
+    return {
+        "dist.reduce_dtype": "bf16" if s.wire_bytes == 2 else "fp32",
+        "dist.bucket_cap_mb": s.bucket_mb,
+        "trainer.grad_accum_steps": s.accum,
+        "dist.shard_optimizer": shard,
+        "efficiency": round(sharded if shard else eff, 4),
+        "sharded_efficiency": round(sharded, 4),
+    }
+
+
+def table(compute: dict, nodes: list[int], links: list[float], k: float) -> list[dict]:
+    rows = []
+    for name, (ms, _) in compute.items():
+        for link in links:
+            for n in nodes:
+                base = project(name, ms, n, link, Setting(), k)
+                rows.append(
+                    {
+                        "model": name,
+                        "nodes": n,
+                        "gpus": n * GPUS_PER_NODE,
+                        "link_gbps": link,
+                        "default": round(base["efficiency"], 4),
+                        "exposed_ms": round(base["exposed_ms"], 2),
+                        "comm_ms": round(base["comm_ms"], 2),
+                        "recommended": recommend(name, ms, n, link, k),
+                    }
+                )
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\nPredicted efficiency, nodes of 8 GPUs (default: fp32 wire, 25 MB buckets, the model's")
+    print("accumulation; best: the recommended settings)")
+    print(
+        f"{'model':11s} {'Gb/s':>5s} {'nodes':>5s} {'comm ms':>8s} {'exposed':>8s} "
+        f"{'default':>8s} {'best':>6s}  settings"
+    )
+    for r in rows:
+        rec = r["recommended"]
+        how = " ".join(f"{k.split('.')[1]}={str(v).lower()}" for k, v in list(rec.items())[:4])
+        print(
+            f"{r['model']:11s} {r['link_gbps']:5g} {r['nodes']:5d} {r['comm_ms']:8.2f} "
+            f"{r['exposed_ms']:8.2f} {r['default']:8.3f} {rec['efficiency']:6.3f}  {how}"
+        )
+
+
+def print_check(rows: list[dict], k: float) -> None:
+    print(f"\nPredicted against measured (slowdown fitted to the 'fit' rows: {k:.3f} ms of compute")
+    print("per ms of overlapped communication); error is 0 inside a measured range")
+    for r in rows:
+        lo, hi = r["measured"]
+        meas = f"{lo:.3f}" if lo == hi else f"{lo:.3f}-{hi:.3f}"
+        flag = "  MISS >10%" if abs(r["error"]) > 0.10 else ""
+        fit = " fit" if r["fit"] else ""
+        note = f" ({r['note']})" if r["note"] else ""
+        err = 100 * r["error"]
+        print(f"{r['key']:40s} {meas:>11s} {r['predicted']:6.3f} {err:+6.1f}%{fit}{flag}")
+        print(f"    {r['source']}{note}")
+    print("No measured point crosses a network link yet (no GPU job has run on 2 nodes): the")
+    print("projections to 2-64 nodes rest on the assumed NIC efficiency and per-GPU NICs.")
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def parse_args() -> argparse.Namespace:
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(COMPUTE))
+    ap.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 8, 64])
+    ap.add_argument(
+        "--links",
+        nargs="+",
+        type=float,
+        default=[100, 200, 400],
+        help="network bandwidth per GPU, Gb/s",
+    )
+    ap.add_argument(
+        "--step-ms",
+        nargs="+",
+        default=[],
+        metavar="MODEL=MS",
+        help="a measured one-GPU step (at the model's own accumulation)",
+    )
+    ap.add_argument(
+        "--slowdown",
+        type=float,
+        default=None,
+        help="compute ms per overlapped comm ms (default: fitted)",
+    )
+    ap.add_argument(
+        "--out",
+        nargs="?",
+        type=Path,
+        const=HERE / "results",
+        default=None,
+        help="write scaling_model-<time>.json here (bare: bench/results)",
+    )
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    compute = {m: COMPUTE[m] for m in args.models}
+    for item in args.step_ms:
+        name, ms = item.split("=")
+        compute[name] = (float(ms), "--step-ms")
+    fitted = fit_slowdown([p for p in POINTS if p.fit])
+    k = fitted if args.slowdown is None else args.slowdown
+    rows = table(compute, args.nodes, args.links, k)
+    checked = check(k)
+    print_table(rows)
+    print_check(checked, k)
+    if args.out is None:
+        return
+    result = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "git_commit": git_commit(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "compute": {m: {"one_gpu_ms": ms, "source": src} for m, (ms, src) in compute.items()},
+        "assumptions": {
+            "backward_share": BACKWARD_SHARE,
+            "link_efficiency": LINK_EFFICIENCY,
+            "alpha_ms": ALPHA_MS,
+            "alpha_hop_ms": ALPHA_HOP_MS,
+            "nvlink_busbw_gbs": dict(NVLINK_BUSBW),
+            "slow_busbw_gbs": SLOW_BUSBW,
+            "gpus_per_node": GPUS_PER_NODE,
+        },
+        "slowdown": {"used": k, "fitted": fitted, "fit_points": [p.key for p in POINTS if p.fit]},
+        "models": {m: asdict(v) for m, v in MODELS.items()},
+        "table": rows,
+        "check": checked,
+        "measured_across_nodes": None,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"scaling_model-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
