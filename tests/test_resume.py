@@ -260,9 +260,10 @@ def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference, dama
     assert "resuming from an OLDER checkpoint" in output(proc)
     assert "step 15, epoch 0" in output(proc)
     assert_same_run(run_dir, reference)  # step 20 again, this time intact
-    if damage is bitflip:  # invalid: saved over, it stays out of the way as evidence
-        (evidence,) = (run_dir / "checkpoints").glob("step-00000020.invalid-*")
-        assert (evidence / "state.pt").read_bytes() == damaged
+    # Invalid, whether its manifest shows it or not: kept out of the way as evidence, not
+    # deleted when step 20 was saved again.
+    (evidence,) = (run_dir / "checkpoints").glob("step-00000020.invalid-*")
+    assert (evidence / "state.pt").read_bytes() == damaged
 
 
 def test_a_resume_trains_with_the_optimizer_settings_of_its_command_line(tmp_path, reference):
@@ -347,7 +348,7 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
     [
         (
             ["model.n_embd=16", "ckpt.resume={ref}/checkpoints/step-00000020"],
-            "wte.weight [256, 32] in {ref}/checkpoints/step-00000020, [256, 16] in the model",
+            "wte.weight [256, 32] in the checkpoint, [256, 16] in the model",
         ),
         (
             ["ckpt.resume=never"],  # in a run directory that holds the reference's step 20
@@ -374,9 +375,44 @@ def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
         )
     args = [a.format(ref=reference) for a in args] + [f"hydra.run.dir={run_dir}"]
     proc = run_train([*RUN, "data.eval_samples=64", *args], cwd=tmp_path, nproc=None)
-    assert proc.returncode == 1, output(proc)[-3000:]
+    # A checkpoint whose model, data or optimizer this run cannot continue is input that
+    # cannot work (2); another run's newer checkpoint in the directory, a stop (1).
+    assert proc.returncode == (1 if "ckpt.resume=never" in args else 2), output(proc)[-3000:]
     assert message.format(ref=reference) in output(proc)
     assert "Traceback" not in output(proc)
+
+
+def files_of(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory and its bytes, but the rank logs and the lock file, which
+    every launch writes (a refused one too)."""
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and not p.name.endswith(".log") and p.name != "run.lock"
+    }
+
+
+def test_a_resume_refused_for_a_changed_model_says_so_in_one_line_and_changes_nothing(
+    tmp_path, reference
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = files_of(run_dir)
+    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
+    wider = [a for a in RUN if not a.startswith("model.n_embd=")] + ["model.n_embd=64"]
+    proc = run_train([*wider, *never, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    # every worker's exit code 2 (torchrun's own is 1, with its summary)
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)) == {"2"}, output(proc)[-3000:]
+    said = [line for line in output(proc).splitlines() if "the model does not match" in line]
+    assert len(said) == 1, output(proc)[-3000:]  # once, by rank 0, in one line
+    newest = step_dir(run_dir / "checkpoints", 20)
+    assert f"does not match {newest}: " in said[0]
+    assert "wte.weight [256, 32] in the checkpoint, [256, 64] in the model" in said[0]
+    assert "more parameters differ" in said[0] and "model.n_embd 32 -> 64" in said[0]
+    assert len(said[0].replace(str(newest), "")) < 400, said[0]  # the path named once
+    assert output(proc).count("Traceback") == 1, output(proc)[-3000:]  # torchrun's summary only
+    # config.yaml, goodput.json, the event files and the checkpoints as they were, none added
+    assert files_of(run_dir) == before
 
 
 def run_with_a_hung_rank(tmp_path, *settings: str, step: int = 3) -> str:

@@ -14,7 +14,8 @@ Layout (the run directory must be on a filesystem that every rank sees):
                                        manifest.json   written last: size + sha256 of every file
     <run dir>/checkpoints/step-00000400.tmp-<token>/   a save in progress (or a crashed one)
     <run dir>/checkpoints/step-00000200.invalid-<token>/  an invalid checkpoint whose step was
-                                                       saved again: kept as evidence
+                                                       saved again, or that torch.load refused
+                                                       on resume: kept as evidence
 
 A directory without a valid manifest does not exist for resume. Saving (mgpu.ckpt.write), in this
 order: every rank `write_rank_files`; barrier; rank 0 `finalize`; barrier; rank 0 `prune`.

@@ -36,7 +36,7 @@ from mgpu.ckpt.checkpoint import (
     verify,
 )
 from mgpu.ckpt.state import CheckpointMismatch, capture_rng, restore_rng
-from mgpu.ckpt.write import abort, finalize, prune, write_rank_files
+from mgpu.ckpt.write import abort, finalize, keep_as_evidence, prune, write_rank_files
 from mgpu.config.schema import CheckpointConfig, OptimConfig
 from mgpu.data.sampler import DataCursor, ShardedSampler
 from mgpu.runtime.dist import Runtime, all_ok, broadcast_object, waiting
@@ -99,6 +99,10 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
             raise error or CheckpointError(path, why)
         why = error or f"{path}: unreadable on another rank (its log says why)"
         log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", why)
+        if rt.is_primary:
+            # Its manifest checks, so neither prune nor a save at its step would take it for a
+            # valid one and delete it: kept as evidence, out of resume's and prune's sight.
+            keep_as_evidence(Path(path), token)
         older, error = None, None
         if rt.is_primary:
             try:

@@ -1,7 +1,8 @@
 """What a checkpoint holds and how it goes back into live objects: rank 0's training state (model,
 optimizer, schedule, loss scaler, step, data cursor, resolved config), each rank's RNG states as
 weights_only-loadable types, and restores that name every mismatched key instead of torch's
-generic message. The files themselves are mgpu.ckpt.checkpoint's."""
+generic message (and a resume's model check, one line before the run writes anything). The files
+themselves are mgpu.ckpt.checkpoint's."""
 
 from __future__ import annotations
 
@@ -11,17 +12,22 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
+from mgpu.ckpt.checkpoint import Loaded
 from mgpu.data.sampler import DataCursor
 from mgpu.optim.optimizer import hyperparameters, keep_hyperparameters
-from mgpu.runtime.dist import RunStopped
+from mgpu.runtime.dist import BAD_INPUT, RunStopped
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointMismatch(ValueError, RunStopped):
-    """Saved model or optimizer state that does not fit the one being restored; names the keys."""
+    """Saved model or optimizer state that does not fit the one being restored; names the keys.
+    A resume refused for it is input that cannot work (exit code 2), as a config error is."""
+
+    exit_code = BAD_INPUT
 
 
 def capture_rng(
@@ -124,17 +130,27 @@ def _listed(kind: str, keys: list[str], limit: int = 12) -> str:
     return f"\n  {kind}: " + ", ".join(keys[:limit]) + more
 
 
+def model_differences(
+    own: Mapping, saved: Mapping, source: str
+) -> tuple[list[str], list[str], list[str]]:
+    """The keys of a model's state dict `own` missing from `saved`, those of `saved` not in
+    `own`, and each key whose shape differs, said as "key [saved] in source, [own] in the
+    model"; in the model's order."""
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    reshaped = [
+        f"{k} {list(saved[k].shape)} in {source}, {list(v.shape)} in the model"
+        for k, v in own.items()
+        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
+    ]
+    return missing, unexpected, reshaped
+
+
 def restore_model(model: nn.Module, state_dict: Mapping, *, source: str = "checkpoint") -> None:
     """model.load_state_dict after comparing keys and shapes, so that a mismatch names every
     missing, unexpected and reshaped key instead of torch's generic message."""
     own = model.state_dict()
-    missing = [k for k in own if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in own]
-    reshaped = [
-        f"{k} {list(state_dict[k].shape)} in {source}, {list(v.shape)} in the model"
-        for k, v in own.items()
-        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
-    ]
+    missing, unexpected, reshaped = model_differences(own, state_dict, source)
     if missing or unexpected or reshaped:
         msg = f"the model does not match {source}:"
         msg += _listed("missing from the checkpoint", missing) if missing else ""
@@ -144,6 +160,44 @@ def restore_model(model: nn.Module, state_dict: Mapping, *, source: str = "check
             msg += "\n  (save and restore the unwrapped module: mgpu.comm.engine.unwrap(model))"
         raise CheckpointMismatch(msg)
     model.load_state_dict(state_dict, strict=True)
+
+
+def check_same_model(loaded: Loaded, model: nn.Module, config: str) -> None:
+    """The model this run built against the one its checkpoint holds, before the run writes
+    anything (a refused resume leaves the run directory as it was): one line naming the first
+    parameter that differs, both shapes, and the model settings that changed since
+    (`config`: this run's resolved config, as YAML)."""
+    source = str(loaded.path)
+    missing, unexpected, reshaped = model_differences(
+        model.state_dict(), loaded.shared["model"], "the checkpoint"
+    )
+    differ = [
+        *reshaped,
+        *(f"{k} is missing from the checkpoint" for k in missing),
+        *(f"{k} in the checkpoint is not in the model" for k in unexpected),
+    ]
+    if not differ:
+        return
+    more = f" (and {len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
+    changed = _changed_model_settings(loaded.shared.get("config"), config)
+    since = f"; changed since: {changed}" if changed else ""
+    raise CheckpointMismatch(
+        f"the model does not match {source}: {differ[0]}{more}{since}. Resume with the model "
+        "settings it was trained with, or start this run in another run directory "
+        "(hydra.run.dir=...)"
+    )
+
+
+def _changed_model_settings(saved: str | None, current: str, limit: int = 4) -> str:
+    """`model.key old -> new` for each model setting that differs between two resolved
+    configs (YAML), at most `limit` of them; "" without a saved config."""
+    if not saved:
+        return ""
+    old = OmegaConf.to_container(OmegaConf.create(saved)).get("model", {})
+    new = OmegaConf.to_container(OmegaConf.create(current)).get("model", {})
+    keys = [k for k in {**old, **new} if old.get(k) != new.get(k)]
+    said = [f"model.{k} {old.get(k)} -> {new.get(k)}" for k in keys[:limit]]
+    return ", ".join(said) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
 def restore_optimizer(

@@ -183,7 +183,7 @@ def _publish(staging: Path, final: Path, token: str) -> None:
             verify(final)
             log.warning("%s exists (an earlier attempt at this step); replacing it", final)
         except CheckpointError as err:
-            aside = final.with_name(f"{final.name}.invalid-{token}")
+            aside = evidence_name(final, token)
             log.warning("%s; kept as evidence in %s", err, aside.name)
         os.replace(final, aside)
     try:
@@ -199,6 +199,27 @@ def _publish(staging: Path, final: Path, token: str) -> None:
         raise
     if _SCRATCH.match(aside.name):
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def evidence_name(path: Path, token: str) -> Path:
+    """Where invalid checkpoint `path` is kept: step-N.invalid-<token>, a name that neither
+    resume nor prune reads."""
+    return path.with_name(f"{path.name}.invalid-{token}")
+
+
+def keep_as_evidence(path: Path, token: str) -> Path | None:
+    """Rank 0: move checkpoint `path`, found invalid in a way its manifest cannot show (refused
+    by torch.load(weights_only=True) on some rank), to its evidence name; returns where it went,
+    or None where it could not be moved (logged: the run goes on without it)."""
+    aside = evidence_name(path, token)
+    try:
+        os.replace(path, aside)
+        _fsync_dir(path.parent)
+    except OSError as err:
+        log.warning("could not move invalid checkpoint %s aside (%s)", path, err)
+        return None
+    log.warning("%s: kept as evidence in %s", path, aside.name)
+    return aside
 
 
 def _remove_dir(path: Path, token: str) -> None:

@@ -24,6 +24,7 @@ from mgpu.ckpt.resume import (
     check_settings,
     resume_point,
 )
+from mgpu.ckpt.state import check_same_model
 from mgpu.comm.engine import MgpuDataParallel, wrap_model
 from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import Engine, Precision
@@ -243,12 +244,9 @@ def build_run(
     """Everything a run needs, built in this order on every rank. `started_at` (time.time()
     when the process started) is where goodput's start-up time counts from."""
     root = checkpoint_root(run_dir)
-    loaded, token = resume_point(cfg.ckpt, root, rt)  # before anything is written
-    if rt.is_primary:
-        (run_dir / "config.yaml").write_text(config_text)
-        keep_tokenizer(cfg, run_dir)
-    # Rank 0 keeps the run's goodput file; the others count in memory only.
-    goodput = Goodput(run_dir / "goodput.json" if rt.is_primary else None, started_at=started_at)
+    # Nothing is written to the run directory until every check of the resume passed (the
+    # model's shapes, the data, the optimizer's type): a refused resume leaves it as it was.
+    loaded, token = resume_point(cfg.ckpt, root, rt)
     set_math_modes(cfg.trainer, rt.device)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
@@ -281,6 +279,8 @@ def build_run(
     if rt.device.type == "cuda" and getattr(model, "channels_last", False):
         layout = torch.channels_last
         model = model.to(memory_format=layout)
+    if loaded is not None:
+        check_same_model(loaded, model, config_text)
     seed_everything(cfg.trainer.seed + rt.rank)  # then independent dropout per rank
     train_set = build_dataset(cfg.data, "train")
     eval_set = build_dataset(cfg.data, "eval")
@@ -292,6 +292,17 @@ def build_run(
         getattr(cfg.data, "cpu_decode_share", None), cfg.data.num_workers, [train_set, eval_set],
         rt, loaded.shared.get("dataset") if loaded is not None else None,
     )  # fmt: skip
+    if loaded is not None:
+        check_same_data(loaded, train_loader.sampler)
+        residual = cfg.model.residual if gpt else None
+        check_settings(
+            loaded, cfg.optim, cfg.trainer.max_steps, say=rt.is_primary, residual=residual
+        )
+    if rt.is_primary:
+        (run_dir / "config.yaml").write_text(config_text)
+        keep_tokenizer(cfg, run_dir)
+    # Rank 0 keeps the run's goodput file; the others count in memory only.
+    goodput = Goodput(run_dir / "goodput.json" if rt.is_primary else None, started_at=started_at)
     mfu = mfu_inputs(cfg.trainer, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     with waiting(rt.rank, "the broadcast of rank 0's parameters (dist.engine's start)"):
@@ -321,9 +332,6 @@ def build_run(
         goodput=goodput,
     )
     if loaded is not None:
-        check_same_data(loaded, train_loader.sampler)
-        residual = cfg.model.residual if gpt else None
-        check_settings(loaded, cfg.optim, tc.max_steps, say=rt.is_primary, residual=residual)
         trainer.load_state_dict(loaded.shared, source=str(loaded.path))
         del loaded  # its tensors are in the model and optimizer now
     announce(cfg, rt, run_dir, model, board, config_text)
