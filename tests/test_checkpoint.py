@@ -265,7 +265,7 @@ def test_resume_from_a_run_directory_takes_its_newest_valid_checkpoint(tmp_path)
     for setting in (run, run / "checkpoints"):
         assert resolve_resume(str(setting), here) == step_dir(run / "checkpoints", 1)
     bitflip(step_dir(run / "checkpoints", 1) / "state.pt")
-    with pytest.raises(CheckpointError, match="no valid checkpoint to resume from"):
+    with pytest.raises(CheckpointError, match="holds checkpoints but none is valid"):
         resolve_resume(str(run), here)
     CheckpointConfig(resume=str(run))  # a run directory is a valid setting
     (tmp_path / "new").mkdir()
