@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 from mgpu.run.build import build_run
 from mgpu.run.cli import release_sigterm, stop_on_bad_command_line
 from mgpu.run.config import resolved_yaml, to_config
+from mgpu.run.interrupt import interrupted
 from mgpu.runtime.dist import (
     check_same_config,
     distributed,
@@ -62,11 +63,14 @@ def main(dcfg: DictConfig) -> None:
             quiet_other_ranks(rt)
             # One launch per run directory (exit 2 if another holds it); Preemption: SIGTERM
             # and SIGUSR1 save, then stop.
+            run = None
             with hold_run_dir(run_dir, rt, cfg.dist.timeout_s), Preemption(rt) as preemption:
-                run = build_run(
-                    cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT
-                )
-                run.fit()
+                # Ctrl-C: one line naming the step reached and the newest checkpoint, exit 130
+                with interrupted(run_dir, lambda: run.trainer.step if run else None):
+                    run = build_run(
+                        cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT
+                    )
+                    run.fit()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import re
 import signal
 import sys
 from dataclasses import MISSING, fields, is_dataclass
@@ -22,7 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -36,6 +37,8 @@ from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+LONGEST_KEY = 200  # characters; mgpu's longest is under 40
+KNOWN_KEYS = "write key=value with a key that `python train.py --help` lists"
 
 
 def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
@@ -98,16 +101,19 @@ def check_command_line(args: list[str], conf_dir: Path = CONF_DIR) -> None:
     and ValidateOnRunStart below, which check those runs as Hydra starts them."""
     if any(arg.startswith("-") for arg in args):
         return
-    try:
-        overrides = OverridesParser.create().parse_overrides(args)
-    except HydraException as err:  # "Error parsing override 'X'", then the parser's words
-        lines = str(err).splitlines()
-        bad = next((arg for arg in args if f"'{arg}'" in lines[0]), " ".join(args))
-        why = f"{lines[-1] if len(lines) < 3 else lines[1]}; write key=value"
-        raise ConfigError("override", bad, why) from None
+    parser = OverridesParser.create()
+    for arg in args:  # one at a time: the error names the one that fails
+        try:
+            parser.parse_overrides([arg])
+        except HydraException as err:
+            raise _override_error(arg, str(err)) from None
+    overrides = parser.parse_overrides(args)
     if any(o.is_sweep_override() for o in overrides):
         return
     for override in overrides:
+        if len(override.key_or_group) > LONGEST_KEY:  # Hydra would look for a file of its name
+            why = f"a key of {len(override.key_or_group)} characters, longer than any setting"
+            raise ConfigError("override", override.input_line, f"{why}; {KNOWN_KEYS}")
         _check_group_choice(override, conf_dir)
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
@@ -119,11 +125,51 @@ def check_command_line(args: list[str], conf_dir: Path = CONF_DIR) -> None:
     check_config(cfg)
 
 
+# What Hydra's override grammar says before the character it could not read: the text it read,
+# its caret under that character on the next line (the lexer's errors), or the input it met
+# (the parser's).
+_LEXER = "LexerNoViableAltException: "
+_MET = re.compile(r"(?:mismatched|extraneous) input '(.+?)'|no viable alternative at input '(.+?)'")
+
+
+def _override_error(arg: str, said: str) -> ConfigError:
+    """An override Hydra's grammar refuses -> one line naming the character that it could not
+    read, whether it is in the key or the value, and the fix: a key is ASCII (the grammar reads
+    no other letters); a value with characters the grammar reserves (shell metacharacters among
+    them) is quoted for Hydra, inside the shell's quotes."""
+    lines = said.splitlines()
+    at = None
+    if lines[0].startswith(_LEXER) and len(lines) > 1 and "^" in lines[1]:
+        at = lines[1].index("^") - len(_LEXER)
+    elif met := _MET.search(said):
+        found = arg.find(met.group(1) or met.group(2))
+        at = found if found >= 0 else None
+    equals = arg.find("=")
+    if at is None or not 0 <= at < len(arg):
+        why = "Hydra's override grammar cannot read it; write key=value, and quote a value "
+        why += "with spaces or symbols for Hydra: \"key='a value'\""
+        return ConfigError("override", arg, why)
+    char = arg[at]
+    if equals < 0 or at < equals:
+        why = f"{char!r} (character {at + 1}) cannot be in a key: keys are ASCII letters, digits, "
+        why += f"'_' and '.'; {KNOWN_KEYS}"
+        return ConfigError("override", arg, why)
+    key, value = arg[:equals], arg[equals + 1 :]
+    quoted = "\\'".join(value.split("'"))
+    why = f"{char!r} (character {at + 1}) cannot be in a value unquoted; quote the value for "
+    why += f"Hydra, inside the shell's quotes: \"{key}='{quoted}'\""
+    return ConfigError("override", arg, why)
+
+
 def _check_group_choice(override: Override, conf_dir: Path) -> None:
     """`model=gpt2`: the choices are the group's YAML files, not the schemas mgpu stores in
     Hydra's ConfigStore under the same group (gpt_schema, ...), which Hydra would list too."""
     group = override.key_or_group
-    if override.is_delete() or not (conf_dir / group).is_dir():
+    try:
+        is_group = (conf_dir / group).is_dir()
+    except OSError:  # a key too long to be a file name (ENAMETOOLONG): no group; compose says
+        is_group = False
+    if override.is_delete() or not is_group:
         return
     choice = override.get_value_element_as_str()
     choices = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
@@ -186,13 +232,48 @@ def release_sigterm(held: list[int]) -> None:
         signal.raise_signal(signal.SIGTERM)
 
 
+def clipped(line: str, longest: int = 300) -> str:
+    """`line` with each run of more than `longest` characters without a space (a 10,000
+    character value, said once by mgpu and again in OmegaConf's words) cut to its start and
+    its length: the line stays one a terminal shows."""
+    return re.sub(
+        rf"\S{{{longest + 1},}}",
+        lambda m: f"{m[0][:60]}...[{len(m[0])} characters]...{m[0][-6:]}",
+        line,
+    )
+
+
+def check_run_dir(key: str, path: str) -> None:
+    """The run directory Hydra is about to create (or use) can be written: each of its names
+    short enough for the filesystem, and the nearest folder of it that exists writable (not on
+    a read-only filesystem, not another user's). ConfigError otherwise, before Hydra's own
+    traceback from creating it or from opening its log files there."""
+    target = Path(path).absolute()
+    limit = 255  # NAME_MAX on Linux filesystems; pathconf needs a folder that exists
+    if long := next((part for part in target.parts if len(part.encode()) > limit), None):
+        why = f"a name of {len(long.encode())} bytes in it, over the {limit} a file name may have"
+        raise ConfigError(key, path, f"{why}; choose a shorter {key}=PATH")
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        raise ConfigError(key, path, f"{existing} is a file, not a folder; choose {key}=PATH")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        why = f"{existing} is on a read-only filesystem"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable by this user"
+    else:
+        return
+    raise ConfigError(key, path, f"{why}; choose a run directory that can be written: {key}=PATH")
+
+
 def stop_with_config_error(err: Exception) -> NoReturn:
     """The one line of a config error, on local rank 0's console (the other ranks stay quiet),
     and exit code 2. os._exit, not sys.exit: Python's own shutdown puts SIGTERM's default
     action back, and torchrun's SIGTERM, sent as the first rank exits, would then end a rank
     that is exiting on its own with -15 instead of 2."""
     if dist.launch_env().local_rank == 0:
-        print(f"mgpu: config error: {describe_error(err)}", file=sys.stderr)
+        print(f"mgpu: config error: {clipped(describe_error(err))}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(2)
@@ -203,8 +284,11 @@ class ValidateOnRunStart(Callback):
     check for what check_command_line leaves to Hydra (its flags, sweeps)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        multirun = config.hydra.mode.name == "MULTIRUN"
         try:
-            check_config(config, multirun=config.hydra.mode.name == "MULTIRUN")
+            check_config(config, multirun=multirun)
+            key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+            check_run_dir(key, str(OmegaConf.select(config, key)))
         except (ConfigError, OmegaConfBaseException, dist.LaunchError) as err:
             stop_with_config_error(err)
 

@@ -1,0 +1,45 @@
+"""Ctrl-C during a run: one line saying the step it reached and the newest checkpoint (what the
+same command resumes from), and exit code 130, instead of a KeyboardInterrupt traceback from every
+rank and every thread it passes through."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mgpu.ckpt.checkpoint import checkpoint_root, newest_kept
+from mgpu.runtime.dist import RunStopped
+
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
+
+
+class Interrupted(RunStopped):
+    """Ctrl-C reached the run. A terminal sends SIGINT to every process of the job, so every
+    rank meets it and rank 0 alone says it."""
+
+    exit_code = INTERRUPTED_EXIT_CODE
+
+
+@contextmanager
+def interrupted(run_dir: Path, step: Callable[[], int | None]) -> Iterator[None]:
+    """Around a run: KeyboardInterrupt becomes Interrupted, naming `step()` (the last step
+    trained, None before training started) and the run's newest checkpoint. A second Ctrl-C
+    while the run unwinds, and torchrun's SIGTERM sent as it sees its workers stop, are ignored
+    from then on: either would cut the line short with a traceback or -15."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        reached = step()
+        where = "before the first step" if not reached else f"after step {reached}"
+        newest = newest_kept(checkpoint_root(run_dir))
+        resume = f"newest checkpoint {newest}: the same command resumes from it"
+        raise Interrupted(
+            f"interrupted (Ctrl-C) {where}; "
+            + (resume if newest else "no checkpoint saved yet: the same command starts afresh")
+        ) from None

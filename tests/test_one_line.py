@@ -1,0 +1,113 @@
+"""Input that cannot work and a run stopped by hand end in one line of mgpu's, not a traceback:
+a 10,000-character value or key, a key with a character Hydra's grammar does not read (unicode),
+a value with shell metacharacters left unquoted for Hydra, a run directory on a read-only
+filesystem or with a name too long, and Ctrl-C during training (the step reached and the newest
+checkpoint, exit code 130). Real processes: train.py as a user starts it."""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_train, train_command
+
+LONG = "x" * 10_000
+
+# (override, words the one line must hold)
+BAD = [
+    (f"trainer.max_steps={LONG}", ["trainer.max_steps=", "could not be converted to Integer"]),
+    (f"+{LONG}=1", ["a key of 10000 characters"]),
+    ("trainér.max_steps=3", ["'é' (character 6) cannot be in a key"]),
+    ("+ключ=1", ["'к' (character 2) cannot be in a key"]),
+    ("model.n_embd=32;rm -rf x", ["';' (character 16)", "\"model.n_embd='32;rm -rf x'\""]),
+    ("data.path=$(touch pwned)", ["'(' (character 12)", "\"data.path='$(touch pwned)'\""]),
+    (f"hydra.run.dir={LONG}", ["hydra.run.dir=", "a name of 10000 bytes"]),
+]
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    BAD,
+    ids=["long-value", "long-key", "accent-key", "cyrillic-key", "semicolon", "subshell", "dir"],
+)
+def test_a_value_or_key_that_cannot_work_is_one_short_line(tmp_path, override, words):
+    run_dir = tmp_path / "run"
+    args = (
+        [override]
+        if override.startswith("hydra.run.dir")
+        else [override, f"hydra.run.dir={run_dir}"]
+    )
+    proc = run_train(args, cwd=tmp_path, nproc=None)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("mgpu: config error: ") and len(lines[0]) < 400, lines[0]
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert not run_dir.exists() and not (tmp_path / "pwned").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory of any name
+
+
+def test_a_run_directory_on_a_read_only_filesystem_is_one_line(tmp_path):
+    """A read-only tmpfs mounted in a user and mount namespace of the run's own (no privileges
+    needed where the kernel allows unprivileged user namespaces)."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-rm", "true"], capture_output=True)
+    if unshare is None or probe.returncode != 0:
+        pytest.skip("needs unshare -rm (user and mount namespaces) to mount a read-only tmpfs")
+    frozen = tmp_path / "frozen"
+    frozen.mkdir()
+    command, env = train_command([f"hydra.run.dir={frozen / 'run'}"], nproc=None)
+    script = f'mount -t tmpfs -o ro tmpfs "{frozen}" && exec "$@"'
+    proc = subprocess.run(
+        [unshare, "-rm", "sh", "-c", script, "sh", *command],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"{frozen} is on a read-only filesystem" in lines[0], lines[0]
+    assert "choose a run directory that can be written: hydra.run.dir=PATH" in lines[0], lines[0]
+
+
+def start_in_its_own_group(args: list[str], tmp: Path, nproc: int | None):
+    """train.py started as from a terminal: in a process group of its own (the one a terminal's
+    Ctrl-C signals), SIGINT at its default action."""
+    command, env = train_command(args, nproc=nproc)
+    log = open(tmp / "out.txt", "w")  # noqa: SIM115 - closed by the caller's wait
+    return subprocess.Popen(
+        command,
+        cwd=tmp,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+@pytest.mark.parametrize("nproc", [None, 2], ids=["python", "torchrun"])
+def test_ctrl_c_says_the_step_and_the_newest_checkpoint_in_one_line(tmp_path, nproc):
+    run_dir = tmp_path / "run"
+    args = ["trainer.max_steps=100000", "ckpt.every=2", "trainer.eval_every=0"]
+    args += ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.vocab_size=256"]
+    args += ["data.num_workers=1", f"hydra.run.dir={run_dir}"]
+    proc = start_in_its_own_group(args, tmp_path, nproc)
+    saved = run_dir / "checkpoints" / "step-00000002" / "manifest.json"
+    while not saved.exists() and proc.poll() is None:
+        time.sleep(0.2)  # waiting for the first checkpoint, not timing anything
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    code = proc.wait(timeout=240)
+    text = (tmp_path / "out.txt").read_text()
+    said = [line for line in text.splitlines() if "interrupted (Ctrl-C)" in line]
+    assert len(said) == 1, text[-3000:]  # once, by rank 0
+    assert "after step " in said[0] and "newest checkpoint " in said[0], said[0]
+    assert str(run_dir / "checkpoints" / "step-0000") in said[0], said[0]
+    assert "KeyboardInterrupt" not in text, text[-3000:]
+    if nproc is None:
+        assert code == 130 and "Traceback" not in text, text[-3000:]
