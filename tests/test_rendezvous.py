@@ -4,6 +4,9 @@ never comes is named after a bounded wait; and a start-up collective that times 
 agreeing on the checkpoint to resume from) ends in one line naming the rank and what it waited
 in. Real stores and gloo process groups; the end-to-end restarts are in test_resume.py."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -148,3 +151,54 @@ def test_stopped_turns_a_lost_peer_into_one_line_and_keeps_its_own_stops(caplog)
                 raise RuntimeError("CUDA out of memory")
     finally:
         signal.signal(signal.SIGTERM, held)
+
+
+LEAVING = """
+import sys
+import torch.distributed as tdist
+from mgpu.runtime.dist import distributed, exit_process, release_before_leaving
+
+class Capture:  # stands for a CUDA graph that recorded collectives on the group
+    def __init__(self, name):
+        self.name = name
+    def release(self):
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{tdist.get_rank()} {self.name} group={tdist.is_initialized()}\\n")
+
+def main():
+    with distributed("gloo", timeout_s=60):
+        kept, dropped = Capture("kept"), Capture("dropped")
+        release_before_leaving(kept.release)
+        release_before_leaving(dropped.release)
+        del dropped  # gone before the end: nothing of it is called, nor kept alive
+        tdist.barrier()
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{tdist.is_initialized()}\\n")
+
+exit_process(main)
+"""
+
+
+def test_what_holds_the_group_is_released_before_the_group_is_destroyed(tmp_path):
+    # A CUDA graph that recorded NCCL collectives keeps their communicator until the graph is
+    # destroyed, and destroy_process_group waits for it: such graphs go first, on every rank.
+    script, out = tmp_path / "leaving.py", tmp_path / "out.txt"
+    script.write_text(LEAVING)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(out),
+        ],  # fmt: skip
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = sorted(out.read_text().splitlines())
+    assert lines == ["0 kept group=True", "1 kept group=True", "False", "False"]

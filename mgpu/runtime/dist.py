@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -84,6 +85,28 @@ class Runtime:
         return self.has_process_group and self.world_size > 1
 
 
+# Called before the process group is destroyed (release_before_leaving).
+_leave_first: list[weakref.WeakMethod] = []
+
+
+def release_before_leaving(method: Callable[[], None]) -> None:
+    """Have the bound `method` called when this process leaves its process group, before the
+    group is destroyed, whatever ended the run; its object is not kept alive by this.
+
+    Why: a CUDA graph that recorded NCCL collectives holds a reference on their communicator
+    until the graph itself is destroyed, and NCCL's communicator teardown waits for those
+    references to go, so destroy_process_group with such a graph still alive never returns (a
+    finished run hung at its end). mgpu.train.graphs releases its captures here."""
+    _leave_first.append(weakref.WeakMethod(method))
+
+
+def _release_first() -> None:
+    while _leave_first:
+        method = _leave_first.pop()()
+        if method is not None:
+            method()
+
+
 @contextmanager
 def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> Iterator[Runtime]:
     """Pin this worker's device (and with `cpu_affinity` its share of the CPUs), join the
@@ -129,6 +152,7 @@ def distributed(backend: str, timeout_s: float, cpu_affinity: bool = False) -> I
                 cpus=share,
             )
         finally:
+            _release_first()  # CUDA graphs holding NCCL work, then the group (teardown rule)
             if tdist.is_initialized():
                 tdist.destroy_process_group()
 

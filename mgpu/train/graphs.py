@@ -31,7 +31,7 @@ from torch import nn
 
 from mgpu.comm.engine import MgpuDataParallel
 from mgpu.config.checks import ConfigError
-from mgpu.runtime.dist import RunStopped
+from mgpu.runtime.dist import RunStopped, release_before_leaving
 from mgpu.train.replay_checks import difference, signature, unreplayed_hooks
 
 log = logging.getLogger(__name__)
@@ -204,8 +204,11 @@ class GraphedLoss:
         self.captured: tuple = ()
         self.off = False  # auto, and the model has hooks a replay would not run
         self.warned = False
+        self.released = False  # release(): the process left its process group
 
     def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.released:
+            raise RuntimeError("GraphedLoss called after release(): the process group is gone")
         if self.off:
             return self.eager(inputs, targets)
         if not self.captured:
@@ -368,4 +371,15 @@ class GraphedLoss:
         # step would reduce its buckets a second time, from Python, after the graph did (seen
         # on 2 H200s: GPT-2-small 41.8 ms a step with them against 39.9 uncaptured).
         self.model.reducer.remove()
+        # These graphs hold NCCL's communicator: they must be gone before the process group.
+        release_before_leaving(self.release)
         return grads
+
+    def release(self) -> None:
+        """Destroy the captured graphs (after the device has finished their last replay), so
+        that the communicator their collectives recorded can be destroyed; nothing replays
+        after this (the process is leaving its process group)."""
+        torch.cuda.synchronize()
+        self.forward_graph.reset()
+        self.backward_graph.reset()
+        self.released = True
