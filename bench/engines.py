@@ -116,6 +116,20 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # trainer.cuda_graphs=true: the step replayed as CUDA graphs with the reducer's bucket
     # reductions recorded inside the backward (mgpu.train.graphs; one micro-batch a step)
     "mgpu_graphs": Lever(DistConfig(engine=Engine.mgpu), graphs=True),
+    # levers of the captured step, one at a time against "mgpu_graphs": its machinery without
+    # the all-reduce (what capture costs beyond one GPU's), the bf16 wire, fewer NCCL CTAs (SMs
+    # left to backward), larger buckets, the reductions on a high-priority stream
+    "mgpu_graphs_nocomm": Lever(
+        DistConfig(engine=Engine.mgpu), wrap=mgpu_without_collectives, graphs=True
+    ),
+    "mgpu_graphs_bf16": Lever(
+        DistConfig(engine=Engine.mgpu, reduce_dtype=ReduceDtype.bf16), graphs=True
+    ),
+    "mgpu_graphs_ctas8": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=8), graphs=True),
+    "mgpu_graphs_cap100": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=100), graphs=True),
+    "mgpu_graphs_hipri": Lever(
+        DistConfig(engine=Engine.mgpu), wrap=mgpu_high_priority_stream, graphs=True
+    ),
     # ZeRO-1 in the reducer: reduce-scatter, each rank steps 1/N, all-gather (mgpu.comm.shard)
     "mgpu_sharded": Lever(DistConfig(engine=Engine.mgpu, shard_optimizer=True)),
     # levers, measured one at a time against "mgpu": the wire dtype and the bucket size
