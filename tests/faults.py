@@ -1,7 +1,7 @@
 """Faults for end-to-end tests, injected through the plug-in points users have (`data=custom`,
 `model=custom`): n-gram token datasets that, on one rank and once (a marker file remembers),
 kill their own process, signal it or the torchrun agent, or hang, at a chosen sample; a dataset
-that records the indices it served; a GPT whose loss turns NaN."""
+that records the indices it served; a GPT whose loss turns NaN; a GPT that hangs in a forward."""
 
 import os
 import signal
@@ -142,6 +142,27 @@ class SlowGPT(GPT):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self.delay_s:
             time.sleep(self.delay_s)
+        return super().forward(idx, targets)
+
+
+class HangGPT(GPT):
+    """A GPT whose rank `rank` stops for good in its `at_forward`-th training forward (one a step
+    without accumulation), before the step's gradient all_reduce that the other ranks wait in:
+    a rank stuck in its own compute (a deadlock, a slow device gone quiet). SIGTERM gets its
+    default action back, as FaultyTokens' hang does."""
+
+    def __init__(self, *, rank: int, at_forward: int, **kw):
+        super().__init__(**kw)
+        self.hangs = int(os.environ.get("RANK", "0")) == rank
+        self.at_forward, self.forwards = at_forward, 0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.training and self.hangs:
+            self.forwards += 1
+            if self.forwards == self.at_forward:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                while True:
+                    time.sleep(60)
         return super().forward(idx, targets)
 
 

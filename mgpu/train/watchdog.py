@@ -1,11 +1,18 @@
-"""Hangs: where each rank is (step and phase, a collective named where the phase is one), shared
-through the launch's key-value store, so that a collective that times out or a loop that stops
-making progress ends the job with a message that names what stalled and which rank lags.
+"""Hangs: where each rank is (step and phase), shared through the launch's key-value store, and
+which rank the others wait for when a collective times out or a loop stops making progress: the
+report names that rank, its step, phase and innermost frame, and where its stacks were written,
+and that rank ends first, so that torchrun's "Root Cause" is the rank that hung.
 
 Two clocks. Collectives are bounded by dist.timeout_s (the process group's own timeout); the
 stall clock here (trainer.stall_timeout_s) catches what no collective bounds, such as a data
-loader that never yields: a background thread that sees no progress for that long logs where
-every rank is, dumps this process's stacks and ends it.
+loader that never yields, and a host blocked behind a hung NCCL collective.
+
+Which rank did not arrive: every rank counts the collectives it has issued, per process group,
+in torch's flight recorder; the rank with fewer than another is the one the others wait for.
+Where no count tells (a hang outside collectives, a recorder turned off), the rank furthest
+behind in step and phase is. A report asks every rank for its count and place through the
+store (a side channel, not a collective, which would hang too), and asks the rank it names to
+write its stacks and end itself.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as tdist
 
@@ -24,7 +32,8 @@ from mgpu.runtime.dist import RunStopped, Runtime, first_line, store_client
 
 log = logging.getLogger(__name__)
 
-# The exit code of a process the stall clock ended (sysexits.h EX_SOFTWARE).
+# The exit code of the rank that hung, and of a rank whose stall clock fired and no other rank
+# could be named (sysexits.h EX_SOFTWARE). A rank that waited for the hung one exits 1 after it.
 STALLED_EXIT_CODE = 70
 
 # Phases the training loop reports; those that wait in a collective say which one.
@@ -47,9 +56,65 @@ def progress(record: dict) -> tuple[int, int]:
     return record["step"], ORDER.index(phase) if phase in ORDER else -1
 
 
+def recorded_collectives() -> list[tuple[str, int, str]]:
+    """(process group, sequence number, name) of each collective this process issued that torch's
+    flight recorders still hold: gloo's and, in a CUDA build, NCCL's (two recorders). Empty where
+    they record nothing (TORCH_FR_BUFFER_SIZE=0). Their only API is underscore-named, so it is
+    read defensively: if it is gone or changed, the report falls back to step and phase. Costs
+    up to a few hundred ms for a full buffer: read when a report asks, never in the loop."""
+    from torch._C import _distributed_c10d as c10d
+
+    found = []
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d, name, None)
+        try:
+            entries = json.loads(dump(True, False))["entries"] if dump is not None else []
+            for e in entries:
+                if not e.get("is_p2p"):
+                    found.append(
+                        (str(e["process_group"][0]), e["collective_seq_id"], e["profiling_name"])
+                    )
+        except Exception as err:  # noqa: BLE001 - a diagnostic: never the reason a report fails
+            log.debug("flight recorder %s not read: %s", name, err)
+    return found
+
+
+def issued(found: list[tuple[str, int, str]]) -> dict[str, int]:
+    """Collectives issued per process group (sequence numbers count from 1 in each group)."""
+    counts: dict[str, int] = {}
+    for group, seq, _ in found:
+        counts[group] = max(counts.get(group, 0), seq)
+    return counts
+
+
+def behind(answers: dict[int, dict]) -> dict[int, tuple[str, int]]:
+    """The ranks that did not arrive at a collective another rank issued: rank -> (process
+    group, how many it issued there). Ranks whose recorder is off are not counted."""
+    counted = {r: a["issued"] for r, a in answers.items() if a.get("issued")}
+    late: dict[int, tuple[str, int]] = {}
+    for group in sorted({g for c in counted.values() for g in c}):
+        counts = {r: c.get(group, 0) for r, c in counted.items()}
+        low = min(counts.values())
+        if low == max(counts.values()):
+            continue
+        for rank, count in counts.items():
+            if count == low:
+                late.setdefault(rank, (group, low))
+    return late
+
+
+def stacks_path(rank: int) -> Path | None:
+    """hang-rank<N>.txt beside this process's log file (train.py's: the run directory), where a
+    report can name it; None without a log file (then the stacks go to stderr)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            return Path(handler.baseFilename).parent / f"hang-rank{rank}.txt"
+    return None
+
+
 class CollectiveTimeout(RuntimeError, RunStopped):
-    """A collective waited longer than dist.timeout_s; the message names it and the laggards.
-    Said by the rank that waited, whichever rank it is."""
+    """A collective waited longer than dist.timeout_s; the message names it and the rank that
+    did not arrive. Said by the rank that waited, whichever rank it is."""
 
     every_rank = False
 
@@ -62,9 +127,13 @@ class Watchdog:
         self.rt, self.stall_s = rt, stall_s
         self.step, self.phase, self.at = 0, "start-up", time.monotonic()
         self.publish_every_s = min(publish_every_s, stall_s / 4) if stall_s else publish_every_s
+        # How long a report waits for the other ranks' answers, then for the named rank's stacks:
+        # each rank's thread looks at the store once every publish_every_s.
+        self.answer_s = 2 * self.publish_every_s + 3.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._store: tdist.Store | None = None
+        self._loop = threading.get_ident()  # the training loop's thread, whose frame reports show
 
     def beat(self, step: int, phase: str) -> None:
         self.step, self.phase, self.at = step, phase, time.monotonic()
@@ -78,6 +147,7 @@ class Watchdog:
 
     def start(self) -> None:
         self.beat(self.step, self.phase)
+        self._loop = threading.get_ident()
         self._stop.clear()
         self._store = store_client(self.rt, timeout_s=5.0)
         if self.stall_s or self._store is not None:
@@ -93,74 +163,229 @@ class Watchdog:
     def _watch(self) -> None:
         while not self._stop.wait(self.publish_every_s):
             self._publish()
+            self._answer_if_asked()
             idle = time.monotonic() - self.at
             if self.stall_s and idle > self.stall_s:
                 self._end_stalled(idle)
 
-    def _publish(self) -> None:
-        if self._store is None:
-            return
-        idle = time.monotonic() - self.at
-        record = {"step": self.step, "phase": self.phase, "since": time.time() - idle}
+    # ---- the store: keys per torchrun restart (a store that outlives one holds the last's) ----
+
+    def _key(self, what: str, rank: int | None = None) -> str:
+        key = f"mgpu/{what}/{self.rt.restart_count}"
+        return key if rank is None else f"{key}/{rank}"
+
+    def _put(self, key: str, value: object) -> None:
         try:
-            self._store.set(self._key(self.rt.rank), json.dumps(record))
+            self._store.set(key, json.dumps(value))
         except Exception as err:  # noqa: BLE001 - rank 0 (the store's host) may be gone
-            log.debug("progress not published: %s", err)
+            log.debug("%s not written: %s", key, err)
 
-    def _end_stalled(self, idle: float) -> None:
-        log.error(
-            "rank %d: no progress for %.0f s (trainer.stall_timeout_s=%g) in step %d, %s. %s. "
-            "Ending this process (exit %d); its threads' stacks follow on stderr.",
-            self.rt.rank,
-            idle,
-            self.stall_s,
-            self.step,
-            self.phase,
-            self.where_ranks_are(),
-            STALLED_EXIT_CODE,
-        )
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        # The main thread is stuck in a call it does not return from: no exception can reach
-        # it, so the process ends from here, without Python's teardown.
-        os._exit(STALLED_EXIT_CODE)
-
-    def _key(self, rank: int) -> str:
-        # Per restart: a store that outlives a torchrun restart still holds the last attempt's.
-        return f"mgpu/progress/{self.rt.restart_count}/{rank}"
-
-    def where_ranks_are(self) -> str:
-        """Every rank's last published step and phase, the laggards first; or why not known."""
-        if self._store is None:
-            return "other ranks' progress is not known (no process group)"
-        records = {}
-        for rank in range(self.rt.world_size):
-            key = self._key(rank)
+    def _read(self, keys: list[str]) -> dict[str, object]:
+        found = {}
+        for key in keys:
             try:
                 if self._store.check([key]):
-                    records[rank] = json.loads(self._store.get(key))
+                    found[key] = json.loads(self._store.get(key))
             except Exception as err:  # noqa: BLE001 - report what can be read
-                return f"other ranks' progress is not readable ({err})"
+                log.debug("%s not read: %s", key, err)
+        return found
+
+    def _record(self) -> dict:
+        idle = time.monotonic() - self.at
+        return {"step": self.step, "phase": self.phase, "since": time.time() - idle}
+
+    def _publish(self) -> None:
+        if self._store is not None:
+            self._put(self._key("progress", self.rt.rank), self._record())
+
+    def _answer_if_asked(self) -> None:
+        """While a report is asked for, answer it; if this rank is the one it names, end."""
+        if self._store is None:
+            return
+        asked = self._read([self._key("hang/asked"), self._key("hang/stop", self.rt.rank)])
+        if self._key("hang/asked") in asked:
+            self._answer()
+        told = asked.get(self._key("hang/stop", self.rt.rank))
+        if told is not None:
+            self._end_as_culprit(str(told))
+
+    def _answer(self) -> dict:
+        """This rank's place, innermost frame and collectives issued, in the store."""
+        answer = {**self._record(), "at": self._frame(), "issued": issued(recorded_collectives())}
+        self._put(self._key("hang/answer", self.rt.rank), answer)
+        return answer
+
+    def _frame(self) -> str:
+        """The training loop's innermost frame outside this module (a report made on that
+        thread, after a collective timed out, is in this module)."""
+        frame = sys._current_frames().get(self._loop)
+        while frame is not None and frame.f_code.co_filename == __file__:
+            frame = frame.f_back
+        if frame is None:
+            return "its frame unknown"
+        path = frame.f_code.co_filename
+        if path.startswith(os.getcwd() + os.sep):
+            path = os.path.relpath(path)
+        return f"at {path}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+    # ---- a report: every rank's answer, the rank not arriving, its stacks ----
+
+    def _answers(self) -> dict[int, dict]:
+        """Every rank's answer, waiting at most answer_s; ranks that do not answer are left out."""
+        world = self.rt.world_size
+        self._put(self._key("hang/asked"), 1)
+        answers = {self.rt.rank: self._answer()}
+        deadline = time.monotonic() + self.answer_s
+        while True:
+            keys = [self._key("hang/answer", r) for r in range(world) if r not in answers]
+            for key, answer in self._read(keys).items():
+                answers[int(key.rsplit("/", 1)[1])] = answer
+            if len(answers) == world or time.monotonic() > deadline:
+                return answers
+            time.sleep(0.1)
+
+    def _laggards(self, answers: dict[int, dict]) -> tuple[list[int], dict]:
+        """The ranks the others wait for, and what tells: issued collectives, silence, else
+        the lowest step and phase."""
+        late = behind(answers)
+        silent = [r for r in range(self.rt.world_size) if r not in answers]
+        if late or silent:
+            return sorted({*late, *silent}), late
+        lowest = min(progress(a) for a in answers.values())
+        return [r for r, a in sorted(answers.items()) if progress(a) == lowest], late
+
+    def _why(self, rank: int, answers: dict[int, dict], late: dict) -> str:
+        """One rank's part of the line: what shows it did not arrive, and where it is."""
+        if rank not in answers:
+            records = self._read([self._key("progress", rank)])
+            last = records.get(self._key("progress", rank))
+            seen = f"; last seen in step {last['step']}, {last['phase']}" if last else ""
+            return f"rank {rank} did not answer within {self.answer_s:.0f} s{seen}"
+        answer = answers[rank]
+        where = (
+            f"in step {answer['step']}, {answer['phase']} for {time.time() - answer['since']:.0f} "
+            f"s, {answer['at']}"
+        )
+        if rank not in late:
+            return f"rank {rank} is furthest behind: it is {where}"
+        group, count = late[rank]
+        ahead = [r for r, a in sorted(answers.items()) if a["issued"].get(group, 0) > count]
+        names = {seq: n for g, seq, n in recorded_collectives() if g == group}
+        name = f" ({names[count + 1]})" if count + 1 in names else ""
+        return (
+            f"rank {rank} did not arrive at collective {count + 1}{name} of process group "
+            f"{group}, which rank {', '.join(map(str, ahead))} issued: it is {where}"
+        )
+
+    def _where_all(self, answers: dict[int, dict], laggards: list[int]) -> str:
+        """Every rank's step and phase, the ones the others wait for first."""
         now = time.time()
-        if not records:
-            return "no rank has published its progress yet"
-        ranked = sorted(records.items(), key=lambda kv: progress(kv[1]))
-        lowest = progress(ranked[0][1])
-        lagging = [r for r, rec in ranked if progress(rec) == lowest]
-        unknown = [r for r in range(self.rt.world_size) if r not in records]
+        ranked = sorted(answers.items(), key=lambda kv: (kv[0] not in laggards, progress(kv[1])))
         parts = [
-            f"rank {r}: step {rec['step']}, {rec['phase']} for {now - rec['since']:.0f} s"
-            for r, rec in ranked
+            f"rank {r}: step {a['step']}, {a['phase']} for {now - a['since']:.0f} s"
+            for r, a in ranked
         ]
-        head = f"lagging: rank {', '.join(map(str, lagging))}"
-        if unknown:
-            head += f"; no progress from rank {', '.join(map(str, unknown))}"
-        return head + "; " + "; ".join(parts[:8])
+        return f"lagging: rank {', '.join(map(str, laggards))}; " + "; ".join(parts[:8])
+
+    def _report(self) -> tuple[str, bool]:
+        """The report's middle part, and whether this rank is the one the others wait for (then
+        it has written its stacks); the other ranks named are asked to write theirs and end."""
+        if self._store is None:
+            where = self._write_stacks()
+            return f"Other ranks' progress is not known (no process group); stacks: {where}", True
+        answers = self._answers()
+        laggards, late = self._laggards(answers)
+        me = self.rt.rank
+        asked = [r for r in laggards if r != me]
+        for rank in asked:
+            self._put(self._key("hang/stop", rank), f"rank {me} waited {self._waited()}")
+        stacks = self._stacks_of(asked)
+        if me in laggards:
+            stacks[me] = self._write_stacks()
+        whys = [f"{self._why(r, answers, late)}; its stacks: {stacks[r]}" for r in laggards]
+        return ". ".join([*whys, self._where_all(answers, laggards)]), me in laggards
+
+    def _stacks_of(self, ranks: list[int]) -> dict[int, str]:
+        """Where each asked rank wrote its stacks, as it said within answer_s."""
+        keys = {self._key("hang/stacks", r): r for r in ranks}
+        deadline = time.monotonic() + self.answer_s
+        said = self._read(list(keys))
+        while len(said) < len(keys) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            said = self._read(list(keys))
+        missing = f"not written (no answer within {self.answer_s:.0f} s)"
+        return {r: str(said.get(k, missing)) for k, r in keys.items()}
+
+    def _waited(self) -> str:
+        return f"{time.monotonic() - self.at:.0f} s in step {self.step}, {self.phase}"
+
+    def _write_stacks(self) -> str:
+        """Every thread's stack, in this rank's hang-rank<N>.txt (else stderr); where, for the
+        store and the line. The training loop's thread is named in the file's first line."""
+        head = (
+            f"rank {self.rt.rank}: no progress for {self._waited()}; the training loop's thread "
+            f"is 0x{self._loop:016x}\n"
+        )
+        path = stacks_path(self.rt.rank)
+        if path is not None:
+            try:
+                with open(path, "w") as f:
+                    f.write(head)
+                    f.flush()  # faulthandler writes to the file descriptor, after it
+                    faulthandler.dump_traceback(file=f, all_threads=True)
+            except OSError as err:
+                log.warning("stacks not written to %s (%s): on stderr instead", path, err)
+                path = None
+        if path is None:
+            sys.stderr.write(head)
+            sys.stderr.flush()
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        where = str(path) if path is not None else "on its stderr"
+        if self._store is not None:
+            self._put(self._key("hang/stacks", self.rt.rank), where)
+        return where
+
+    # ---- endings ----
+
+    def _end_stalled(self, idle: float) -> None:
+        head = (
+            f"rank {self.rt.rank}: no progress for {idle:.0f} s (trainer.stall_timeout_s="
+            f"{self.stall_s:g}) in step {self.step}, {self.phase}"
+        )
+        report, hung = self._report()
+        if hung:
+            self._exit(f"{head}: the other ranks wait for this one. {report}", STALLED_EXIT_CODE)
+        self._exit(f"{head}. {report}", 1)
+
+    def _end_as_culprit(self, told: str) -> None:
+        """Another rank's report named this one as the rank it waits for."""
+        where = self._write_stacks()
+        self._exit(
+            f"rank {self.rt.rank}: no progress for {self._waited()}: the other ranks wait for "
+            f"this one ({told}); {self._frame()}; its stacks: {where}",
+            STALLED_EXIT_CODE,
+        )
+
+    def _exit(self, line: str, code: int) -> None:
+        """Say the line and end the process: the main thread is stuck in a call it does not
+        return from, so no exception can reach it. A rank that waited gives the hung one time
+        to end first, so that torchrun, which polls its workers every 0.1 s by default
+        (--monitor-interval), names that one as the "Root Cause"."""
+        log.error("%s. Ending this process (exit %d).", line, code)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        if code != STALLED_EXIT_CODE:
+            time.sleep(2.0)
+        os._exit(code)
 
     def timed_out(self, err: Exception) -> CollectiveTimeout:
-        """The error to stop with when a collective in the current phase timed out."""
+        """The error to stop with when a collective in the current phase timed out; the rank it
+        names as not arriving has been asked to end first."""
+        self.stop()  # the report uses the store from this thread now
+        head = f"rank {self.rt.rank}: a collective timed out (dist.timeout_s) in step {self.step}"
+        report, hung = self._report()
+        if not hung:
+            time.sleep(2.0)  # the hung rank ends first (_exit says why)
         return CollectiveTimeout(
-            f"rank {self.rt.rank}: a collective timed out (dist.timeout_s) in step {self.step}, "
-            f"{self.phase}. {self.where_ranks_are()}. The backend said: {first_line(err)}"
+            f"{head}, {self.phase}. {report}. The backend said: {first_line(err)}"
         )
