@@ -2,7 +2,8 @@
 a 10,000-character value or key, a key with a character Hydra's grammar does not read (unicode),
 a value with shell metacharacters left unquoted for Hydra, a run directory on a read-only
 filesystem or with a name too long, and Ctrl-C during training (the step reached and the newest
-checkpoint, exit code 130). Real processes: train.py as a user starts it."""
+checkpoint, exit code 130); under torchrun, its closing report names the config error. Real
+processes: train.py as a user starts it."""
 
 import os
 import shutil
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_train, train_command
+from conftest import one_line_under_torchrun, run_train, train_command
 
 LONG = "x" * 10_000
 
@@ -48,6 +49,20 @@ def test_a_value_or_key_that_cannot_work_is_one_short_line(tmp_path, override, w
         assert word in lines[0], lines[0]
     assert not run_dir.exists() and not (tmp_path / "pwned").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory of any name
+
+
+def test_torchruns_report_names_the_config_error_as_the_root_cause(tmp_path):
+    """Plain torchrun ends with its own table of the failed ranks; mgpu records the error where
+    torchrun reads it (TORCHELASTIC_ERROR_FILE), so the table says it, not a link to torch's
+    docs on enabling tracebacks."""
+    run_dir = tmp_path / "run"
+    proc = run_train(["optim.lrr=1e-3", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    line = one_line_under_torchrun(proc, run_dir)  # said once by mgpu, exit code 2 per rank
+    error = line.removeprefix("mgpu: ")
+    report = proc.stderr[proc.stderr.index("Root Cause") :].splitlines()
+    assert f"  traceback : {error}" in report, proc.stderr
+    assert "To enable traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count(f"traceback : {error}") == 2, proc.stderr  # each rank's entry
 
 
 def test_a_run_directory_on_a_read_only_filesystem_is_one_line(tmp_path):

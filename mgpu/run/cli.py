@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import os
 import re
 import signal
 import sys
+import time
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -267,13 +269,38 @@ def check_run_dir(key: str, path: str) -> None:
     raise ConfigError(key, path, f"{why}; choose a run directory that can be written: {key}=PATH")
 
 
+def record_for_torchrun(line: str) -> bool:
+    """`line` in this worker's TORCHELASTIC_ERROR_FILE, where torchrun reads why a worker failed:
+    its closing table shows the error there instead of a link to its docs, and
+    launch/torchrun.py ends with the line. False without torchrun or where it cannot be written.
+    The table's traceback column gets the line without its "mgpu: " (the table names train.py)
+    and says it once per failed rank; torch's @record would write a traceback that a config
+    error does not have."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    shown = line.removeprefix("mgpu: ")
+    extra = {"py_callstack": shown, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
+    except OSError:
+        return False
+    return True
+
+
 def stop_with_config_error(err: Exception) -> NoReturn:
     """The one line of a config error, on local rank 0's console (the other ranks stay quiet),
-    and exit code 2. os._exit, not sys.exit: Python's own shutdown puts SIGTERM's default
-    action back, and torchrun's SIGTERM, sent as the first rank exits, would then end a rank
-    that is exiting on its own with -15 instead of 2."""
-    if dist.launch_env().local_rank == 0:
-        print(f"mgpu: config error: {clipped(describe_error(err))}", file=sys.stderr)
+    and exit code 2; under torchrun every rank records it for torchrun's report, and under
+    launch/torchrun.py, which then ends with it, no rank says it itself. os._exit, not
+    sys.exit: Python's own shutdown puts SIGTERM's default action back, and torchrun's SIGTERM,
+    sent as the first rank exits, would then end a rank that is exiting on its own with -15
+    instead of 2."""
+    line = f"mgpu: config error: {clipped(describe_error(err))}"
+    recorded = record_for_torchrun(line)
+    launcher_says = recorded and os.environ.get("MGPU_LAUNCHER_SAYS_ERRORS") == "1"
+    if dist.launch_env().local_rank == 0 and not launcher_says:
+        print(line, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(2)
