@@ -168,13 +168,20 @@ def test_cuda_graphs_auto_replays_uncompiled_unwrapped_models_on_gpus_only():
     assert to_config(compose_config("trainer.cuda_graphs=false")).trainer.cuda_graphs is False
 
 
-def test_cuda_graphs_record_mgpus_reductions_only_when_asked():
-    """A model whose reducer the capture can record replays under true (compiled block by block
-    or not) and stays uncaptured under auto; recompute of checkpointed blocks still refuses."""
+def test_cuda_graphs_record_mgpus_reductions_unless_off():
+    """A model whose reducer the capture can record replays under auto and true (compiled block
+    by block or not) and not under false; recompute of checkpointed blocks still refuses under
+    true and stays uncaptured under auto; a wrapped model whose reduction cannot be recorded
+    stays uncaptured under auto."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for compiled in (False, True):
         assert use_graphs(True, cuda, compiled, wrapped=True, captures_reduction=True)
-        assert not use_graphs("auto", cuda, compiled, wrapped=True, captures_reduction=True)
+        assert use_graphs("auto", cuda, compiled, wrapped=True, captures_reduction=True)
+        assert not use_graphs("auto", cuda, compiled, wrapped=True, captures_reduction=False)
+    assert not use_graphs("auto", cpu, False, wrapped=True, captures_reduction=True)
+    assert not use_graphs(
+        "auto", cuda, False, wrapped=True, checkpointed=2, captures_reduction=True
+    )
     assert not use_graphs(False, cuda, False, wrapped=True, captures_reduction=True)
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         use_graphs(True, cuda, False, wrapped=True, checkpointed=2, captures_reduction=True)

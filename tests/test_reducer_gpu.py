@@ -44,9 +44,10 @@ def run_worker(
     ids=["mgpu", "mgpu_sharded", "mgpu_graphs", "mgpu_compiled_graphs"],
 )
 def test_mgpu_matches_torch_ddp_over_nccl(extra):
-    """The captured variants (trainer.cuda_graphs=true) printed equal parameters on 2 H200s but
-    their processes then hung in the process group's teardown (bench/README.md, "Reductions
-    inside CUDA graphs"): their bound is short, so that the hang fails the test in minutes."""
+    """The captured variants (trainer.cuda_graphs=true) once printed equal parameters and then
+    hung in the process group's teardown, while their graphs still held NCCL's communicator
+    (mgpu.runtime.dist.release_before_leaving): their bound is short, so that such a hang fails
+    the test in minutes."""
     captured = extra in (("graphs",), ("compiled",))
     proc = run_worker(20, {}, *extra, timeout=240 if captured else 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
