@@ -76,6 +76,7 @@ class Lever:
     whole_compile: bool = False  # with --compile: the whole model as one graph
     preemptible: bool = False  # a Preemption takes part: the per-step agreement runs
     graphs: bool | None = None  # trainer.cuda_graphs for this lever; None: the run's --graphs
+    compile_mode: str = "auto"  # trainer.compile_mode for this lever, with --compile
 
 
 def ddp_bf16_compressed(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
@@ -114,8 +115,14 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     "torch_ddp_view": Lever(DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True)),
     "mgpu": Lever(DistConfig(engine=Engine.mgpu)),
     # trainer.cuda_graphs=true: the step replayed as CUDA graphs with the reducer's bucket
-    # reductions recorded inside the backward (mgpu.train.graphs; one micro-batch a step)
+    # reductions recorded inside the backward (mgpu.train.graphs; one micro-batch a step),
+    # which auto does too wherever the reductions can be recorded
     "mgpu_graphs": Lever(DistConfig(engine=Engine.mgpu), graphs=True),
+    # trainer.cuda_graphs=false: every kernel and every bucket's all-reduce launched from Python
+    "mgpu_uncaptured": Lever(DistConfig(engine=Engine.mgpu), graphs=False),
+    # with --compile, a model compiled whole (ResNet-50): torch.compile's default mode rather
+    # than auto's reduce-overhead, so that mgpu's capture records the model and its reductions
+    "mgpu_graphs_whole": Lever(DistConfig(engine=Engine.mgpu), graphs=True, compile_mode="default"),
     # levers of the captured step, one at a time against "mgpu_graphs": its machinery without
     # the all-reduce (what capture costs beyond one GPU's), the bf16 wire, fewer NCCL CTAs (SMs
     # left to backward), larger buckets, the reductions on a high-priority stream
@@ -284,6 +291,7 @@ def build(
         precision=precision,
         grad_clip=1.0,
         compile=use_compile,
+        compile_mode=spec.compile_mode,
         cuda_graphs=graphs if spec.graphs is None else spec.graphs,
         grad_accum_steps=accum,
     )

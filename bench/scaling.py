@@ -11,9 +11,11 @@ Each job is one `torchrun bench/engines.py` (mgpu's Trainer, wrappers and compil
 builds them, batches already on the GPU, so the figures are compute and communication, not
 input): engine `none` is every GPU training alone, mgpu's fastest one-GPU path (the whole model
 compiled with CUDA graphs, or the eager step replayed as CUDA graphs); `mgpu` is data parallelism
-as train.py runs it by default (trainer.cuda_graphs=auto), `mgpu_graphs` with
-trainer.cuda_graphs=true (the step replayed as CUDA graphs with the reductions inside; not on
-the CPU of --quick); `torch_ddp` and `torch_ddp_tuned` are torch's DistributedDataParallel
+as train.py runs it by default (trainer.cuda_graphs=auto: the step replayed as CUDA graphs with
+the reductions recorded inside, wherever they can be), `mgpu_uncaptured` with
+trainer.cuda_graphs=false; for ResNet-50 compiled (a model compiled whole) also
+`mgpu_graphs_whole`, torch.compile's default mode replayed by mgpu's capture with the
+reductions inside; `torch_ddp` and `torch_ddp_tuned` are torch's DistributedDataParallel
 (compiled whole by torch.compile under --compile, eager otherwise).
 
 Writes bench/results/scaling-<device>-<time>.json: the machine, versions and commit, every job's
@@ -35,13 +37,16 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ["none", "mgpu", "mgpu_graphs", "torch_ddp", "torch_ddp_tuned"]
+ENGINES = ["none", "mgpu", "mgpu_uncaptured", "torch_ddp", "torch_ddp_tuned"]
+MINE = ("mgpu", "mgpu_uncaptured", "mgpu_graphs_whole")  # mgpu's settings, the faster reported
+COMPILED_WHOLE = {"resnet50"}  # no nn.ModuleList: compiled as one graph on several GPUs too
 MODES = ("compiled", "eager")
 
 
-def engines(quick: bool) -> list[str]:
-    """The engines of a job: CUDA graphs need a GPU, so --quick leaves mgpu_graphs out."""
-    return [e for e in ENGINES if not (quick and e == "mgpu_graphs")]
+def engines(model: str, mode: str, quick: bool) -> list[str]:
+    """The engines of a job; mgpu_graphs_whole is a CUDA graph capture, not on --quick's CPU."""
+    whole = mode == "compiled" and model in COMPILED_WHOLE and not quick
+    return ENGINES + (["mgpu_graphs_whole"] if whole else [])
 
 
 def gpu_count(quick: bool) -> int:
@@ -55,10 +60,11 @@ def gpu_count(quick: bool) -> int:
 def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], dict, str]:
     """One torchrun of engines.py: its rows and metadata, and how it ended ('ok' or why not)."""
     xl = model == "gpt2_xl"
+    names = args.xl_engines if xl else engines(model, mode, args.quick)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={gpus}", str(HERE / "engines.py"),
-        "--models", model, "--engines", *(args.xl_engines if xl else engines(args.quick)),
+        "--models", model, "--engines", *names,
         "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
         "--out", str(out), "--tag", f"{model}-{mode}-x{gpus}",
     ]  # fmt: skip
@@ -87,9 +93,9 @@ def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], 
 
 def summarize(rows: list[dict], key: str, summary: dict) -> None:
     """Efficiency and speed against torch DDP of mgpu's faster setting in one job's rows
-    (`mgpu`, trainer.cuda_graphs=auto, or `mgpu_graphs`, true), and which one it was."""
+    (MINE: `mgpu`, trainer.cuda_graphs=auto, or another of its settings), and which it was."""
     by_engine = {r["engine"]: r["step_ms"] for r in rows}
-    mine = {e: ms for e, ms in by_engine.items() if e in ("mgpu", "mgpu_graphs")}
+    mine = {e: ms for e, ms in by_engine.items() if e in MINE}
     if not mine:
         return
     engine = min(mine, key=mine.__getitem__)
