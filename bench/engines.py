@@ -134,6 +134,12 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     ),
     "mgpu_graphs_ctas8": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=8), graphs=True),
     "mgpu_graphs_cap100": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=100), graphs=True),
+    "mgpu_graphs_cap50": Lever(DistConfig(engine=Engine.mgpu, bucket_cap_mb=50), graphs=True),
+    # every parameter a bucket of its own, reduced in its own .grad: no copy into buckets, one
+    # all-reduce per parameter (launched by the replay, not from Python)
+    "mgpu_graphs_each": Lever(
+        DistConfig(engine=Engine.mgpu, bucket_cap_mb=0.01, first_bucket_mb=0.01), graphs=True
+    ),
     "mgpu_graphs_hipri": Lever(
         DistConfig(engine=Engine.mgpu), wrap=mgpu_high_priority_stream, graphs=True
     ),
