@@ -4,6 +4,9 @@
 
 PYTHON=${PYTHON:-python3}
 TRAIN="$MGPU_ROOT/train.py"
+# torchrun, ending a failed launch with the failed worker's one line and its exit code rather
+# than torchrun's ~40-line report and exit code 1 (launch/torchrun.py says what it changes).
+TORCHRUN="$MGPU_ROOT/launch/torchrun.py"
 
 # The workers' store not shared with torchrun's agent: rank 0 hosts a new one for each restart
 # (torchrun --max-restarts). mgpu meets under per-restart keys in a shared store, but on several

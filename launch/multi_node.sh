@@ -9,6 +9,9 @@
 #     elastic: starts once 2 nodes have joined, admits up to 4, and restarts the workers (in the
 #     same run directory) whenever a node joins or leaves
 #
+# A launch that fails ends with the failed worker's one line and exits with its exit code
+# (launch/torchrun.py; docs/launching.md, "When a launch fails").
+#
 # Environment (defaults):
 #   NNODES          nodes, or MIN:MAX for an elastic range (required)
 #   RDZV_ENDPOINT   host:port of the rendezvous store, reachable from every node; the node that
@@ -34,6 +37,6 @@ local_addr=()
 if [[ -n "${LOCAL_ADDR:-}" ]]; then
   local_addr=(--local-addr="$LOCAL_ADDR")
 fi
-exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+exec "$PYTHON" "$TORCHRUN" --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RUN_ID" \
   --max-restarts="${MAX_RESTARTS:-0}" "${local_addr[@]}" "${torchrun_extra[@]}" "$TRAIN" "$@"

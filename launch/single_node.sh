@@ -9,6 +9,8 @@
 # The run writes to outputs/<date>/<time>/ (or outputs/RUN_ID/, or hydra.run.dir) under the
 # directory you start it from. All its processes, and the ones torchrun restarts, share it.
 # Nothing of the run listens beyond loopback (README.md, "What listens on the network").
+# A launch that fails ends with the failed worker's one line and exits with its exit code
+# (launch/torchrun.py; docs/launching.md, "When a launch fails").
 #
 # Environment (defaults):
 #   NPROC          processes to start (all visible GPUs; 2 on a machine without GPUs)
@@ -64,5 +66,5 @@ rdzv+=(--local-addr=127.0.0.1)
 if [[ -n "${RUN_ID:-}" ]]; then
   rdzv+=(--rdzv-id="$RUN_ID")
 fi
-exec "$PYTHON" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node="$NPROC" \
+exec "$PYTHON" "$TORCHRUN" "${rdzv[@]}" --nproc-per-node="$NPROC" \
   --max-restarts="${MAX_RESTARTS:-0}" "${extra[@]}" "$TRAIN" "$@"

@@ -115,9 +115,9 @@ def recorded(log: Path, program: str) -> list[list[str]]:
 
 
 def torchrun_args(argv: list[str]):
-    """torchrun's own parse of `python -m torch.distributed.run ARGS`: the flags must be real."""
-    assert argv[:2] == ["-m", "torch.distributed.run"], argv
-    return parse_args(argv[2:])
+    """torchrun's own parse of `python launch/torchrun.py ARGS`: the flags must be real."""
+    assert argv[0] == str(LAUNCH / "torchrun.py"), argv
+    return parse_args(argv[1:])
 
 
 def srun_torchrun(srun: list[str]) -> tuple[list[str], object]:
@@ -306,6 +306,81 @@ def test_two_agents_as_two_nodes_share_one_run_directory(tmp_path):
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # written once, by rank 0
     assert "2 process(es)" in "".join(outputs)
     assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == [1, 2]
+
+
+# ---- how a failed launch ends ----
+
+
+def test_a_failed_launch_ends_in_the_workers_one_line_and_exit_code(tmp_path):
+    env = script_env(NPROC="2")
+    del env["OMP_NUM_THREADS"]  # as in a user's shell: torchrun would print its banner
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "single_node.sh"), "optim.lrr=1e-3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    line = "mgpu: config error: optim.lrr='1e-3': is not a key of optim; did you mean optim.lr="
+    # once, and nothing of torchrun's around it: no banner, log lines, traceback or table
+    assert len(said) == 1 and said[0].startswith(line), proc.stdout + proc.stderr
+    assert proc.returncode == 2  # the worker's code, not torchrun's 1
+    assert not (tmp_path / "outputs").exists()
+
+
+WORKERS = {
+    "crash": "raise RuntimeError('boom')",  # a traceback, and exit code 1
+    "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+}
+
+
+@pytest.mark.parametrize(
+    "worker, last, code",
+    [("crash", "exited with code 1; its output above says why", 1), ("killed", "SIGKILL", 137)],
+)
+def test_a_worker_that_leaves_no_line_is_named_last_with_its_exit_code(
+    tmp_path, worker, last, code
+):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKERS[worker] + "\n")
+    proc = subprocess.run(
+        [sys.executable, str(LAUNCH / "torchrun.py"), "--standalone", "--nproc-per-node=2"]
+        + [str(script)],
+        cwd=tmp_path,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("launch: rank ") and lines[-1].endswith(last), proc.stderr
+    assert "ChildFailedError" not in proc.stderr and proc.returncode == code, proc.stderr
+    if worker == "crash":  # the worker's own traceback stays, said once
+        assert proc.stderr.count("RuntimeError: boom") == 2, proc.stderr  # one per rank
+
+
+def test_a_launch_on_a_port_in_use_names_the_fix_in_one_line(tmp_path):
+    """Two torchrun launches with one --master-port (static rendezvous) on one machine: the
+    second cannot listen there (EADDRINUSE). A listening socket stands for the first."""
+    with socket.socket() as first:
+        first.bind(("127.0.0.1", 0))
+        first.listen()
+        port = first.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, str(LAUNCH / "torchrun.py"), f"--master-port={port}"]
+            + ["--nproc-per-node=2", str(ROOT / "train.py"), *TINY],
+            cwd=tmp_path,
+            env=script_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(said) == 1 and f"port {port} is in use" in said[0], proc.stderr
+    assert "--master-port=PORT" in said[0] and "--standalone" in said[0], said[0]
+    assert proc.returncode == 1 and not (tmp_path / "outputs").exists()
 
 
 def process_tree(root: int) -> list[int]:

@@ -1,0 +1,106 @@
+"""torchrun as the launch scripts run it, ending in one line: a launch whose worker failed ends with
+that worker's own line (the one mgpu recorded for torchrun) and the worker's exit code.
+
+Usage: python launch/torchrun.py [torchrun's flags] train.py [overrides ...]
+
+Plain torchrun ends a failed worker with its own report, some 40 lines after the line that
+matters: a log line per worker it stops, a traceback of its own (ChildFailedError), a table of
+the failed ranks, and exit code 1 whatever the worker's. This runs torchrun's own code with the
+same flags, and instead:
+- sets OMP_NUM_THREADS=1 where torchrun would (several processes per node, the variable unset),
+  so that torchrun does not print its banner saying that it did;
+- leaves out torchrun's two log lines for a failed worker (the stopped workers, the exit code);
+- ends with the root cause's line and the worker's exit code (128 + N for signal N), or with a
+  line naming the fix for a rendezvous port that another process holds (EADDRINUSE).
+A worker of mgpu records its line where torchrun reads it (TORCHELASTIC_ERROR_FILE) and, seeing
+MGPU_LAUNCHER_SAYS_ERRORS=1, leaves saying it to this launcher, so that it is said once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+
+from torch.distributed import DistNetworkError
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    ProcessFailure,
+    record,
+)
+from torch.distributed.run import determine_local_world_size, parse_args, run
+
+SAYS_ERRORS = "MGPU_LAUNCHER_SAYS_ERRORS"  # read by mgpu.run.cli.stop_with_config_error
+# torchrun's log lines for a failed worker, which the last line says in full
+QUIET = ("Sending process %s closing signal %s", "failed (exitcode: %s) local_rank: %s")
+
+
+def _not_quiet(record_: logging.LogRecord) -> bool:
+    return not str(record_.msg).startswith(QUIET)
+
+
+def failure_line(rank: int, failure: ProcessFailure) -> str:
+    """The line a worker recorded for torchrun (mgpu's own, or a @record'ed exception's first
+    line), else what torchrun knows: the exit code or the signal."""
+    said = failure.message
+    if isinstance(said, dict) and said.get("message"):
+        return str(said["message"]).strip().splitlines()[0]
+    where = f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()})"
+    if failure.exitcode < 0:
+        return f"launch: {where} was killed by {failure.signal_name()}"
+    return f"launch: {where} exited with code {failure.exitcode}; its output above says why"
+
+
+def exit_code(failure: ProcessFailure) -> int:
+    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+
+
+def port_in_use(err: DistNetworkError) -> str | None:
+    """One line naming the fix, for torchrun's own store failing to listen on a port that is
+    in use (a static rendezvous: --master-port, or plain torchrun's 29500 before torch 2.13)."""
+    if "EADDRINUSE" not in str(err):
+        return None
+    port = re.search(r"port: (\d+)", str(err))
+    which = f"port {port[1]}" if port else "the rendezvous port"
+    return (
+        f"launch: {which} is in use on this machine (another launch, or another program, "
+        "listens there): give this launch a free port (--master-port=PORT), or let torchrun "
+        "pick one (--standalone, or launch/single_node.sh)"
+    )
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)  # torchrun's own parser: its flags, its usage errors
+    try:
+        several = determine_local_world_size(args.nproc_per_node) > 1
+    except ValueError:
+        several = False  # "gpu" without CUDA: torchrun itself says so below
+    if several and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
+    os.environ[SAYS_ERRORS] = "1"
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_quiet)
+    try:
+        # Where a scheduler gave this process an error file, torchrun's entry point copies the
+        # root cause there (record); without one, record only logs that it could not.
+        (record(run) if os.environ.get("TORCHELASTIC_ERROR_FILE") else run)(args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        print(failure_line(rank, failure), file=sys.stderr)
+        return exit_code(failure)
+    except SignalException as err:  # the launch was stopped (Ctrl-C, a scheduler's SIGTERM)
+        return 128 + signal.Signals(err.sigval).value
+    except DistNetworkError as err:
+        line = port_in_use(err)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
