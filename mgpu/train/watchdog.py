@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 # The exit code of the rank that hung, and of a rank whose stall clock fired and no other rank
 # could be named (sysexits.h EX_SOFTWARE). A rank that waited for the hung one exits 1 after it.
 STALLED_EXIT_CODE = 70
+# How long a rank that waited for the hung one outlives it: torchrun polls its workers every
+# 0.1 s by default (--monitor-interval), and names the first one it finds ended as the "Root
+# Cause", which must be the rank that hung.
+GRACE_S = 2.0
 
 # Phases the training loop reports; those that wait in a collective say which one.
 DATA = "data loading"
@@ -287,12 +291,13 @@ class Watchdog:
         ]
         return f"lagging: rank {', '.join(map(str, laggards))}; " + "; ".join(parts[:8])
 
-    def _report(self) -> tuple[str, bool]:
+    def _report(self) -> tuple[str, bool | None]:
         """The report's middle part, and whether this rank is the one the others wait for (then
-        it has written its stacks); the other ranks named are asked to write theirs and end."""
+        it has written its stacks; None: not known); the other ranks named are asked to write
+        theirs and end."""
         if self._store is None:
             where = self._write_stacks()
-            return f"Other ranks' progress is not known (no process group); stacks: {where}", True
+            return f"Other ranks are not known (no process group or store); stacks: {where}", None
         answers = self._answers()
         laggards, late = self._laggards(answers)
         me = self.rt.rank
@@ -353,9 +358,10 @@ class Watchdog:
             f"{self.stall_s:g}) in step {self.step}, {self.phase}"
         )
         report, hung = self._report()
-        if hung:
-            self._exit(f"{head}: the other ranks wait for this one. {report}", STALLED_EXIT_CODE)
-        self._exit(f"{head}. {report}", 1)
+        if hung is False:
+            self._exit(f"{head}. {report}", 1)
+        said = ": the other ranks wait for this one" if hung else ""
+        self._exit(f"{head}{said}. {report}", STALLED_EXIT_CODE)
 
     def _end_as_culprit(self, told: str) -> None:
         """Another rank's report named this one as the rank it waits for."""
@@ -368,14 +374,12 @@ class Watchdog:
 
     def _exit(self, line: str, code: int) -> None:
         """Say the line and end the process: the main thread is stuck in a call it does not
-        return from, so no exception can reach it. A rank that waited gives the hung one time
-        to end first, so that torchrun, which polls its workers every 0.1 s by default
-        (--monitor-interval), names that one as the "Root Cause"."""
+        return from, so no exception can reach it. A rank that waited outlives the hung one."""
         log.error("%s. Ending this process (exit %d).", line, code)
         for handler in logging.getLogger().handlers:
             handler.flush()
         if code != STALLED_EXIT_CODE:
-            time.sleep(2.0)
+            time.sleep(GRACE_S)
         os._exit(code)
 
     def timed_out(self, err: Exception) -> CollectiveTimeout:
@@ -384,8 +388,8 @@ class Watchdog:
         self.stop()  # the report uses the store from this thread now
         head = f"rank {self.rt.rank}: a collective timed out (dist.timeout_s) in step {self.step}"
         report, hung = self._report()
-        if not hung:
-            time.sleep(2.0)  # the hung rank ends first (_exit says why)
+        if hung is False:
+            time.sleep(GRACE_S)  # the hung rank ends first
         return CollectiveTimeout(
             f"{head}, {self.phase}. {report}. The backend said: {first_line(err)}"
         )
