@@ -50,6 +50,9 @@ def hung_run(tmp_path, *settings: str, env: dict | None = None) -> str:
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]
     assert root_cause(proc.stderr) == (1, 70), text[-3000:]
+    # and its table says why, in the hung rank's own words
+    cause = proc.stderr.split("Root Cause", 1)[1]
+    assert re.search(r"traceback : rank 1: no progress for \d+ s", cause), cause
     stacks = (run_dir / "hang-rank1.txt").read_text()
     assert re.search(r'File "\S*tests/faults\.py", line \d+ in forward', stacks), stacks
     assert "lagging: rank 0" not in text, text[-3000:]

@@ -60,6 +60,9 @@ def test_stop_ends_every_rank_naming_the_step_and_rank(tmp_path):
     assert proc.returncode == 1, output(proc)[-3000:]
     assert "step 7: the loss is NaN/inf on rank 1 (trainer.nonfinite=stop)" in output(proc)
     assert no_worker_traceback(proc), output(proc)[-3000:]
+    # torchrun's closing table names the stop as the root cause, not a link to its docs
+    cause = proc.stderr[proc.stderr.index("Root Cause") :]
+    assert "traceback : step 7: the loss is NaN/inf on rank 1" in cause, cause
     assert checkpoints(run_dir) == ["step-00000005"]  # the last good one, nothing after it
     losses = read_scalars(run_dir)["train/loss"]
     assert all(step < 7 for step, _ in losses)  # the record stops before the bad step

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import json
 import os
 import re
 import signal
 import sys
-import time
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -37,6 +35,7 @@ from mgpu.config.checks import ConfigError, _require
 from mgpu.config.schema import Precision
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
+from mgpu.runtime.stops import record_for_torchrun
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 LONGEST_KEY = 200  # characters; mgpu's longest is under 40
@@ -269,26 +268,6 @@ def check_run_dir(key: str, path: str) -> None:
     raise ConfigError(key, path, f"{why}; choose a run directory that can be written: {key}=PATH")
 
 
-def record_for_torchrun(line: str) -> bool:
-    """`line` in this worker's TORCHELASTIC_ERROR_FILE, where torchrun reads why a worker failed:
-    its closing table shows the error there instead of a link to its docs, and
-    launch/torchrun.py ends with the line. False without torchrun or where it cannot be written.
-    The table's traceback column gets the line without its "mgpu: " (the table names train.py)
-    and says it once per failed rank; torch's @record would write a traceback that a config
-    error does not have."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return False
-    shown = line.removeprefix("mgpu: ")
-    extra = {"py_callstack": shown, "timestamp": str(int(time.time()))}
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
-    except OSError:
-        return False
-    return True
-
-
 def stop_with_config_error(err: Exception) -> NoReturn:
     """The one line of a config error, on local rank 0's console (the other ranks stay quiet),
     and exit code 2; under torchrun every rank records it for torchrun's report, and under
@@ -297,9 +276,9 @@ def stop_with_config_error(err: Exception) -> NoReturn:
     sent as the first rank exits, would then end a rank that is exiting on its own with -15
     instead of 2."""
     line = f"mgpu: config error: {clipped(describe_error(err))}"
-    recorded = record_for_torchrun(line)
-    launcher_says = recorded and os.environ.get("MGPU_LAUNCHER_SAYS_ERRORS") == "1"
-    if dist.launch_env().local_rank == 0 and not launcher_says:
+    env = dist.launch_env()
+    recorded = record_for_torchrun(line, env.error_file)
+    if env.local_rank == 0 and not (recorded and env.launcher_says_errors):
         print(line, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -41,6 +41,8 @@ class LaunchEnv:
     restart_count: int = 0  # times torchrun restarted the workers of this launch (--max-restarts)
     max_restarts: int = 0  # torchrun's --max-restarts
     shared_store: bool = False  # the workers' store is the torchrun agent's own (torch's default)
+    error_file: str = ""  # where torchrun reads why this worker failed (TORCHELASTIC_ERROR_FILE)
+    launcher_says_errors: bool = False  # launch/torchrun.py ends with the recorded line itself
 
 
 def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
@@ -59,6 +61,8 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
         restart_count=get("TORCHELASTIC_RESTART_COUNT", 0),
         max_restarts=get("TORCHELASTIC_MAX_RESTARTS", 0),
         shared_store=under_torchrun and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        error_file=env.get("TORCHELASTIC_ERROR_FILE", "") if under_torchrun else "",
+        launcher_says_errors=env.get("MGPU_LAUNCHER_SAYS_ERRORS") == "1",
     )
 
 

@@ -6,14 +6,18 @@ group and the teardown rule are mgpu.runtime.dist's.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
 import torch.distributed as tdist
+
+from mgpu.runtime.launch import launch_env
 
 
 class Place(Protocol):
@@ -98,6 +102,24 @@ def waiting(rank: int, what: str) -> Iterator[None]:
         ) from err
 
 
+def record_for_torchrun(line: str, path: str) -> bool:
+    """`line` in this worker's error file (`path`: LaunchEnv.error_file), where torchrun reads why
+    a worker failed: its closing table shows the line there instead of a link to its docs, and
+    launch/torchrun.py ends with it. False without torchrun or where it cannot be written. The
+    table's traceback column gets the line without its "mgpu: " (the table names train.py);
+    torch's @record would write a traceback that a stop does not have."""
+    if not path:
+        return False
+    shown = line.removeprefix("mgpu: ")
+    extra = {"py_callstack": shown, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
+    except OSError:
+        return False
+    return True
+
+
 @contextmanager
 def stopped(rt: Place) -> Iterator[None]:
     """A RunStopped raised inside becomes its one-line report and SystemExit(its exit code); so
@@ -113,6 +135,8 @@ def stopped(rt: Place) -> Iterator[None]:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         loud = rt.is_primary or not err.every_rank  # an agreed stop is said once
         logging.getLogger("mgpu").log(err.level if loud else logging.INFO, "%s", err.report())
+        # torchrun's closing table (and launch/torchrun.py's last line) say it too
+        record_for_torchrun(f"mgpu: {err.report()}", launch_env().error_file)
         raise SystemExit(err.exit_code) from None
     except RuntimeError as err:
         words = peer_gone(err)

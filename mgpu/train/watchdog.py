@@ -29,6 +29,8 @@ from pathlib import Path
 import torch.distributed as tdist
 
 from mgpu.runtime.dist import RunStopped, Runtime, first_line, store_client
+from mgpu.runtime.launch import launch_env
+from mgpu.runtime.stops import record_for_torchrun
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +378,7 @@ class Watchdog:
         """Say the line and end the process: the main thread is stuck in a call it does not
         return from, so no exception can reach it. A rank that waited outlives the hung one."""
         log.error("%s. Ending this process (exit %d).", line, code)
+        record_for_torchrun(f"mgpu: {line}", launch_env().error_file)  # torchrun's root cause
         for handler in logging.getLogger().handlers:
             handler.flush()
         if code != STALLED_EXIT_CODE:
