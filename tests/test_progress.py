@@ -43,9 +43,10 @@ def test_no_line_off_a_terminal():
     assert out.getvalue() == ""
 
 
-def run(args: list[str], terminal: bool) -> str:
-    """`python -c EVERY_UPDATE module args`, its stdout a pseudo-terminal or a pipe."""
-    command = [sys.executable, "-c", EVERY_UPDATE, *args]
+def run(args: list[str], terminal: bool, code: str = EVERY_UPDATE) -> str:
+    """`python -c EVERY_UPDATE module args` (or other `code`), its stdout a pseudo-terminal or a
+    pipe."""
+    command = [sys.executable, "-c", code, *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if not terminal:
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120).stdout
@@ -94,3 +95,20 @@ def test_a_compiled_run_says_the_first_step_compiles_before_it_does(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout.index("trainer.compile: the first step compiles the model (aot_eager")
     assert said < proc.stdout.index("step 1/2"), proc.stdout
+    assert TICK not in proc.stdout  # piped: no line while it compiles (ticking)
+
+
+TICK = "trainer.compile: compiling the first step: "
+
+
+def test_the_first_compile_ticks_on_a_terminal(tmp_path):
+    """A compiled run's first step (minutes for a large model, nothing printed meanwhile) says it
+    is still compiling every few seconds, on a terminal (piped: the test above)."""
+    args = ["trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.max_steps=2"]
+    args += ["trainer.log_every=1", "trainer.eval_every=0", "data.num_workers=0", "ckpt.every=0"]
+    tick = "import sys, runpy, mgpu.data.progress as p; p.EVERY_S = 0.2; "
+    tick += "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    command = [str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"]
+    shown = run(command, terminal=True, code=tick)
+    assert "step 2/2" in shown, shown[-3000:]
+    assert re.search(re.escape(TICK) + r"\d+ s so far", shown), shown[-3000:]

@@ -1,11 +1,14 @@
-"""A progress line every few seconds for the data commands' long work (prepare, prepare_images,
-check_images), on a terminal only: piped or redirected output stays what it was."""
+"""A progress line every few seconds for long work: the data commands' (prepare, prepare_images,
+check_images), counted as it goes, and a run's first compile, which reports nothing until it
+ends (ticking). On a terminal only: piped or redirected output stays what it was."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TextIO
 
 EVERY_S = 10.0  # seconds between lines: often enough to see it move, rarely enough to read
@@ -44,3 +47,27 @@ class Progress:
             f"{took:.0f} s{left}\n"
         )
         self.stream.flush()
+
+
+@contextmanager
+def ticking(what: str, stream: TextIO | None = None) -> Iterator[None]:
+    """A line `what: N s so far` every EVERY_S while the body runs, from a thread of its own (the
+    body is one call that returns only when done, as torch.compile's first step is)."""
+    stream = stream or sys.stdout
+    if not stream.isatty():
+        yield
+        return
+    done, started, every = threading.Event(), time.monotonic(), EVERY_S
+
+    def tick() -> None:
+        while not done.wait(every):
+            stream.write(f"{what}: {time.monotonic() - started:.0f} s so far\n")
+            stream.flush()
+
+    thread = threading.Thread(target=tick, name="mgpu-ticking", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from mgpu.comm.engine import MgpuDataParallel, local_module, sync_gradients, unw
 from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import CUDA_GRAPH_MODES, Precision, TrainerConfig
 from mgpu.data.prefetch import DeviceLoader
+from mgpu.data.progress import ticking
 from mgpu.data.sampler import DataCursor, advance, epochs
 from mgpu.models import compile_mode
 from mgpu.models.loss import cross_entropy
@@ -275,9 +276,14 @@ class Trainer:
     def _step(self, batches: Iterator[Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.profiler is not None:
             self.profiler.begin_step(step)
-        loss, bad = self.train_step(batches, step)
+        # The first step is where a compiled model compiles, minutes for a large one: rank 0
+        # says it is still at it, on a terminal.
+        first = step == self.start_step + 1
+        compiling = first and self.rt.is_primary and self.cfg.compiles(self.rt.device.type)
+        with ticking("trainer.compile: compiling the first step") if compiling else nullcontext():
+            loss, bad = self.train_step(batches, step)
         self.step = step
-        if step == self.start_step + 1:
+        if first:
             # From here on: the first step is where a compiled model compiles, so start-up
             # includes it.
             self._enter("training")
