@@ -214,3 +214,8 @@ class PausingTokens(NgramTokens):
                 while not self.go.exists() and time.monotonic() < deadline:
                     time.sleep(0.1)
         return super().__getitem__(index)
+
+
+class FaultyRecordingTokens(FaultyTokens, RecordingTokens):
+    """FaultyTokens that also record the training indices each process served (RecordingTokens'
+    `record`): a fault's run whose data order is checked afterwards."""

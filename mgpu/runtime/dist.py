@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -83,6 +84,11 @@ class Runtime:
     def distributed(self) -> bool:
         """Whether there are other ranks to communicate with (a process group of two or more)."""
         return self.has_process_group and self.world_size > 1
+
+    def ranks_gone(self) -> str:
+        """Which ranks' processes are gone, said after a collective failed because one ended
+        (mgpu.runtime.stops.stopped; ranks_gone below); "" without a process group."""
+        return ranks_gone(self.rank, self.world_size) if self.distributed else ""
 
 
 # Called before the process group is destroyed (release_before_leaving).
@@ -316,6 +322,55 @@ def store_client(rt: Runtime, timeout_s: float) -> tdist.Store | None:
     except Exception as err:  # noqa: BLE001 - the side channel is lost, nothing else
         log.warning("the launch's store at %s:%s is unreachable: %s", host, port, err)
         return None
+
+
+# How long a rank whose peer's process ended waits for the other survivors to say they are there.
+GONE_WAIT_S = 3.0
+
+
+def ranks_gone(rank: int, world_size: int, wait_s: float = GONE_WAIT_S) -> str:
+    """The ranks whose processes are gone and their hosts, after a collective failed because a
+    peer's process ended: a lost node's ranks, or a crashed rank. Each rank that meets the failure
+    checks in under this attempt's keys in the launch's store and waits `wait_s` for the others;
+    the ranks that did not come are named with the host and pid they joined from. A store that no
+    longer answers was hosted on rank 0's node (by rank 0, or by that node's torchrun agent), so
+    that node is the one named. For a stop's line only: costs up to `wait_s`, never raises."""
+    host = os.environ.get("MASTER_ADDR", "")
+    try:
+        client = tdist.TCPStore(
+            host,
+            int(os.environ.get("MASTER_PORT", "0")),
+            is_master=False,
+            timeout=timedelta(seconds=wait_s),
+            wait_for_workers=False,
+        )
+        store = tdist.PrefixStore(attempt_prefix(launch_env()), client)
+        store.set(f"gone/here/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        here = [f"gone/here/{r}" for r in range(world_size)]
+        while time.monotonic() < deadline and not store.check(here):
+            time.sleep(0.1)
+        missing = [r for r, key in enumerate(here) if not store.check([key])]
+        joined = {r: store.get(f"join/{r}").decode() for r in missing}  # "host pid N"
+        store.set(f"gone/read/{rank}", "1")
+        if rank == 0:  # the store's host, unless an agent is: kept until the others have read
+            read = [f"gone/read/{r}" for r in range(world_size) if r not in missing]
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and not store.check(read):
+                time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the store's host is gone, or never was reachable
+        return f"rank 0's node ({host}, the launch's store) is gone: its store does not answer"
+    if not missing:
+        return "no rank is gone (each answered)"
+    by_host: dict[str, list[str]] = {}
+    for r in missing:
+        name, _, pid = joined[r].partition(" pid ")
+        by_host.setdefault(name, []).append(f"{r} (pid {pid})")
+    parts = [
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} on {name}"
+        for name, ranks in by_host.items()
+    ]
+    return f"gone: {'; '.join(parts)} (no answer within {wait_s:g} s)"
 
 
 def quiet_other_ranks(rt: Runtime) -> None:

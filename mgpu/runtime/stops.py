@@ -29,6 +29,8 @@ class Place(Protocol):
     @property
     def is_primary(self) -> bool: ...
 
+    def ranks_gone(self) -> str: ...
+
 
 BAD_INPUT = 2  # the exit code of a stop for input that cannot work (a config, a data file)
 
@@ -146,10 +148,12 @@ def stopped(rt: Place) -> Iterator[None]:
             # torchrun's SIGTERM, sent as the first rank exited, must not end this one as -15
             # before it has said why it stops (the SIGTERM handler of a run is gone by now)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        gone = rt.ranks_gone()  # a lost node's ranks and host, or a crashed rank's
         logging.getLogger("mgpu").error(
             "rank %d: stopped: another rank's process ended under a collective (the backend: "
-            "%s); that rank's log and torchrun's summary ('Root Cause') say why",
+            "%s)%s; that rank's log and torchrun's summary ('Root Cause') say why",
             rt.rank,
             words,
+            f"; {gone}" if gone else "",
         )
         raise SystemExit(1) from None
