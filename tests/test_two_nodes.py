@@ -6,6 +6,7 @@ both nodes ends as an uninterrupted run, bit for bit. Elastic (NNODES=1:2, MAX_R
 node left continues alone from the newest checkpoint, with the data order docs/checkpoints.md
 gives for a change of the number of processes. On GPUs the same, 2 nodes of 2 GPUs over NCCL."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -200,3 +201,24 @@ def test_bench_two_nodes_quick_runs_and_records(tmp_path):
     assert record["efficiency"]["gpt2_small_eager_2x1_socket"] > 0
     (job,) = record["jobs"]
     assert job["world_size"] == 2 and {r["engine"] for r in job["rows"]} == {"none", "mgpu"}
+
+
+def test_the_probe_tells_sockets_between_nodes_from_one_host_seen():
+    """bench/two_nodes.py reads NCCL_DEBUG=INFO's channel lines (NCCL 2.28's form) by pair kind:
+    two nodes of 2 each its own host (sockets across, NVLink within), and NCCL seeing one host."""
+    spec = importlib.util.spec_from_file_location("two_nodes", ROOT / "bench" / "two_nodes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    two_hosts = """
+    h:1:2 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/Socket/0
+    h:3:4 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [receive] via NET/Socket/0
+    h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+    h:3:4 [1] NCCL INFO Channel 01/0 : 3[1] -> 0[0] [send] via NET/Socket/1
+    """
+    seen = bench.transports(two_hosts, per_node=2)
+    assert seen == {"across nodes": ["NET/Socket/0", "NET/Socket/1"], "within a node": [
+        "P2P/CUMEM/read"]}  # fmt: skip
+    assert bench.two_hosts(seen)
+    one_host = "h:1:2 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] via P2P/CUMEM/read"
+    assert not bench.two_hosts(bench.transports(one_host, per_node=2))
+    assert not bench.two_hosts(bench.transports("no channel lines", per_node=2))
