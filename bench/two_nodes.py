@@ -85,7 +85,7 @@ def two_nodes(program: list[str], per_node: int, wire: str, quick: bool, timeout
               extra_env: dict[str, str] | None = None) -> tuple[int, str]:  # fmt: skip
     """Run `program` under two torchrun agents, one per node; (worst exit code, both outputs)."""
     port = free_port()
-    agents = []
+    agents, logs = [], []
     for index in range(NODES):
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
@@ -97,23 +97,28 @@ def two_nodes(program: list[str], per_node: int, wire: str, quick: bool, timeout
             *program,
         ]  # fmt: skip
         env = {**node_env(index, per_node, wire, quick), **(extra_env or {})}
+        # A file, not a pipe: NCCL_DEBUG=INFO fills a pipe that is not read while the other
+        # agent is waited for, and a node blocked on its output would stall both.
+        logs.append(tempfile.TemporaryFile("w+"))
         agents.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
+            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=logs[-1], stderr=subprocess.STDOUT)
         )
-    outputs, codes = [], []
+    codes = []
     deadline = time.monotonic() + timeout_s
     for agent in agents:
         try:
-            out, _ = agent.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+            codes.append(agent.returncode)
         except subprocess.TimeoutExpired:
             for a in agents:
                 a.kill()
-            out, _ = agent.communicate()
-            agent.returncode = 124
-        outputs.append(out)
-        codes.append(agent.returncode)
+            agent.wait()
+            codes.append(124)
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
     return max(codes, key=abs), "\n".join(outputs)
 
 
