@@ -122,6 +122,13 @@ def two_nodes(program: list[str], per_node: int, wire: str, quick: bool, timeout
     return max(codes, key=abs), "\n".join(outputs)
 
 
+def commit() -> str | None:
+    """The checkout's commit (MGPU_COMMIT where the tree was copied without .git)."""
+    git = ["git", "rev-parse", "HEAD"]
+    found = subprocess.run(git, capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    return os.environ.get("MGPU_COMMIT") or found or None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -289,7 +296,7 @@ def main() -> None:
         "per_node": per_node,
         "torch": meta.get("torch"),
         "nccl": meta.get("nccl"),
-        "git_commit": meta.get("git_commit"),
+        "git_commit": meta.get("git_commit") or commit(),
         "env": meta.get("env", {}),
         "wire": {"name": wire, "nodes": [
             {**WIRES[wire], "NCCL_HOSTID": f"mgpu-two-nodes-{i}"} for i in range(NODES)
