@@ -1,30 +1,54 @@
 """ResNet-50 trained through train.py on a folder of real-sized images against the same run with
-its batches made on the GPU's doorstep, on one GPU, in one job, with the host's cores limited.
+its batches made on the GPU's doorstep, on 1 and on several GPUs of one host, in one job, with the
+host's cores limited.
 
-    python bench/real_images.py                       # 12,000 images, 16 and 8 cores, B=128/256
-    python bench/real_images.py --folder DIR --cores 16 --batches 128 --decodes auto cpu
-    python bench/real_images.py --quick               # tiny shapes on the CPU: checks the script
+    python bench/real_images.py                       # 1 and 4 GPUs, 3 pairs, 2 image sets
+    python bench/real_images.py --gpus 1 --folder DIR --cores 16 --batches 128 --decodes auto cpu
+    python bench/real_images.py --quick               # tiny shapes on the CPU (1 and 2 processes)
     python bench/real_images.py --only 16:128 --shards 256   # and from the set prepared once
     python bench/real_images.py --variant keep=data.keep_trainer_cores=true   # and with overrides
     python bench/real_images.py --only 16:128 --trace   # and where each run's GPU time went
     python bench/real_images.py --cpu-shares auto 0 0.3  # the default share (auto) and fixed ones
 
-Each run is `taskset -c 0-(N-1) python train.py ...` as a user types it (compiled ResNet-50,
-bf16, channels_last, SGD, the defaults of experiment=resnet50_folder), read back from its own
-TensorBoard telemetry: the median of throughput/samples_per_sec over the log intervals after
---warmup steps. The reference is experiment=resnet50 with the same batch size, model and cores:
-synthetic uint8 images from the workers, which cost them a fraction of a millisecond each (its
-data wait is reported beside it), so its rate is the step's own.
+On a 4-GPU machine: the default's runs (about 12 minutes) with the prepared shards and
+dist.cpu_affinity=true beside them, in three calls of under 10 minutes each (estimated 7, 6 and
+6 minutes from one-GPU jobs' runs, compilation included; each writes its own file), NVLink
+multicast off:
 
-The image set (bench/make_image_folder.py --mix realistic): 500x375 JPEGs, one in four portrait,
-with photo-sized (2400x1800), grayscale and CMYK JPEGs and PNGs among them. Also measured: what
-one CPU core decodes and crops a second (a worker's loop, in one process pinned to one core) and
-what the GPU decodes and crops a second (data.decode=gpu's batch step, batches of 128).
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    A=affinity=dist.cpu_affinity=true
+    python bench/real_images.py --gpus 4 --only 16:128 16:256 --variant $A
+    python bench/real_images.py --gpus 4 --only 8:128 --variant $A --shards 256
+    python bench/real_images.py --gpus 1 --shards 256
 
-Writes bench/results/real_images-<device>-<time>.json with a top-level "ratio" object:
-resnet50_b<B>_<N>cores (img/s through train.py with data.decode=auto and the default
-data.cpu_decode_share=auto over the reference's; a fixed share adds _cpu<share>, a variant
-_<name>). Each folder run records the share auto chose and the rates it measured (decode_split).
+The default: --gpus 1 4, the pairs (cores per GPU : batch per GPU) 16:128 16:256 8:128, and two
+image sets written side by side (--mixes realistic plain); `--gpus 8` where 8 GPUs are lent.
+
+Each run is `taskset -c <the first G x N CPUs> torchrun --standalone --nproc_per_node=G train.py
+...` as a user types it (`python train.py` for G=1; N = --cores, the cores of each GPU; compiled
+ResNet-50, bf16, channels_last, SGD, the defaults of experiment=resnet50_folder, B images per GPU),
+read back from its own TensorBoard telemetry: the median of throughput/samples_per_sec (every
+GPU's images) over the log intervals after --warmup steps, and each rank's data wait (the median
+over intervals of the ranks' min, median and max: ranks/data_wait_ms_*). The reference is
+experiment=resnet50 on the same G GPUs with the same batch, model and cores: synthetic uint8
+images from the workers, which cost them a fraction of a millisecond each (its data wait is
+reported beside it), so its rate is the step's own.
+
+The image sets (bench/make_image_folder.py): --mix realistic, 500x375 JPEGs, one in four
+portrait, with photo-sized (2400x1800), grayscale and CMYK JPEGs and PNGs among them; --mix
+plain, only 500x375 RGB JPEGs. Variants, CPU shares, traces and shards use the first of --mixes.
+Also measured (--probes): what one CPU core decodes and crops a second (a worker's loop, in one
+process pinned to one core) and what the GPU decodes and crops a second (data.decode=gpu's
+batch step, batches of 128).
+
+Writes bench/results/real_images-<device>-<time>.json, rewritten after every run (a call cut off
+keeps what it measured; a run that fails is recorded with its error, the others go on, and the
+script exits 1 at the end), with a top-level "ratio" object: resnet50_b<B>_<N>cores on one GPU
+and resnet50_b<B>_<N>cores_<G>gpu on G (img/s through train.py with data.decode=auto and the
+default data.cpu_decode_share=auto over the reference's on as many GPUs); the plain set adds
+_plain, the shards _shards, a fixed share _cpu<share>, a variant _<name>. Each folder run records
+the share auto chose and the rates it measured (decode_split); the file records the host's CPUs
+and NUMA nodes (which CPUs a job's first G x N are).
 """
 
 from __future__ import annotations
@@ -88,10 +112,53 @@ def train_args(
     ]
 
 
-def run_train(args: list[str], cores: int, out: Path, timeout: float, quick: bool) -> dict:
-    """One train.py run pinned to the first `cores` CPUs; its samples/s and data wait."""
-    pin = [] if quick else ["taskset", "-c", f"0-{cores - 1}"]
-    cmd = [*pin, sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={out}"]
+# Issue 40's table: (cores per GPU, batch per GPU), on every --gpus count
+TABLE = [(16, 128), (16, 256), (8, 128)]
+MIX_KEY = {"realistic": "", "plain": "_plain", "given": ""}  # a ratio key's suffix per image set
+
+
+def job_cpus(count: int) -> str:
+    """The first `count` CPUs this process may use, as taskset -c takes them (e.g. 0-31)."""
+    cpus = sorted(os.sched_getaffinity(0))[:count]
+    spans = [[cpus[0], cpus[0]]]
+    for cpu in cpus[1:]:
+        if cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def host_cpus() -> dict:
+    """The CPUs this process may use and the host's NUMA nodes' CPU lists (where a job's first
+    G x N CPUs lie against the GPUs' nodes)."""
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*/cpulist"))
+    return {
+        "allowed": job_cpus(len(os.sched_getaffinity(0))),
+        "count": len(os.sched_getaffinity(0)),
+        "numa_nodes": {n.parent.name: n.read_text().strip() for n in nodes},
+    }
+
+
+def launcher(gpus: int) -> list[str]:
+    """train.py's launch as a user types it: python for one GPU, torchrun with one process a
+    GPU for several (over gloo on a CPU)."""
+    if gpus == 1:
+        return [sys.executable]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"
+    ]  # fmt: skip
+
+
+def run_train(
+    args: list[str], cores: int, gpus: int, out: Path, timeout: float, quick: bool
+) -> dict:
+    """One train.py run on `gpus` GPUs pinned to the first `cores` x `gpus` CPUs; its samples/s
+    and data wait."""
+    cpus = job_cpus(cores * gpus)
+    pin = [] if quick else ["taskset", "-c", cpus]
+    launch = launcher(gpus)
+    cmd = [*pin, *launch, str(ROOT / "train.py"), *args, f"hydra.run.dir={out}"]
     if quick:
         cmd += ["model=resnet_tiny", "data.image_size=32", "data.num_workers=1"]
     env = {
@@ -108,7 +175,9 @@ def run_train(args: list[str], cores: int, out: Path, timeout: float, quick: boo
     said = done.stdout + done.stderr
     split = [line for line in said.splitlines() if "data.cpu_decode_share=auto:" in line][:1]
     wall = time.perf_counter() - start
-    return {"cmd": " ".join(cmd[len(pin) + 1 :]), "wall_s": wall, "split": split, **scalars}
+    typed = ["python"] if gpus == 1 else ["torchrun", *launch[3:]]
+    line = " ".join([*typed, *cmd[len(pin) + len(launch) :]])
+    return {"cmd": line, "cpus": "" if quick else cpus, "wall_s": wall, "split": split, **scalars}
 
 
 def summarise(scalars: dict, warmup: int) -> dict:
@@ -116,12 +185,23 @@ def summarise(scalars: dict, warmup: int) -> dict:
         values = [v for step, v in scalars.get(tag, []) if step > warmup]
         return statistics.median(values) if values else None
 
-    return {
-        "img_per_s": median("throughput/samples_per_sec"),
+    row = {
+        "img_per_s": median("throughput/samples_per_sec"),  # every GPU's images
+        "img_per_s_per_gpu": median("throughput/samples_per_sec_per_device"),
         "step_ms": median("time/step_ms"),
-        "data_wait_pct": median("time/data_wait_pct"),
+        "data_wait_pct": median("time/data_wait_pct"),  # rank 0's
         "intervals": len([s for s, _ in scalars.get("throughput/samples_per_sec", [])]),
     }
+    # Every rank's data wait (telemetry's rank spread): the rank that waits most paces the rest
+    if "ranks/data_wait_ms_max" in scalars:
+        ranks = {s: median(f"ranks/data_wait_ms_{s}") for s in ("min", "median", "max")}
+        row["rank_data_wait_ms"] = ranks
+        if ranks["max"] is not None and row["step_ms"]:
+            row["data_wait_pct_worst_rank"] = 100.0 * ranks["max"] / row["step_ms"]
+        slowest = [int(v) for s, v in scalars["ranks/data_wait_ms_slowest_rank"] if s > warmup]
+        row["data_wait_slowest_rank"] = max(set(slowest), key=slowest.count) if slowest else None
+        row["rank_step_ms_max"] = median("ranks/step_ms_max")
+    return row
 
 
 def cpu_decode_rate(folder: Path, n: int) -> float:
@@ -203,14 +283,28 @@ def prepare_shards(folder: Path, dst: Path, max_side: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--folder", type=Path, help="an image tree to use (default: write one)")
+    p.add_argument("--folder", type=Path, help="an image tree to use (default: write --mixes)")
+    p.add_argument(
+        "--mixes", nargs="+", choices=["realistic", "plain"],
+        help="image sets to write and train from, side by side (default: realistic plain; "
+        "--quick: realistic)",
+    )  # fmt: skip
     p.add_argument("--images", type=int, default=12000)
-    p.add_argument("--cores", type=int, nargs="+", default=[16, 8])
-    p.add_argument("--batches", type=int, nargs="+", default=[128, 256])
+    p.add_argument(
+        "--gpus", type=int, nargs="+",
+        help="GPU counts, each run under torchrun with one process a GPU (default: 1 4; "
+        "--quick: 1 2 processes over gloo)",
+    )  # fmt: skip
+    p.add_argument("--cores", type=int, nargs="+", help="cores per GPU (default: the table's)")
+    p.add_argument("--batches", type=int, nargs="+", help="batch per GPU (default: the table's)")
     p.add_argument("--decodes", nargs="+", default=["auto"], help="data.decode values to run")
-    p.add_argument("--only", nargs="*", default=[], help="cores:batch pairs to run, e.g. 8:128")
+    p.add_argument(
+        "--only", nargs="*", default=[],
+        help="cores:batch pairs to run, e.g. 8:128 (default: 16:128 16:256 8:128, or every "
+        "--cores x --batches)",
+    )  # fmt: skip
     p.add_argument(
         "--cpu-shares", type=share_arg, nargs="+", default=["auto"],
         help="data.cpu_decode_share values to run each decode with: auto (the default path's: "
@@ -223,7 +317,7 @@ def main() -> None:
     p.add_argument(
         "--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
         help="also a folder run (decode=auto) with these train.py overrides, named NAME, e.g. "
-        "keep=data.keep_trainer_cores=true",
+        "keep=data.keep_trainer_cores=true or affinity=dist.cpu_affinity=true",
     )  # fmt: skip
     p.add_argument(
         "--trace", action="store_true",
@@ -240,28 +334,72 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args()
-    variants = {}  # name -> comma-separated overrides
+    args.variants = {}  # name -> comma-separated overrides
     for v in args.variant:
         name, _, overrides = v.partition("=")
-        if not name or "=" not in overrides or name in variants or name == "traced":
+        if not name or "=" not in overrides or name in args.variants or name == "traced":
             p.error(f"--variant {v}: give NAME=KEY=VALUE[,KEY=VALUE], each NAME once (not traced)")
-        variants[name] = overrides
+        args.variants[name] = overrides
+    if args.folder and args.mixes:
+        p.error("--mixes writes image sets; --folder gives one: not both")
+    if args.folder:
+        args.mixes = ["given"]
+    args.mixes = args.mixes or (["realistic"] if args.quick else ["realistic", "plain"])
+    args.gpus = args.gpus or ([1, 2] if args.quick else [1, 4])
     if args.quick:
         args.images, args.cores, args.batches = 60, [1], [8]
         args.steps, args.warmup, args.every = 6, 2, 2
+    if args.only:
+        args.pairs = [tuple(map(int, x.split(":"))) for x in args.only]
+    elif args.cores or args.batches:
+        args.pairs = [(c, b) for c in args.cores or [16, 8] for b in args.batches or [128, 256]]
+    else:
+        args.pairs = TABLE
+    if not args.quick:
+        gpus, cpus = torch.cuda.device_count(), len(os.sched_getaffinity(0))
+        if max(args.gpus) > gpus:
+            p.error(f"--gpus {max(args.gpus)}: this machine has {gpus} GPU(s)")
+        most = max(args.gpus) * max(c for c, _ in args.pairs)
+        if most > cpus:
+            p.error(f"{most} CPUs asked for (GPUs x cores per GPU); this process may use {cpus}")
+    return args
+
+
+def plan_of(args, prepared: dict | None) -> list[tuple[str, str, str | None, str, str]]:
+    """A pair's runs, reference first: (kind, decode, CPU share, variant, image set). A CPU share
+    means something only where the GPU decodes (not under decode=cpu); a variant is the folder
+    run with its overrides; the other image sets run the default path only."""
+    first, others = args.mixes[0], args.mixes[1:]
+    shares = [(d, x) for d in args.decodes for x in args.cpu_shares]
+    plan = [("reference", "-", None, "", "")]
+    fixed = [(d, x) for d, x in shares if x == "auto" or not (d == "cpu" and float(x))]
+    plan += [("folder", d, x, "", first) for d, x in fixed]
+    plan += [("folder", "auto", None, "", mix) for mix in others]
+    plan += [("folder", "auto", None, name, first) for name in args.variants]  # default share
+    plan += [("shards", "auto", None, "", first)] if prepared else []
+    # traced twins of the reference and the folder run: where each one's GPU time went
+    twins = [("reference", "-", None, "traced", ""), ("folder", "auto", None, "traced", first)]
+    return plan + twins * args.trace
+
+
+def main() -> None:
+    args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="real_images-"))
-    folder = args.folder
-    made = None
-    if folder is None:
-        folder = work / "images"
-        made = write_folder(folder, args.images, min(100, args.images // 4), mix="realistic")
-        print(f"wrote {made}", flush=True)
+    folders, made = {}, {}  # image set -> its folder, and what was written there
+    for mix in args.mixes:
+        folders[mix] = args.folder if mix == "given" else work / f"images_{mix}"
+        if mix != "given":
+            classes = min(100, args.images // 4)
+            made[mix] = write_folder(folders[mix], args.images, classes, mix=mix)
+            print(f"wrote {mix}: {made[mix]}", flush=True)
+    folder = folders[args.mixes[0]]  # probes, shards, variants and traces
     probes = {}
     if args.probes and not args.quick:
         probes["cpu_decode_img_per_s_per_core"] = cpu_decode_rate(folder, 300)
         if torch.cuda.is_available():
             probes["gpu_decode_per_gpu"] = {
-                f"batch_{b}": gpu_decode_rates(folder, b, max(10, 2560 // b)) for b in args.batches
+                f"batch_{b}": gpu_decode_rates(folder, b, max(10, 2560 // b))
+                for b in sorted({b for _, b in args.pairs})
             }
         print(json.dumps(probes), flush=True)
     prepared = None
@@ -269,56 +407,66 @@ def main() -> None:
         prepared = {"max_side": args.shards, "path": str(work / "shards")}
         prepared["prepare_s"] = prepare_shards(folder, work / "shards", args.shards)
         print(json.dumps(prepared), flush=True)
-    runs, ratio = [], {}
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    pairs = [(c, b) for c in args.cores for b in args.batches]
-    if args.only:
-        pairs = [tuple(map(int, x.split(":"))) for x in args.only]
-    for cores, batch in pairs:
-        results = {}
-        # (kind, decode, CPU share, variant): a CPU share means something only where the GPU
-        # decodes (not under decode=cpu); a variant is the folder run with its overrides.
-        shares = [(d, x) for d in args.decodes for x in args.cpu_shares]
-        plan = [("reference", "-", None, "")]
-        fixed = [(d, x) for d, x in shares if x == "auto" or not (d == "cpu" and float(x))]
-        plan += [("folder", d, x, "") for d, x in fixed]
-        plan += [("folder", "auto", None, name) for name in variants]  # the default's share
-        plan += [("shards", "auto", None, "")] if prepared else []
-        # traced twins of the reference and the folder run: where each one's GPU time went
-        twins = [("reference", "-", None, "traced"), ("folder", "auto", None, "traced")]
-        plan += twins * args.trace
-        for kind, decode, share, variant in plan:
-            suffix = "" if share in (None, "auto") else f"_cpu{share}"
-            suffix += f"_{variant}" if variant else ""
-            name = f"b{batch}_{cores}cores_{kind}_{decode}{suffix}"
-            source = Path(prepared["path"]) if kind == "shards" else folder
-            cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
-            traced = variant == "traced"
-            cmd += trace_args(args) if traced else variants[variant].split(",") if variant else []
-            raw = run_train(cmd, cores, work / name, args.timeout, args.quick)
-            row = {"name": name, "cores": cores, "batch": batch, "kind": kind, "decode": decode}
-            row.update(cpu_decode_share=share, variant=variant)
-            row.update(summarise(raw, args.warmup), cmd=raw["cmd"], wall_s=raw["wall_s"])
-            row.update(decode_split=raw["split"][0].split("auto: ", 1)[1] if raw["split"] else "")
-            if traced:  # its rates carry the profiler's cost: not a ratio
-                row["trace"] = traced_streams(work / name, args.trace_steps)
-            else:
-                results[kind, decode, suffix] = row
-            runs.append(row)
-            print(json.dumps(row), flush=True)
-        reference = results["reference", "-", ""]["img_per_s"]
-        for (kind, decode, suffix), row in results.items():
-            if kind != "reference" and reference and row["img_per_s"]:
-                row["ratio"] = row["img_per_s"] / reference
-                key = f"resnet50_b{batch}_{cores}cores" + ("_shards" if kind == "shards" else "")
-                key = key if decode == "auto" else f"{key}_{decode}"
-                ratio[key + suffix] = row["ratio"]
-        record = {"ratio": ratio, "probes": probes, "runs": runs, "shards": prepared}
-        save(args.out, {**record, "folder": made or str(folder)}, stamp)
-    record = {"ratio": ratio, "probes": probes, "runs": runs, "shards": prepared}
-    path = save(args.out, {**record, "folder": made or str(folder)}, stamp)
-    print("ratio", json.dumps(ratio, indent=1))
+    record = {
+        "ratio": {}, "probes": probes, "runs": [], "shards": prepared, "gpus": args.gpus,
+        "folder": made.get(args.mixes[0], str(folder)), "folders": made, "host_cpus": host_cpus(),
+    }  # fmt: skip
+    for gpus in args.gpus:
+        for cores, batch in args.pairs:
+            measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stamp)
+    path = save(args.out, record, stamp)
+    print("ratio", json.dumps(record["ratio"], indent=1))
     print(f"wrote {path}")
+    failed = [r["name"] for r in record["runs"] if "error" in r]
+    if failed:
+        sys.exit(f"failed (each run's error is in {path}): {', '.join(failed)}")
+
+
+def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stamp) -> None:
+    """The reference and the folder runs of one (GPUs, cores per GPU, batch per GPU), into
+    `record` (its runs and ratios), saved after every run."""
+    results = {}
+    scale = "" if gpus == 1 else f"_{gpus}gpu"  # one GPU keeps the keys of earlier files
+    for kind, decode, share, variant, mix in plan_of(args, prepared):
+        suffix = MIX_KEY.get(mix, "") + ("" if share in (None, "auto") else f"_cpu{share}")
+        suffix += f"_{variant}" if variant else ""
+        name = f"b{batch}_{cores}cores{scale}_{kind}_{decode}{suffix}"
+        source = Path(prepared["path"]) if kind == "shards" else folders.get(mix)
+        cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
+        traced = variant == "traced"
+        if traced:
+            cmd += trace_args(args)
+        elif variant:
+            cmd += args.variants[variant].split(",")
+        row = {"name": name, "gpus": gpus, "cores": cores, "batch": batch, "kind": kind}
+        row.update(decode=decode, cpu_decode_share=share, variant=variant, mix=mix or "-")
+        try:
+            raw = run_train(cmd, cores, gpus, work / name, args.timeout, args.quick)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # the call's other runs go on
+            row["error"] = str(e)[-3000:]
+            record["runs"].append(row)
+            print(row["error"], flush=True)
+            save(args.out, record, stamp)
+            continue
+        row.update(summarise(raw, args.warmup), cmd=raw["cmd"], cpus=raw["cpus"])
+        row.update(wall_s=raw["wall_s"])
+        row.update(decode_split=raw["split"][0].split("auto: ", 1)[1] if raw["split"] else "")
+        if traced:  # its rates carry the profiler's cost: not a ratio
+            row["trace"] = traced_streams(work / name, args.trace_steps)
+        else:
+            results[kind, decode, suffix] = row
+        record["runs"].append(row)
+        print(json.dumps(row), flush=True)
+        save(args.out, record, stamp)
+    reference = results.get(("reference", "-", ""), {}).get("img_per_s")
+    for (kind, decode, suffix), row in results.items():
+        if kind != "reference" and reference and row["img_per_s"]:
+            row["ratio"] = row["img_per_s"] / reference
+            key = f"resnet50_b{batch}_{cores}cores{scale}" + ("_shards" if kind == "shards" else "")
+            key = key if decode == "auto" else f"{key}_{decode}"
+            record["ratio"][key + suffix] = row["ratio"]
+    save(args.out, record, stamp)
 
 
 def save(out: Path, record: dict, stamp: str) -> Path:

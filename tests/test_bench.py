@@ -122,10 +122,12 @@ def test_optim_step_quick_runs(tmp_path):
 
 
 def test_real_images_quick_runs(tmp_path):
-    """train.py on a written realistic folder against the synthetic reference, tiny shapes: the
-    default share (auto) and a fixed one, a named variant, the prepared shards and the traced
-    twins; runs without a share of their own leave the default alone."""
-    cmd = [sys.executable, "bench/real_images.py", "--quick", "--cpu-shares", "auto", "0.5"]
+    """train.py on one GPU (one process) on a written realistic folder against the synthetic
+    reference, tiny shapes: the default share (auto) and a fixed one, a named variant, the
+    prepared shards and the traced twins; runs without a share of their own leave the default
+    alone. (Several GPUs and the plain image set: tests/test_real_images_gpus.py.)"""
+    cmd = [sys.executable, "bench/real_images.py", "--quick", "--gpus", "1"]
+    cmd += ["--cpu-shares", "auto", "0.5"]
     cmd += ["--variant", "keep=data.keep_trainer_cores=true", "--shards", "24", "--trace"]
     result = run(cmd, tmp_path)
     assert set(result["ratio"]) == {
@@ -137,6 +139,7 @@ def test_real_images_quick_runs(tmp_path):
     assert result["folder"]["kinds"]["png"] > 0 and result["folder"]["kinds"]["cmyk"] > 0
     assert result["shards"]["max_side"] == 24 and result["shards"]["prepare_s"] > 0
     runs = {(r["kind"], r["cpu_decode_share"], r["variant"]): r for r in result["runs"]}
+    assert all(r["gpus"] == 1 and r["cmd"].startswith("python ") for r in runs.values()), runs
     assert set(runs) == {
         ("reference", None, ""),
         ("folder", "auto", ""),

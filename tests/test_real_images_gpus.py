@@ -1,0 +1,50 @@
+"""bench/real_images.py on several GPUs: each run under torchrun (here 2 processes over gloo on
+the CPU), its reference on as many processes, keys that name the GPU count and the image set,
+every rank's data wait; and the CPUs a job of G GPUs x N cores is pinned to."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def test_two_processes_under_torchrun(tmp_path):
+    cmd = [sys.executable, "bench/real_images.py", "--quick", "--gpus", "2"]
+    cmd += ["--mixes", "realistic", "plain", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    (written,) = tmp_path.glob("real_images-*.json")
+    result = json.loads(written.read_text())
+    assert set(result["ratio"]) == {"resnet50_b8_1cores_2gpu", "resnet50_b8_1cores_2gpu_plain"}
+    assert result["gpus"] == [2] and result["host_cpus"]["count"] > 0
+    plain = result["folders"]["plain"]
+    assert plain["kinds"]["jpeg"] == plain["images"] and result["folder"]["kinds"]["png"] > 0
+    runs = {(r["kind"], r["mix"]): r for r in result["runs"]}
+    assert set(runs) == {("reference", "-"), ("folder", "realistic"), ("folder", "plain")}, runs
+    for row in runs.values():
+        assert row["gpus"] == 2 and row["img_per_s"] > 0, row
+        assert row["cmd"].startswith("torchrun --standalone --nproc_per_node=2 "), row["cmd"]
+        assert row["img_per_s_per_gpu"] == pytest.approx(row["img_per_s"] / 2, rel=1e-3)
+        waits = row["rank_data_wait_ms"]  # both ranks' data wait, from the rank spread
+        assert waits["min"] <= waits["median"] <= waits["max"], row
+        assert row["data_wait_slowest_rank"] in (0, 1), row
+    assert "experiment=resnet50 " in runs["reference", "-"]["cmd"]
+    assert "images_plain" in runs["folder", "plain"]["cmd"]
+    assert "images_realistic" in runs["folder", "realistic"]["cmd"]
+
+
+def test_job_cpus_are_the_first_allowed(monkeypatch):
+    """taskset's list for G x N cores: the first CPUs this process may use, as ranges."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # bench.engines imports its neighbours so
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import real_images
+
+    allowed = {0, 1, 2, 3, 8, 9, 10, 40}
+    monkeypatch.setattr(real_images.os, "sched_getaffinity", lambda _pid: allowed)
+    assert real_images.job_cpus(3) == "0-2"
+    assert real_images.job_cpus(6) == "0-3,8-9"
+    assert real_images.job_cpus(8) == "0-3,8-10,40"
