@@ -12,7 +12,6 @@ import logging
 import os
 import socket
 import sys
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -38,6 +37,7 @@ from mgpu.runtime.launch import (  # noqa: F401 - re-exported: mgpu.runtime.dist
     pin_host_cpus,
     restart_hazard,
 )
+from mgpu.runtime.peers import ranks_gone, store_client  # noqa: F401 - store_client's home was here
 from mgpu.runtime.stops import (  # noqa: F401 - re-exported: mgpu.runtime.dist was their home
     BAD_INPUT,
     PeerTimeout,
@@ -87,7 +87,7 @@ class Runtime:
 
     def ranks_gone(self) -> str:
         """Which ranks' processes are gone, said after a collective failed because one ended
-        (mgpu.runtime.stops.stopped; ranks_gone below); "" without a process group."""
+        (mgpu.runtime.stops.stopped; mgpu.runtime.peers.ranks_gone); "" without a process group."""
         return ranks_gone(self.rank, self.world_size) if self.distributed else ""
 
 
@@ -300,77 +300,6 @@ def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> No
     tdist.all_gather_object(texts, text)
     log.error("%s", describe_config_mismatch(texts))
     raise SystemExit(2)
-
-
-def store_client(rt: Runtime, timeout_s: float) -> tdist.Store | None:
-    """A new client of this launch's key-value store (torchrun's MASTER_ADDR:MASTER_PORT), for
-    side channels such as hang reports; None without a process group or if it is unreachable.
-    A short timeout: a report must not wait long on a store whose host is gone."""
-    if not rt.distributed:
-        return None
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not host or not port:
-        return None
-    try:
-        return tdist.TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-    except Exception as err:  # noqa: BLE001 - the side channel is lost, nothing else
-        log.warning("the launch's store at %s:%s is unreachable: %s", host, port, err)
-        return None
-
-
-# How long a rank whose peer's process ended waits for the other survivors to say they are there.
-GONE_WAIT_S = 3.0
-
-
-def ranks_gone(rank: int, world_size: int, wait_s: float = GONE_WAIT_S) -> str:
-    """The ranks whose processes are gone and their hosts, after a collective failed because a
-    peer's process ended: a lost node's ranks, or a crashed rank. Each rank that meets the failure
-    checks in under this attempt's keys in the launch's store and waits `wait_s` for the others;
-    the ranks that did not come are named with the host and pid they joined from. A store that no
-    longer answers was hosted on rank 0's node (by rank 0, or by that node's torchrun agent), so
-    that node is the one named. For a stop's line only: costs up to `wait_s`, never raises."""
-    host = os.environ.get("MASTER_ADDR", "")
-    try:
-        client = tdist.TCPStore(
-            host,
-            int(os.environ.get("MASTER_PORT", "0")),
-            is_master=False,
-            timeout=timedelta(seconds=wait_s),
-            wait_for_workers=False,
-        )
-        store = tdist.PrefixStore(attempt_prefix(launch_env()), client)
-        store.set(f"gone/here/{rank}", "1")
-        deadline = time.monotonic() + wait_s
-        here = [f"gone/here/{r}" for r in range(world_size)]
-        while time.monotonic() < deadline and not store.check(here):
-            time.sleep(0.1)
-        missing = [r for r, key in enumerate(here) if not store.check([key])]
-        joined = {r: store.get(f"join/{r}").decode() for r in missing}  # "host pid N"
-        store.set(f"gone/read/{rank}", "1")
-        if rank == 0:  # the store's host, unless an agent is: kept until the others have read
-            read = [f"gone/read/{r}" for r in range(world_size) if r not in missing]
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and not store.check(read):
-                time.sleep(0.1)
-    except Exception:  # noqa: BLE001 - the store's host is gone, or never was reachable
-        return f"rank 0's node ({host}, the launch's store) is gone: its store does not answer"
-    if not missing:
-        return "no rank is gone (each answered)"
-    by_host: dict[str, list[str]] = {}
-    for r in missing:
-        name, _, pid = joined[r].partition(" pid ")
-        by_host.setdefault(name, []).append(f"{r} (pid {pid})")
-    parts = [
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} on {name}"
-        for name, ranks in by_host.items()
-    ]
-    return f"gone: {'; '.join(parts)} (no answer within {wait_s:g} s)"
 
 
 def quiet_other_ranks(rt: Runtime) -> None:

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch.distributed as tdist
 
-from mgpu.runtime.dist import RunStopped, Runtime, first_line, store_client
+from mgpu.runtime.dist import RunStopped, Runtime, first_line
 from mgpu.runtime.launch import launch_env
+from mgpu.runtime.peers import store_client
 from mgpu.runtime.stops import record_for_torchrun
 
 log = logging.getLogger(__name__)
