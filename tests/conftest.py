@@ -118,12 +118,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
 SLOW_FILES = [
     "test_resume.py",
     "test_bench.py",
+    "test_real_images_gpus.py",
+    "test_two_nodes.py",
     "test_launch.py",
     "test_shard_resume.py",
     "test_after_training.py",
     "test_config.py",
     "test_image_folder.py",
     "test_nonfinite.py",
+    "test_hang_report.py",
 ]
 
 
