@@ -74,13 +74,21 @@ def run_train(
     )
 
 
+def said_lines(proc) -> list[str]:
+    """The run's own output lines (stdout, where mgpu's log lines are, and stderr), without
+    torchrun's closing table, whose `traceback :` rows repeat each failed rank's recorded line
+    (mgpu.runtime.stops.record_for_torchrun)."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    return [line for line in lines if not line.lstrip().startswith("traceback :")]
+
+
 def one_line_under_torchrun(proc, run_dir, prefix: str = "mgpu: config error: ") -> str:
     """What bad input must give under torchrun: one line of mgpu's, said once (not once per
     rank), every worker's exit code 2, no traceback but torchrun's own summary (its
     ChildFailedError for any worker that did not exit 0, which mgpu cannot avoid), and no run
     directory if `run_dir` is given. Returns the line, found by `prefix`."""
     output = proc.stdout + proc.stderr  # mgpu's log lines are on stdout (Hydra's console)
-    lines = [line for line in output.splitlines() if prefix in line]
+    lines = [line for line in said_lines(proc) if prefix in line]
     assert len(lines) == 1, output
     assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, output  # torchrun's
     assert output.count("Traceback") == 1, output  # torchrun's own only

@@ -3,7 +3,7 @@ save failing (a full disk) stops after ckpt.max_failed_saves in a row, and ckpt.
 over a run directory whose checkpoints are all invalid stops instead of starting again from
 step 0; ckpt.resume=never starts afresh there, as asked."""
 
-from conftest import read_scalars, run_train
+from conftest import read_scalars, run_train, said_lines
 
 SMALL = [
     "model.vocab_size=256",
@@ -28,7 +28,7 @@ def test_saves_failing_in_a_row_stop_the_run_naming_the_directory_and_free_space
     args = [*SMALL, "trainer.max_steps=12", "ckpt.every=2", "ckpt.max_failed_saves=3"]
     proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180)
     text = output(proc)
-    said = [line for line in text.splitlines() if "the last 3 saves failed" in line]
+    said = [line for line in said_lines(proc) if "the last 3 saves failed" in line]
     assert proc.returncode != 0 and len(said) == 1, text[-3000:]
     assert str(run_dir / "checkpoints") in said[0] and " MiB free there" in said[0], said[0]
     # stopped at the third failed save (step 6), not trained on to the end with none saved
@@ -46,7 +46,7 @@ def test_resume_auto_over_only_invalid_checkpoints_stops_and_never_starts_afresh
         (step_dir / "state.pt").write_bytes(b"damaged")
     again = run_train([*args, "trainer.max_steps=6"], cwd=tmp_path, timeout=180)
     text = output(again)
-    said = [line for line in text.splitlines() if "holds checkpoints but none is valid" in line]
+    said = [line for line in said_lines(again) if "holds checkpoints but none is valid" in line]
     assert again.returncode != 0 and len(said) == 1, text[-3000:]
     assert "ckpt.resume=never" in said[0] and "resumed from" not in text
     assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3, 4]

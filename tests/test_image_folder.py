@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, gloo_runtime, one_line_under_torchrun, read_scalars, run_train, spawn
+from conftest import (
+    ROOT,
+    gloo_runtime,
+    one_line_under_torchrun,
+    read_scalars,
+    run_train,
+    said_lines,
+    spawn,
+)
 from PIL import Image
 
 from mgpu.config.checks import ConfigError
@@ -272,8 +280,7 @@ def test_corrupt_file_after_the_first_step_is_one_line_from_each_rank(tmp_path):
     args += ["trainer.log_every=1", "trainer.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = run_train(args, cwd=tmp_path, nproc=2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
     output = proc.stdout + proc.stderr
-    # the ranks' own lines; torchrun's closing table repeats the root cause's (its traceback row)
-    said = [line for line in output.splitlines() if not line.lstrip().startswith("traceback :")]
+    said = said_lines(proc)  # the ranks' own lines; torchrun's table repeats the root cause's
     bad = [line for line in said if "not a readable image" in line]
     gone = [line for line in said if "another rank's process ended" in line]
     assert len(bad) == 1 and "cow/img18.jpg" in bad[0], output

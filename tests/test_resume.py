@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, gloo_runtime, read_scalars, run_train, spawn
+from conftest import free_port, gloo_runtime, read_scalars, run_train, said_lines, spawn
 from faults import first_sample_of_step, recorded
 from test_checkpoint import Shell, bitflip, no_space, reseal
 from torch.utils.data import DataLoader, TensorDataset
@@ -403,7 +403,7 @@ def test_a_resume_refused_for_a_changed_model_says_so_in_one_line_and_changes_no
     proc = run_train([*wider, *never, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     # every worker's exit code 2 (torchrun's own is 1, with its summary)
     assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)) == {"2"}, output(proc)[-3000:]
-    said = [line for line in output(proc).splitlines() if "the model does not match" in line]
+    said = [line for line in said_lines(proc) if "the model does not match" in line]
     assert len(said) == 1, output(proc)[-3000:]  # once, by rank 0, in one line
     newest = step_dir(run_dir / "checkpoints", 20)
     assert f"does not match {newest}: " in said[0]

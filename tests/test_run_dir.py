@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, read_scalars, run_train, train_command
+from conftest import ROOT, read_scalars, run_train, said_lines, train_command
 from faults import first_sample_of_step
 
 from mgpu.runtime.run_lock import LOCK_FILE, RunDirInUse, acquire, release
@@ -102,7 +102,7 @@ def test_a_second_launch_on_a_run_directory_in_use_stops_in_one_line(tmp_path):
         go.touch()
         first.wait(timeout=120)
     text = output(second)
-    said = [line for line in text.splitlines() if IN_USE in line]
+    said = [line for line in said_lines(second) if IN_USE in line]
     assert second.returncode != 0 and len(said) == 1, text[-3000:]  # said once, by rank 0
     # the workers' exit code, in torchrun's report of them (torchrun's own is 1)
     assert re.search(r"exitcode\s*:\s*2 ", second.stderr), second.stderr[-3000:]
