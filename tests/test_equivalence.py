@@ -106,3 +106,22 @@ def test_the_reference_is_sensitive_to_the_batch_split(ddp_results):
         reference.train_step(iter([(x[:MICRO_BATCH], y[:MICRO_BATCH])]))
     got = torch.load(ddp_results / "ddp_sgd.0.pt", weights_only=True)["params"]
     assert any(not torch.allclose(got[k], v, atol=1e-6) for k, v in model.state_dict().items())
+
+
+def _ddp_warnings(rank: int, port: int, out: str):
+    import warnings
+
+    with gloo_runtime(rank, port) as rt, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrap_model(
+            MLP(in_features=4, num_classes=2, hidden=[8]), DistConfig(engine=Engine.torch_ddp), rt
+        )
+        said = [str(w.message) for w in caught if "broadcast_buffers" in str(w.message)]
+        torch.save(said, f"{out}/{rank}.pt")
+
+
+def test_torch_ddp_with_mgpus_defaults_warns_nothing(tmp_path):
+    """dist.broadcast_buffers=true is torch DDP's own default: mgpu leaves the argument out, which
+    torch 2.13 warns about as deprecated whenever it is given (false still passes it)."""
+    spawn(_ddp_warnings, free_port(), str(tmp_path))
+    assert torch.load(tmp_path / "0.pt") == []

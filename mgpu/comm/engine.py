@@ -80,7 +80,10 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
         gradient_as_bucket_view=cfg.ddp_bucket_view,
         static_graph=cfg.ddp_static_graph,
         find_unused_parameters=cfg.find_unused,
-        broadcast_buffers=cfg.broadcast_buffers,
+        # Given only when off: syncing buffers is DDP's default, and torch 2.13 warns that the
+        # argument is deprecated whenever it is given (its replacement, forward_sync_buffers,
+        # still syncs at start when off, and torch 2.11 lacks it).
+        **({} if cfg.broadcast_buffers else {"broadcast_buffers": False}),
     )
 
 
