@@ -186,6 +186,22 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     "mgpu_whole_compile": Lever(
         DistConfig(engine=Engine.mgpu, broadcast_buffers=False), whole_compile=True
     ),
+    # the whole model as one graph and the step replayed by mgpu's capture (auto), so every
+    # gradient is reduced after backward, as one GPU computes it: larger buckets (fewer NCCL
+    # calls in that tail), and the bf16 wire (half its bytes)
+    "mgpu_whole_compile_cap100": Lever(
+        DistConfig(engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=100),
+        whole_compile=True,
+    ),
+    "mgpu_whole_compile_cap100_bf16": Lever(
+        DistConfig(
+            engine=Engine.mgpu,
+            broadcast_buffers=False,
+            bucket_cap_mb=100,
+            reduce_dtype=ReduceDtype.bf16,
+        ),
+        whole_compile=True,
+    ),
     "torch_ddp_bf16": Lever(
         DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True),
         wrap=ddp_bf16_compressed,
