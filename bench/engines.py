@@ -55,8 +55,9 @@ from mgpu.config.schema import (  # noqa: E402
     ReduceDtype,
     TrainerConfig,
 )
-from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
+from mgpu.models import GPT, ResNet, compile_mode  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
+from mgpu.run.build import compiled_for  # noqa: E402
 from mgpu.run.config import check_dist_fits_trainer  # noqa: E402
 from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
 from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
@@ -266,11 +267,8 @@ def make_batch(name: str, device: torch.device, models: dict):
 
 
 def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Module:
-    mode = compile_mode(
-        tcfg.compile_mode, tcfg.compile_backend, model, rt.device, accum=tcfg.grad_accum_steps
-    )
     if spec.dist.engine is Engine.mgpu and not spec.whole_compile:
-        return compile_model(model, tcfg.compile_backend, mode)  # what train.py does
+        return compiled_for(tcfg, spec.dist, model, rt.device, rt.distributed)  # as train.py
     if spec.dist.engine is Engine.none:
         # The scaling baseline is the fastest single-GPU path measured (bench/vs_plain.py):
         # the whole model as one graph, replayed as CUDA graphs where one micro-batch makes a

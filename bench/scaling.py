@@ -12,17 +12,16 @@ builds them, batches already on the GPU, so the figures are compute and communic
 input): engine `none` is every GPU training alone, mgpu's fastest one-GPU path (the whole model
 compiled with CUDA graphs, or the eager step replayed as CUDA graphs); `mgpu` is data parallelism
 as train.py runs it by default (trainer.cuda_graphs=auto: the step replayed as CUDA graphs with
-the reductions recorded inside, wherever they can be), `mgpu_uncaptured` with
-trainer.cuda_graphs=false; for ResNet-50 compiled (a model compiled whole) also
-`mgpu_graphs_whole`, torch.compile's default mode replayed by mgpu's capture with the
-reductions inside; `torch_ddp` and `torch_ddp_tuned` are torch's DistributedDataParallel
-(compiled whole by torch.compile under --compile, eager otherwise).
+the reductions recorded inside, wherever they can be; compiled, the whole model in torch's
+default mode, its reductions after backward), `mgpu_uncaptured` with trainer.cuda_graphs=false
+(compiled block by block, its reductions during backward); `torch_ddp` and `torch_ddp_tuned` are
+torch's DistributedDataParallel (compiled whole by torch.compile under --compile, eager otherwise).
 
 Writes bench/results/scaling-<device>-<time>.json: the machine, versions and commit, every job's
 rows (each engine's step times, peak memory, exposed communication), and two summaries keyed
 `<model>_<compiled|eager>_<gpus>`: "efficiency" (the one-GPU step over mgpu's step),
 "vs_ddp" (the faster torch DDP step over mgpu's step), both for mgpu's faster setting, which
-"engine" names.
+"engine" names. The file is written again after every job, so a run cut short keeps what it did.
 """
 
 from __future__ import annotations
@@ -38,15 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ENGINES = ["none", "mgpu", "mgpu_uncaptured", "torch_ddp", "torch_ddp_tuned"]
-MINE = ("mgpu", "mgpu_uncaptured", "mgpu_graphs_whole")  # mgpu's settings, the faster reported
-COMPILED_WHOLE = {"resnet50"}  # no nn.ModuleList: compiled as one graph on several GPUs too
+MINE = ("mgpu", "mgpu_uncaptured")  # mgpu's settings, the faster one reported
 MODES = ("compiled", "eager")
-
-
-def engines(model: str, mode: str, quick: bool) -> list[str]:
-    """The engines of a job; mgpu_graphs_whole is a CUDA graph capture, not on --quick's CPU."""
-    whole = mode == "compiled" and model in COMPILED_WHOLE and not quick
-    return ENGINES + (["mgpu_graphs_whole"] if whole else [])
 
 
 def gpu_count(quick: bool) -> int:
@@ -60,7 +52,7 @@ def gpu_count(quick: bool) -> int:
 def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], dict, str]:
     """One torchrun of engines.py: its rows and metadata, and how it ended ('ok' or why not)."""
     xl = model == "gpt2_xl"
-    names = args.xl_engines if xl else engines(model, mode, args.quick)
+    names = args.xl_engines if xl else ENGINES
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={gpus}", str(HERE / "engines.py"),
@@ -135,6 +127,7 @@ def main() -> None:
         jobs += [("gpt2_xl", n, "compiled") for n in counts]
     summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}}
     results, meta, started = [], {}, time.time()
+    stamp, path = time.strftime("%Y%m%d-%H%M%S"), None
     with tempfile.TemporaryDirectory() as tmp:
         for model, gpus, mode in jobs:
             rows, job_meta, status = job(model, gpus, mode, args, Path(tmp))
@@ -142,6 +135,24 @@ def main() -> None:
             meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
             results.append({"key": key, "status": status, **job_meta, "rows": rows})
             summarize(rows, key, summary)
+            path = write(args, meta, summary, results, started, available, stamp, path)
+    print(f"\n{'key':<28} {'efficiency':>10} {'vs ddp':>7} {'mgpu engine':>12}  status")
+    for r in results:
+        k = r["key"]
+        eff, ddp = summary["efficiency"].get(k), summary["vs_ddp"].get(k)
+        print(
+            f"{k:<28} {eff if eff is not None else float('nan'):10.3f} "
+            f"{ddp if ddp is not None else float('nan'):7.3f} "
+            f"{summary['engine'].get(k, '-'):>12}  {r['status']}"
+        )
+    print(f"wrote {path} ({time.time() - started:.0f} s)")
+    failed = [r["key"] for r in results if r["status"] != "ok"]
+    if failed:
+        sys.exit(f"jobs that did not finish: {', '.join(failed)}")
+
+
+def write(args, meta, summary, results, started, available, stamp, path) -> Path:  # noqa: ANN001
+    """The record of the jobs so far, into one file (named by the device once a job knew it)."""
     device = str(meta.get("device", "cpu")).replace(" ", "_")
     record = {
         "what": "bench/scaling.py: mgpu on N GPUs against each GPU alone and torch DDP, one job "
@@ -158,21 +169,11 @@ def main() -> None:
         "jobs": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"scaling-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"\n{'key':<28} {'efficiency':>10} {'vs ddp':>7} {'mgpu engine':>12}  status")
-    for r in results:
-        k = r["key"]
-        eff, ddp = summary["efficiency"].get(k), summary["vs_ddp"].get(k)
-        print(
-            f"{k:<28} {eff if eff is not None else float('nan'):10.3f} "
-            f"{ddp if ddp is not None else float('nan'):7.3f} "
-            f"{summary['engine'].get(k, '-'):>12}  {r['status']}"
-        )
-    print(f"wrote {path} ({record['wall_s']:.0f} s)")
-    failed = [r["key"] for r in results if r["status"] != "ok"]
-    if failed:
-        sys.exit(f"jobs that did not finish: {', '.join(failed)}")
+    new = args.out / f"scaling-{device}-{stamp}.json"
+    if path is not None and path != new:
+        path.unlink(missing_ok=True)  # written before any job knew the device
+    new.write_text(json.dumps(record, indent=1))
+    return new
 
 
 if __name__ == "__main__":

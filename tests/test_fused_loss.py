@@ -154,7 +154,9 @@ def test_auto_head_loss_avoids_the_fused_head_where_a_whole_compile_miscompiles_
 def test_the_fused_head_is_at_risk_where_inductor_compiles_a_wide_gpt_whole_for_a_gpu():
     """fused_head_risk: a reason for the wide fp32-stream GPT compiled whole by inductor for a
     GPU under autocast, and none for each way out, on a CPU (inductor writes C++ there), under
-    another backend, or on several processes (compiled block by block: the head is eager)."""
+    another backend, or on several processes compiled block by block (the head is eager). On
+    several processes whose step mgpu replays (models.replayed_whole) the model is compiled
+    whole again, and at risk."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -179,7 +181,11 @@ def test_the_fused_head_is_at_risk_where_inductor_compiles_a_wide_gpt_whole_for_
         assert risk(["model.n_embd=1024", "model.n_head=16"]) is None
         assert risk(["trainer.compile_backend=aot_eager"]) is None
         assert risk([], device="cpu") is None
-        assert risk([], distributed=True) is None
+        assert risk([], distributed=True)  # compiled whole for mgpu's replay
+        assert risk(["trainer.cuda_graphs=false"], distributed=True) is None  # block by block
+        assert risk(["trainer.grad_accum_steps=2"], distributed=True) is None
+        assert risk(["dist.shard_optimizer=true"], distributed=True) is None
+        assert risk(["model.activation_checkpointing=blocks"], distributed=True) is None
         assert risk(["dist.engine=none"], distributed=True)  # one graph again
 
 

@@ -39,6 +39,11 @@ class MgpuDataParallel(nn.Module):
             self.reducer.prepare()
         return self.module(*args, **kwargs)
 
+    def for_capture(self) -> None:
+        """The step will be replayed as CUDA graphs with the reductions inside
+        (mgpu.train.graphs): buckets at dist.bucket_cap_mb's captured size. Before any step."""
+        self.reducer.for_capture()
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-steps inside accumulate into the buckets without communicating."""
@@ -76,7 +81,7 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
     return DistributedDataParallel(
         model,
         device_ids=device_ids,
-        bucket_cap_mb=cfg.bucket_cap_mb,
+        bucket_cap_mb=cfg.bucket_cap(captured=False),
         gradient_as_bucket_view=cfg.ddp_bucket_view,
         static_graph=cfg.ddp_static_graph,
         find_unused_parameters=cfg.find_unused,

@@ -64,8 +64,8 @@ class GradReducer:
         self.rt, self.world = rt, rt.world_size
         self.find_unused = cfg.find_unused
         self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
-        self.cap_bytes = int(cfg.bucket_cap_mb * 2**20)
-        self.first_cap_bytes = min(self.cap_bytes, int(cfg.first_bucket_mb * 2**20))
+        self.cfg = cfg
+        self._set_caps(cfg.bucket_cap(captured=False))
         # Unique trainable parameters: a tied weight is one Parameter object and is reduced
         # once; frozen parameters have no gradient and are skipped.
         seen: dict[int, nn.Parameter] = {}
@@ -76,8 +76,7 @@ class GradReducer:
         self.names = {id(p): n for n, p in module.named_parameters()}
         buffers = [b for b in module.buffers() if b.numel() > 0] if cfg.broadcast_buffers else []
         self.buffers = FlatBuffers(buffers)
-        self.cuda = rt.device.type == "cuda"
-        # One persistent stream per reducer: a stream per step would leak.
+        self.cuda = rt.device.type == "cuda"  # one persistent stream: one per step would leak
         self.stream = torch.cuda.Stream(device=rt.device) if self.cuda else None
         self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
         self.group = group if group is not None else capped_group(rt, cfg.nccl_max_ctas)
@@ -101,15 +100,26 @@ class GradReducer:
         self.shards = sharding(cfg, module, rt, self.group, self.stream, self.reduce_dtype)
         # Reverse registration order approximates backward order; the first step checks it.
         self._build(list(reversed(range(len(self.params)))))
-        # Kept so that remove() can take the reducer off the parameters again.
-        hook = self._on_grad_ready
+        hook = self._on_grad_ready  # the handles kept for remove()
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
 
     def capturable(self) -> bool:
         """Whether a CUDA graph can record this reducer's work for every later step
-        (mgpu.train.graphs): not under dist.shard_optimizer (its shards are gathered after the
-        optimizer) nor dist.find_unused (which parameters get no gradient may change)."""
-        return self.cuda and self.shards is None and not self.find_unused
+        (mgpu.train.graphs): on a GPU, with the same buckets reduced every step
+        (DistConfig.recordable)."""
+        return self.cuda and self.cfg.recordable()
+
+    def for_capture(self) -> None:
+        """Before the first step of a run whose backward a CUDA graph will record with these
+        reductions inside: buckets of dist.bucket_cap_mb's captured size (auto's larger one)."""
+        if self.steps_started:  # the layout is fixed once .grad tensors are bucket slices
+            raise RuntimeError("GradReducer.for_capture: call it before the first step")
+        self._set_caps(self.cfg.bucket_cap(captured=True))
+        self._build(list(reversed(range(len(self.params)))))
+
+    def _set_caps(self, cap_mb: float) -> None:
+        self.cap_bytes = int(cap_mb * 2**20)
+        self.first_cap_bytes = min(self.cap_bytes, int(self.cfg.first_bucket_mb * 2**20))
 
     def take_exposed(self) -> list:
         """The (backward end, communication end) marks of the synchronised steps since the last

@@ -217,12 +217,19 @@ class TrainerConfig:
         return device_type == "cuda" if self.compile == "auto" else self.compile
 
 
+BUCKET_CAP_MB = 25.0  # dist.bucket_cap_mb=auto, uncaptured
+CAPTURED_BUCKET_CAP_MB = 100.0  # dist.bucket_cap_mb=auto, the step replayed with its reductions
+
+
 @dataclass
 class DistConfig:
     engine: Engine = Engine.mgpu  # how gradients are averaged across processes
     backend: Backend = Backend.auto  # auto: nccl when CUDA GPUs are visible, else gloo
     timeout_s: float = 600.0  # a collective that waits longer than this fails instead of hanging
-    bucket_cap_mb: float = 25.0  # gradient bucket size (mgpu and torch_ddp)
+    # Gradient bucket size in MB (mgpu and torch_ddp). auto: 100 for mgpu where the step is
+    # replayed as CUDA graphs with its reductions inside (trainer.cuda_graphs: fewer, larger
+    # all-reduces, launched by the replay, not from Python), else 25 (torch DDP's default).
+    bucket_cap_mb: Any = "auto"
     first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
     find_unused: bool = False  # reduce zeros for parameters that get no gradient in a step
@@ -245,12 +252,30 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         _positive("dist.timeout_s", self.timeout_s, "600")
-        _positive("dist.bucket_cap_mb", self.bucket_cap_mb, "25")
+        cap = self.bucket_cap_mb
+        number = isinstance(cap, int | float) and not isinstance(cap, bool)
+        ok = cap == "auto" or (number and cap > 0)
+        _require(ok, "dist.bucket_cap_mb", cap, "must be auto or a size in MB > 0, e.g. 25")
         _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
         _non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
         ok = not self.shard_optimizer or self.engine is Engine.mgpu
         why = f"needs dist.engine=mgpu (not {self.engine.value}); or set dist.shard_optimizer=false"
         _require(ok, "dist.shard_optimizer", self.shard_optimizer, why)
+
+    def recordable(self) -> bool:
+        """Whether mgpu reduces the same buckets every step, which a CUDA graph can then record
+        (mgpu.train.graphs): not under shard_optimizer (its shards are gathered after the
+        optimizer) nor find_unused (which parameters get no gradient may change)."""
+        return self.engine is Engine.mgpu and not self.shard_optimizer and not self.find_unused
+
+    def bucket_cap(self, captured: bool) -> float:
+        """dist.bucket_cap_mb in MB, auto resolved for a step replayed with its reductions
+        inside (`captured`) or not. Captured, 100 MB beat 25 in every job that measured both on
+        4 H200s: GPT-2-small eager 39.73 against 40.94 ms and 39.64 against 40.39, compiled
+        whole 35.21 against 36.20, ResNet-50 eager 29.88 against 30.06 (bench/README.md)."""
+        if self.bucket_cap_mb != "auto":
+            return float(self.bucket_cap_mb)
+        return CAPTURED_BUCKET_CAP_MB if captured else BUCKET_CAP_MB
 
 
 @dataclass

@@ -27,14 +27,18 @@ from mgpu.ckpt.resume import (
 from mgpu.ckpt.state import check_same_model
 from mgpu.comm.engine import MgpuDataParallel, wrap_model
 from mgpu.comm.sharded_optim import ShardedOptimizer
-from mgpu.config.schema import Engine, Precision
+from mgpu.config.schema import DistConfig, Engine, Precision, TrainerConfig
 from mgpu.data import decode_split
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.tokenizer import BYTES, UNDECODED, copy_to_run
-from mgpu.models import build_model, compile_mode, compile_model
+from mgpu.models import build_model, compile_mode, compile_model, replayed_whole
 from mgpu.models.config import VOCAB_MULTIPLE, GPTModelConfig
-from mgpu.models.gpt import FUSED_HEAD_MAX_COMPILED_WIDTH, fused_head_miscompiles
+from mgpu.models.gpt import (
+    FUSED_HEAD_MAX_COMPILED_WIDTH,
+    checkpointed_blocks,
+    fused_head_miscompiles,
+)
 from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.run.config import Config
 from mgpu.runtime.dist import Runtime, waiting
@@ -80,27 +84,50 @@ def seed_everything(seed: int) -> None:
 def build_parallel_model(cfg: Config, model: nn.Module, rt: Runtime) -> nn.Module:
     """The model compiled as trainer.compile says, then wrapped as dist.engine says."""
     if cfg.trainer.compiles(rt.device.type):
-        tc = cfg.trainer
-        ddp = cfg.dist.engine is Engine.torch_ddp and rt.distributed
-        overlap = reduces_during_backward(cfg, rt.distributed)
-        mode = compile_mode(
-            tc.compile_mode, tc.compile_backend, model, rt.device, ddp, overlap, tc.grad_accum_steps
-        )
-        model = compile_model(model, tc.compile_backend, mode, overlap)
-        # torch.compile works inside the first step and prints nothing meanwhile: say so, or a
-        # large model looks hung for minutes before the first progress line.
-        log.info(
-            "trainer.compile: the first step compiles the model (%s mode %s); the first progress "
-            "line comes after it, minutes later for a large model (trainer.compile=false starts "
-            "at once)", tc.compile_backend, mode or "default",
-        )  # fmt: skip
+        model = compiled_for(cfg.trainer, cfg.dist, model, rt.device, rt.distributed)
     return wrap_model(model, cfg.dist, rt)
 
 
-def reduces_during_backward(cfg: Config, distributed: bool) -> bool:
+def compiled_for(
+    tc: TrainerConfig, dc: DistConfig, model: nn.Module, device: torch.device, distributed: bool
+) -> nn.Module:
+    """`model` compiled for a run of these settings, before it is wrapped: whole, in torch's
+    default mode, where mgpu replays the step with its reductions (models.replayed_whole); else
+    block by block where buckets are reduced while backward runs (models.compile_model), in
+    trainer.compile_mode's mode (models.compile_mode)."""
+    ddp = dc.engine is Engine.torch_ddp and distributed
+    checkpointed = getattr(model, "checkpointed", 0)
+    whole = replayed_whole(tc, device, distributed, dc.recordable(), checkpointed)
+    overlap = dc.engine is not Engine.none and distributed and not whole
+    mode = None
+    if not whole:
+        mode = compile_mode(
+            tc.compile_mode, tc.compile_backend, model, device, ddp, overlap, tc.grad_accum_steps
+        )
+    model = compile_model(model, tc.compile_backend, mode, overlap)
+    # torch.compile works inside the first step and prints nothing meanwhile: say so, or a
+    # large model looks hung for minutes before the first progress line.
+    log.info(
+        "trainer.compile: the first step compiles the model (%s mode %s%s); the first progress "
+        "line comes after it, minutes later for a large model (trainer.compile=false starts "
+        "at once)", tc.compile_backend, mode or "default",
+        ", whole, for its step to be replayed with the reductions" if whole else "",
+    )  # fmt: skip
+    return model
+
+
+def reduces_during_backward(cfg: Config, device: str, distributed: bool) -> bool:
     """Gradients reduced while backward runs: the model is wrapped for data parallelism on
-    several processes (compile_model then compiles a GPT block by block)."""
-    return cfg.dist.engine is not Engine.none and distributed
+    several processes and not compiled whole for mgpu's replay (compile_model then compiles a
+    GPT block by block)."""
+    if cfg.dist.engine is Engine.none or not distributed:
+        return False
+    model, checkpointed = cfg.model, 0
+    if isinstance(model, GPTModelConfig):
+        checkpointed = checkpointed_blocks(model.activation_checkpointing, model.n_layer)
+    recordable = cfg.dist.recordable()
+    whole = replayed_whole(cfg.trainer, torch.device(device), distributed, recordable, checkpointed)
+    return not whole
 
 
 def fused_head_risk(cfg: Config, device: str, distributed: bool) -> str | None:
@@ -112,7 +139,7 @@ def fused_head_risk(cfg: Config, device: str, distributed: bool) -> str | None:
     (mgpu.run.cli.check_config); `auto` takes the logits' loss instead (GPT.forward, which
     does so in any whole-model compile of such a GPT on a GPU), and build_run says so."""
     model, tc = cfg.model, cfg.trainer
-    whole = tc.compiles(device) and not reduces_during_backward(cfg, distributed)
+    whole = tc.compiles(device) and not reduces_during_backward(cfg, device, distributed)
     inductor_gpu = device == "cuda" and tc.compile_backend == "inductor"
     if not (isinstance(model, GPTModelConfig) and whole and inductor_gpu):
         return None

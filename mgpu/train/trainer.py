@@ -33,7 +33,7 @@ from mgpu.config.schema import CUDA_GRAPH_MODES, Precision, TrainerConfig
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.progress import ticking
 from mgpu.data.sampler import DataCursor, advance, epochs
-from mgpu.models import compile_mode
+from mgpu.models import compile_mode, replayed_whole
 from mgpu.models.loss import cross_entropy
 from mgpu.runtime.dist import (
     Runtime,
@@ -94,23 +94,27 @@ class Trainer:
         # As build_parallel_model compiled the model: a world of one (wrapped only under
         # dist.shard_optimizer) reduces nothing during backward.
         overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel) and rt.distributed
-        mode = compile_mode(
-            cfg.compile_mode,
-            cfg.compile_backend,
-            unwrap(model),
-            rt.device,
-            ddp,
-            overlap,
-            cfg.grad_accum_steps,
-        )
+        # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
+        checkpointed = getattr(unwrap(model), "checkpointed", 0)
+        recordable = isinstance(model, MgpuDataParallel) and model.reducer.capturable()
+        whole = replayed_whole(cfg, rt.device, rt.distributed, recordable, checkpointed)
+        mode = None  # compiled whole in torch's default mode, for the replay below
+        if not whole:
+            mode = compile_mode(
+                cfg.compile_mode,
+                cfg.compile_backend,
+                unwrap(model),
+                rt.device,
+                ddp,
+                overlap,
+                cfg.grad_accum_steps,
+            )
         # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
         # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
         own_loss = getattr(unwrap(model), "computes_loss", False)
         loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
         wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
         compiled = cfg.compiles(rt.device.type)
-        # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
-        checkpointed = getattr(unwrap(model), "checkpointed", 0)
         own_graphs = compiled and mode in CUDA_GRAPH_MODES
         reduces = reduction_in_graphs(model, rt.distributed, cfg.grad_accum_steps, own_graphs)
         graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed, reduces)
