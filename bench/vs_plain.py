@@ -84,9 +84,13 @@ ALONE = {"gpt2_xl", "gpt2_xl_fp8"}
 # (steps a round, rounds, warm-up steps) where --steps/--rounds/--warmup are not given: an XL
 # step of 8 micro-steps of 16 sequences takes ~2.7 s, and each side compiles a 48-block model.
 STEPS = {"gpt2_xl": (2, 3, 2), "gpt2_xl_fp8": (2, 3, 2)}
+# gpt_tiny narrowed for --quick: the script's paths do not depend on the width, and a step on
+# 2 CPU cores costs a fraction of gpt_tiny's (bf16 autocast is slow on a CPU)
+TINY_WIDTH = ["model.n_embd=32", "model.n_head=2"]
 QUICK = {  # CPU-sized stand-ins, to check the script
     "gpt2_small": [
         "model=gpt_tiny",
+        *TINY_WIDTH,
         "data.vocab_size=256",
         "data.seq_len=64",
         "data.batch_size=4",
@@ -99,9 +103,10 @@ QUICK = {  # CPU-sized stand-ins, to check the script
         "data.batch_size=8",
         "data.num_workers=0",
     ],
-    # the XL run's paths (accumulation, checkpointed blocks) at gpt_tiny's size
+    # the XL run's paths (accumulation, checkpointed blocks) at gpt_tiny's depth
     "gpt2_xl": [
         "model=gpt_tiny",
+        *TINY_WIDTH,
         "data.vocab_size=256",
         "data.seq_len=64",
         "data.batch_size=4",

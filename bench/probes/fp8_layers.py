@@ -212,7 +212,7 @@ def release(cuda: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=None, help="blocks (4; --quick: 2)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument(
         "--accum", type=int, default=1, help="micro-steps a step (XL's experiment: 8)"
@@ -233,6 +233,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     args.width, args.heads, args.seq, args.vocab, args.backend = 1600, 25, 1024, 50304, "inductor"
+    args.layers = args.layers or (2 if args.quick else 4)  # 2: still one block and more
     if args.quick:  # the script's paths at a CPU's size; fp8 runs emulated there
         args.width, args.heads, args.seq, args.vocab, args.backend = 64, 4, 32, 256, "aot_eager"
         args.batch, args.steps, args.rounds, args.warmup = 2, 2, 2, 1
