@@ -41,7 +41,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from scaling import MODES, engines, summarize  # noqa: E402 - bench/ is not a package
+from scaling import ENGINES, MODES, summarize  # noqa: E402 - bench/ is not a package
 
 ROOT = HERE.parent
 NODES = 2
@@ -213,7 +213,7 @@ def probe(per_node: int, wire: str, args, tmp: Path) -> dict:
 
 def engines_job(model: str, mode: str, per_node: int, wire: str, args, tmp: Path):
     """One 2-node job of bench/engines.py: its rows and metadata, and 'ok' or why not."""
-    names = args.engines or engines(model, mode, args.quick)
+    names = args.engines or ENGINES
     program = [
         str(HERE / "engines.py"), "--models", model, "--engines", *names,
         "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),

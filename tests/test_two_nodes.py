@@ -43,7 +43,8 @@ def node(
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT),
+        # the checkout first, then what the caller's Python finds its packages by
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         "PYTHON": sys.executable,
         "NNODES": nnodes,
         "NPROC_PER_NODE": "1",
