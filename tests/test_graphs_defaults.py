@@ -23,6 +23,7 @@ def test_bucket_cap_auto_is_larger_only_for_a_captured_step_and_a_number_is_kept
     auto = DistConfig()
     assert auto.bucket_cap(captured=False) == 25.0
     assert auto.bucket_cap(captured=True) == 100.0
+    assert auto.bucket_cap(captured=True, one_node=False) == 25.0  # across nodes: not measured
     assert DistConfig(bucket_cap_mb=50).bucket_cap(captured=True) == 50.0
     assert DistConfig(bucket_cap_mb=0.5).bucket_cap(captured=False) == 0.5
 
@@ -56,6 +57,12 @@ def test_for_capture_lays_out_larger_buckets_under_auto_and_keeps_a_given_size()
     assert max(uncaptured) == 2 * layer and len(uncaptured) > len(captured)
     assert captured == [layer, 5 * layer]
     assert sum(captured) == sum(uncaptured)  # every parameter still in exactly one bucket
+
+    # ranks on several nodes (2 of 4 here): auto keeps 25 MB for the captured step
+    two_nodes = Runtime(0, 0, 4, "gloo", torch.device("cpu"), False, local_world_size=2)
+    across = MgpuDataParallel(wide_mlp(), two_nodes, DistConfig(engine=Engine.mgpu))
+    across.for_capture()
+    assert bucket_sizes(across) == uncaptured
 
     given = MgpuDataParallel(wide_mlp(), ONE, DistConfig(engine=Engine.mgpu, bucket_cap_mb=25))
     before = bucket_sizes(given)

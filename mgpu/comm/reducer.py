@@ -111,10 +111,10 @@ class GradReducer:
 
     def for_capture(self) -> None:
         """Before the first step of a run whose backward a CUDA graph will record with these
-        reductions inside: buckets of dist.bucket_cap_mb's captured size (auto's larger one)."""
+        reductions inside: buckets of dist.bucket_cap_mb's captured size (DistConfig.bucket_cap)."""
         if self.steps_started:  # the layout is fixed once .grad tensors are bucket slices
             raise RuntimeError("GradReducer.for_capture: call it before the first step")
-        self._set_caps(self.cfg.bucket_cap(captured=True))
+        self._set_caps(self.cfg.bucket_cap(True, one_node=self.rt.local_world_size == self.world))
         self._build(list(reversed(range(len(self.params)))))
 
     def _set_caps(self, cap_mb: float) -> None:

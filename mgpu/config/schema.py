@@ -228,7 +228,7 @@ class DistConfig:
     timeout_s: float = 600.0  # a collective that waits longer than this fails instead of hanging
     # Gradient bucket size in MB (mgpu and torch_ddp). auto: 100 for mgpu where the step is
     # replayed as CUDA graphs with its reductions inside (trainer.cuda_graphs: fewer, larger
-    # all-reduces, launched by the replay, not from Python), else 25 (torch DDP's default).
+    # all-reduces, launched by the replay, not from Python) on one node, else 25 (torch DDP's).
     bucket_cap_mb: Any = "auto"
     first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
@@ -268,14 +268,15 @@ class DistConfig:
         optimizer) nor find_unused (which parameters get no gradient may change)."""
         return self.engine is Engine.mgpu and not self.shard_optimizer and not self.find_unused
 
-    def bucket_cap(self, captured: bool) -> float:
+    def bucket_cap(self, captured: bool, one_node: bool = True) -> float:
         """dist.bucket_cap_mb in MB, auto resolved for a step replayed with its reductions
-        inside (`captured`) or not. Captured, 100 MB beat 25 in every job that measured both on
-        4 H200s: GPT-2-small eager 39.73 against 40.94 ms and 39.64 against 40.39, compiled
-        whole 35.21 against 36.20, ResNet-50 eager 29.88 against 30.06 (bench/README.md)."""
+        inside (`captured`) or not, by ranks all on `one_node` or not. Captured on one node,
+        100 MB beat 25 in every job that measured both on 4 H200s: GPT-2-small eager 39.73
+        against 40.94 ms and 39.64 against 40.39, compiled whole 35.21 against 36.20, ResNet-50
+        eager 29.88 against 30.06 (bench/README.md). Across nodes it is not measured: 25."""
         if self.bucket_cap_mb != "auto":
             return float(self.bucket_cap_mb)
-        return CAPTURED_BUCKET_CAP_MB if captured else BUCKET_CAP_MB
+        return CAPTURED_BUCKET_CAP_MB if captured and one_node else BUCKET_CAP_MB
 
 
 @dataclass
