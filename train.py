@@ -17,6 +17,18 @@ signal.signal(signal.SIGTERM, lambda signum, _frame: HELD_SIGTERMS.append(signum
 import os
 import sys
 
+
+def interrupted_while_starting(_signum, _frame) -> None:
+    """Ctrl-C before the run is built (imports, checks, joining the other ranks): one line from
+    rank 0 and exit 130, nothing trained or saved yet; mgpu.run.interrupt takes over from there."""
+    if os.environ.get("RANK", "0") == "0":
+        print("interrupted (Ctrl-C) while starting, before the first step", file=sys.stderr)
+        sys.stderr.flush()
+    os._exit(130)  # 128 + SIGINT; no traceback from the import or wait it arrived in
+
+
+signal.signal(signal.SIGINT, interrupted_while_starting)
+
 # A user's own model or dataset (model._target_=mypkg.nets.TwoLayer) is imported from the folder
 # the run starts in, as under `python -m`: a script's sys.path begins with the script's folder,
 # not the working directory. Second, so that mgpu's own modules win over a same-named folder.

@@ -13,7 +13,9 @@ import functools
 import logging
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from multiprocessing import forkserver
 from multiprocessing.context import BaseContext
@@ -130,8 +132,17 @@ def worker_context(dataset: Dataset) -> BaseContext:
     ctx.set_forkserver_preload(sorted({name for name in preload if name != "__main__"}))
     # Started now, not on the first iteration: its imports (seconds of CPU) overlap with
     # building the model. It starts by fork and exec in C (as subprocess does), with no Python
-    # run between them, so the threads here cannot leave it stuck either.
-    forkserver.ensure_running()
+    # run between them, so the threads here cannot leave it stuck either. It starts with SIGINT
+    # ignored (an ignored signal stays ignored across exec): a terminal's Ctrl-C reaches every
+    # process of the job, and the training process says it in one line (mgpu.run.interrupt);
+    # the server, importing its preload, would add a KeyboardInterrupt traceback.
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is not None:  # None: a handler set outside Python, left as it was
+            signal.signal(signal.SIGINT, before)
     return ctx
 
 

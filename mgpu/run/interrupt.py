@@ -28,7 +28,10 @@ def interrupted(run_dir: Path, step: Callable[[], int | None]) -> Iterator[None]
     """Around a run: KeyboardInterrupt becomes Interrupted, naming `step()` (the last step
     trained, None before training started) and the run's newest checkpoint. A second Ctrl-C
     while the run unwinds, and torchrun's SIGTERM sent as it sees its workers stop, are ignored
-    from then on: either would cut the line short with a traceback or -15."""
+    from then on: either would cut the line short with a traceback or -15. Entering it, Ctrl-C
+    raises KeyboardInterrupt again (train.py exits at once for one that comes earlier)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     except KeyboardInterrupt:
