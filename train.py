@@ -55,7 +55,7 @@ from mgpu.runtime.dist import (
     quiet_other_ranks,
     stopped,
 )
-from mgpu.runtime.launch import default_cuda_connections
+from mgpu.runtime.launch import default_cuda_connections, launch_env
 from mgpu.runtime.preempt import Preemption
 from mgpu.runtime.run_lock import hold_run_dir
 
@@ -65,7 +65,8 @@ def main(dcfg: DictConfig) -> None:
     release_sigterm(HELD_SIGTERMS)  # the checks passed (Hydra's callback ran before this)
     cfg = to_config(dcfg)  # already validated before Hydra made the run directory
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    with distributed(cfg.dist.backend.value, cfg.dist.timeout_s, cfg.dist.cpu_affinity) as rt:
+    pin = cfg.pins_cpus(launch_env().local_world_size)  # dist.cpu_affinity, auto resolved
+    with distributed(cfg.dist.backend.value, cfg.dist.timeout_s, pin) as rt:
         # A stop (preemption, a hang, a bad checkpoint or config, a non-finite step, a rank
         # that never came) becomes one line and the process's exit code
         # (mgpu.runtime.dist.RunStopped).

@@ -10,13 +10,13 @@ host's cores limited.
     python bench/real_images.py --only 16:128 --trace   # and where each run's GPU time went
     python bench/real_images.py --cpu-shares auto 0 0.3  # the default share (auto) and fixed ones
 
-On a 4-GPU machine: the default's runs (about 12 minutes) with the prepared shards and
-dist.cpu_affinity=true beside them, in three calls of under 10 minutes each (estimated 7, 6 and
-6 minutes from one-GPU jobs' runs, compilation included; each writes its own file), NVLink
-multicast off:
+On a 4-GPU machine: the default's runs (about 12 minutes) with the prepared shards and the
+ranks unpinned beside them (dist.cpu_affinity=auto pins a folder's ranks to their own cores), in
+three calls of under 10 minutes each (the first, B=128 and B=256, took over 7.5 minutes on 4
+H200s: each writes its file as it goes), NVLink multicast off:
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    A=affinity=dist.cpu_affinity=true
+    A=unpinned=dist.cpu_affinity=false
     python bench/real_images.py --gpus 4 --only 16:128 16:256 --variant $A
     python bench/real_images.py --gpus 4 --only 8:128 --variant $A --shards 256
     python bench/real_images.py --gpus 1 --shards 256
@@ -317,7 +317,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
         help="also a folder run (decode=auto) with these train.py overrides, named NAME, e.g. "
-        "keep=data.keep_trainer_cores=true or affinity=dist.cpu_affinity=true",
+        "keep=data.keep_trainer_cores=true or unpinned=dist.cpu_affinity=false",
     )  # fmt: skip
     p.add_argument(
         "--trace", action="store_true",

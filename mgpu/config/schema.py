@@ -238,8 +238,9 @@ class DistConfig:
     # are the ones checkpointed and evaluated).
     broadcast_buffers: bool = True
     # Each worker (and its DataLoader workers) on its own equal block of the node's CPUs, so
-    # launch threads of the ranks do not compete or migrate; for launch-bound models.
-    cpu_affinity: bool = False
+    # the ranks' launch threads and loader workers do not compete or migrate. auto: on where
+    # DataLoader workers decode the user's images (Config.pins_cpus says why), else off.
+    cpu_affinity: Any = "auto"
     # mgpu: at most this many SMs for NCCL's kernels (on a communicator of mgpu's own), leaving
     # the rest to the backward kernels they overlap with; 0: NCCL's own choice
     nccl_max_ctas: int = 0
@@ -257,6 +258,7 @@ class DistConfig:
         ok = cap == "auto" or (number and cap > 0)
         _require(ok, "dist.bucket_cap_mb", cap, "must be auto or a size in MB > 0, e.g. 25")
         _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
+        self.cpu_affinity = _auto_or_bool("dist.cpu_affinity", self.cpu_affinity)
         _non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
         ok = not self.shard_optimizer or self.engine is Engine.mgpu
         why = f"needs dist.engine=mgpu (not {self.engine.value}); or set dist.shard_optimizer=false"
