@@ -4,8 +4,9 @@ torch DDP from the same start on the same batches; rank 0 prints the largest dif
 parameters and buffers.
 "graphs": one micro-batch a step, the mgpu runs replayed as CUDA graphs with the reduction
 recorded inside (mgpu.train.graphs) against torch DDP uncaptured; "compiled": the GPT alone,
-compiled as train.py compiles it on several processes, replayed with the reduction inside against
-the same compiled model uncaptured (the reference sees the same kernels).
+compiled as train.py compiles it for that replay on several processes (whole, in torch's default
+mode: mgpu.run.build.compiled_for), replayed with the reduction inside against the same compiled
+model trained uncaptured (the reference sees the same kernels).
 Used by test_reducer_gpu.py, also under TORCH_CUDA_SANITIZER=1."""
 
 import sys
@@ -18,8 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mgpu.comm.engine import wrap_model  # noqa: E402
 from mgpu.comm.sharded_optim import ShardedOptimizer  # noqa: E402
 from mgpu.config.schema import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
-from mgpu.models import GPT, ResNet, compile_model  # noqa: E402
+from mgpu.models import GPT, ResNet  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
+from mgpu.run.build import compiled_for  # noqa: E402
 from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
 from mgpu.train.trainer import Trainer  # noqa: E402
 
@@ -66,13 +68,14 @@ def train(name: str, engine: Engine, rt, graphs: bool = False, compiled: bool = 
     else:
         model = ResNet(num_classes=10, block="basic", layers=[1, 1, 1, 1], width=8)
     model = model.to(rt.device)
-    if compiled:
-        model = compile_model(model, "inductor", None)  # block by block, as on several processes
-    ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
-    optimizer = build_optimizer(ocfg, model, rt.device)
     # tiny buckets: many buckets in flight at once, the hardest case for stream ordering
     shard = SHARD and engine is Engine.mgpu
     dcfg = DistConfig(engine=engine, bucket_cap_mb=0.01, shard_optimizer=shard)
+    if compiled:  # as train.py compiles it for the captured step, in both runs
+        replayed = TrainerConfig(precision=Precision.fp32, compile=True, cuda_graphs=True)
+        model = compiled_for(replayed, dcfg, model, rt.device, rt.distributed)
+    ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
+    optimizer = build_optimizer(ocfg, model, rt.device)
     model = wrap_model(model, dcfg, rt)
     if shard:
         optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
