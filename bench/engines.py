@@ -47,6 +47,7 @@ from profile_tables import idle_table, kernel_table  # noqa: E402  (bench/, besi
 from mgpu.comm.engine import MgpuDataParallel, wrap_model  # noqa: E402
 from mgpu.config.checks import ConfigError  # noqa: E402
 from mgpu.config.schema import (  # noqa: E402
+    Compression,
     DistConfig,
     Engine,
     OptimConfig,
@@ -202,6 +203,11 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
             reduce_dtype=ReduceDtype.bf16,
         ),
         whole_compile=True,
+    ),
+    # torch's PowerSGD hook (dist.compression=powersgd, rank 4, after 10 plain steps): for slow
+    # links between nodes (two_nodes.py)
+    "torch_ddp_powersgd": Lever(
+        DistConfig(engine=Engine.torch_ddp, compression=Compression.powersgd)
     ),
     "torch_ddp_bf16": Lever(
         DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True),

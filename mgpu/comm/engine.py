@@ -11,11 +11,12 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.comm.buckets import FlatBuffers
 from mgpu.comm.reducer import GradReducer
-from mgpu.config.schema import DistConfig, Engine
+from mgpu.config.schema import Compression, DistConfig, Engine
 from mgpu.runtime.dist import Runtime
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
         return MgpuDataParallel(model, rt, cfg)
     device_ids = [rt.device.index] if rt.device.type == "cuda" else None
     # DDP broadcasts rank 0's parameters and buffers here, so every rank starts identical.
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,
         bucket_cap_mb=cfg.bucket_cap(captured=False),
@@ -90,6 +91,15 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
         # still syncs at start when off, and torch 2.11 lacks it).
         **({} if cfg.broadcast_buffers else {"broadcast_buffers": False}),
     )
+    if cfg.compression is Compression.powersgd:
+        # The hook counts its own calls: one per optimizer step (no_sync micro-steps skip it).
+        state = powerSGD.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=cfg.powersgd_rank,
+            start_powerSGD_iter=cfg.powersgd_start_step,
+        )
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+    return ddp
 
 
 def local_module(model: nn.Module) -> nn.Module:

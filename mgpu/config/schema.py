@@ -43,6 +43,11 @@ class ReduceDtype(Enum):
     bf16 = "bf16"
 
 
+class Compression(Enum):
+    none = "none"
+    powersgd = "powersgd"  # torch's PowerSGD communication hook (dist.engine=torch_ddp)
+
+
 class Backend(Enum):
     auto = "auto"
     nccl = "nccl"
@@ -250,6 +255,13 @@ class DistConfig:
     # 1/N of the parameters, which are all-gathered back (mgpu.comm.shard). fp16 scales its loss
     # with mgpu.optim.loss_scale (overflow agreed across ranks); one process runs it with one shard.
     shard_optimizer: bool = False
+    # torch_ddp: gradients compressed on the wire by torch's PowerSGD hook (low-rank, with error
+    # feedback), for slow links between nodes. powersgd_rank: the rank of its approximation;
+    # powersgd_start_step: optimizer steps all-reduced uncompressed first (at least 2). A run
+    # resumed from a checkpoint starts PowerSGD afresh (its error feedback is not saved).
+    compression: Compression = Compression.none
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 10
 
     def __post_init__(self) -> None:
         _positive("dist.timeout_s", self.timeout_s, "600")
@@ -263,6 +275,15 @@ class DistConfig:
         ok = not self.shard_optimizer or self.engine is Engine.mgpu
         why = f"needs dist.engine=mgpu (not {self.engine.value}); or set dist.shard_optimizer=false"
         _require(ok, "dist.shard_optimizer", self.shard_optimizer, why)
+        ok = self.compression is Compression.none or self.engine is Engine.torch_ddp
+        why = (
+            "runs as torch DDP's communication hook; set dist.engine=torch_ddp (mgpu's reducer "
+            "compresses only to bf16: dist.reduce_dtype=bf16), or dist.compression=none"
+        )
+        _require(ok, "dist.compression", self.compression.value, why)
+        _positive("dist.powersgd_rank", self.powersgd_rank, "4")
+        start, why = self.powersgd_start_step, "must be >= 2 (torch's PowerSGD needs 2 plain steps)"
+        _require(start >= 2, "dist.powersgd_start_step", start, why)
 
     def recordable(self) -> bool:
         """Whether mgpu reduces the same buckets every step, which a CUDA graph can then record
