@@ -27,7 +27,10 @@ def interrupted_while_starting(_signum, _frame) -> None:
     os._exit(130)  # 128 + SIGINT; no traceback from the import or wait it arrived in
 
 
-signal.signal(signal.SIGINT, interrupted_while_starting)
+# Not in DataLoader workers, which run this file's top level again as __mp_main__: a worker
+# would say the line above (and end) at a Ctrl-C that the training process says in its own.
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted_while_starting)
 
 # A user's own model or dataset (model._target_=mypkg.nets.TwoLayer) is imported from the folder
 # the run starts in, as under `python -m`: a script's sys.path begins with the script's folder,
