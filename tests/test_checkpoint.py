@@ -504,6 +504,25 @@ def draws(gen):
     }
 
 
+def test_ctrl_c_while_a_save_verifies_keeps_the_checkpoint_it_published(tmp_path, monkeypatch):
+    """A KeyboardInterrupt in the verification after the rename (rank 0 met by a Ctrl-C there)
+    leaves the checkpoint in place: it was whole and fsynced before the rename. It used to go
+    back to its staging name and be deleted, and the run's newest checkpoint with it."""
+    save(tmp_path, 2, {"step": 2}, [{"rank": 0}])
+
+    def interrupted(path, **_):
+        raise KeyboardInterrupt
+
+    write_rank_files(tmp_path, 4, 0, {"rank": 0}, token="t")
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt_write, "verify", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            finalize(tmp_path, 4, 1, {"step": 4}, token="t")
+    assert ckpt.newest_kept(tmp_path) == step_dir(tmp_path, 4)
+    assert verify(step_dir(tmp_path, 4))["step"] == 4  # whole, its checksums included
+    assert verify(step_dir(tmp_path, 2))["step"] == 2  # and the earlier one untouched
+
+
 def rank_worker(rank: int, port: int, out: str):
     root = ckpt.checkpoint_root(out)
     with gloo_runtime(rank, port, 2):

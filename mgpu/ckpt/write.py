@@ -191,10 +191,18 @@ def _publish(staging: Path, final: Path, token: str) -> None:
         _fsync_dir(final.parent)
         _fsync_dir(final.parent.parent)  # the first save also created checkpoints/ itself
         verify(final)
-    except BaseException:
+    except Exception:
         if final.exists() and not staging.exists():
             os.replace(final, staging)  # out of resume's sight; the caller deletes it
         if aside.exists():
+            os.replace(aside, final)
+        raise
+    except BaseException:
+        # Ctrl-C (or an exit) while publishing. Once renamed into place, the checkpoint was
+        # whole and fsynced, its manifest last: it stays, and resume verifies it in full. Before
+        # the rename, the earlier one goes back into place. (Rolled back, the newest checkpoint
+        # vanished with a Ctrl-C that reached this verification.)
+        if not final.exists() and aside.exists():
             os.replace(aside, final)
         raise
     if _SCRATCH.match(aside.name):
