@@ -15,13 +15,15 @@ which transport each channel took between which ranks: every pair across nodes m
 NET/Socket and no pair within a node may. Where NCCL does not see two hosts (a cross-node pair
 over P2P or SHM), the whole job goes over sockets instead (NCCL_P2P_DISABLE=1,
 NCCL_SHM_DISABLE=1: --wire all-socket), and the record says so. Then, per model and mode, one
-2-node job of bench/engines.py: mgpu and torch DDP beside every GPU training alone, as
-bench/scaling.py runs them on one node.
+2-node job of bench/engines.py: mgpu (fp32 and bf16 wire) and torch DDP (plain and with
+PowerSGD) beside every GPU training alone.
 
 Writes bench/results/two-nodes-<device>-<time>.json: bench/scaling.py's record (machine,
 versions, commit, every job's rows, "efficiency", "vs_ddp" and "engine" keyed
-`<model>_<compiled|eager>_<nodes>x<per node>_socket`) plus "wire" (the NCCL settings of both
-nodes), "bus_bandwidth_GBps" by message size and "transport" (what NCCL chose, by pair kind).
+`<model>_<compiled|eager>_<nodes>x<per node>_socket`), "by_engine" (under the same keys, each
+engine's efficiency: the wire settings of WIRE_ENGINES side by side), "wire" (the NCCL
+settings of both nodes), "bus_bandwidth_GBps" by message size and "transport" (what NCCL chose,
+by pair kind).
 NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 and its companions).
 """
 
@@ -41,10 +43,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from scaling import ENGINES, MODES, summarize  # noqa: E402 - bench/ is not a package
+from scaling import MODES, summarize  # noqa: E402 - bench/ is not a package
 
 ROOT = HERE.parent
 NODES = 2
+# Each wire setting as an engine of bench/engines.py: the fp32 and bf16 wires of mgpu's reducer,
+# torch DDP plain and with PowerSGD (dist.compression=powersgd), beside every GPU alone.
+WIRE_ENGINES = ["none", "mgpu", "mgpu_bf16", "torch_ddp", "torch_ddp_powersgd"]
 NO_MULTICAST = {  # docs: GPU.md, multicast must stay off on the lent machines
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -213,7 +218,7 @@ def probe(per_node: int, wire: str, args, tmp: Path) -> dict:
 
 def engines_job(model: str, mode: str, per_node: int, wire: str, args, tmp: Path):
     """One 2-node job of bench/engines.py: its rows and metadata, and 'ok' or why not."""
-    names = args.engines or ENGINES
+    names = args.engines or WIRE_ENGINES
     program = [
         str(HERE / "engines.py"), "--models", model, "--engines", *names,
         "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
@@ -241,7 +246,7 @@ def main() -> None:
     parser.add_argument("--wire", choices=["auto", *WIRES], default="auto",
                         help="auto: hostid, else all-socket where NCCL sees one host")  # fmt: skip
     parser.add_argument("--gpus", type=int, help="GPUs in all, half a node (default: all)")
-    parser.add_argument("--engines", nargs="+", help="bench/engines.py's (default: scaling.py's)")
+    parser.add_argument("--engines", nargs="+", help="bench/engines.py's (default: WIRE_ENGINES)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
@@ -276,7 +281,7 @@ def main() -> None:
             print(f"wire {wire}: NCCL did not keep sockets between the nodes alone: {found}")
         if found["status"] != "ok":
             sys.exit(f"the probe failed ({found['status']}); its output is above")
-        summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}}
+        summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}, "by_engine": {}}
         results, meta = [], {}
         for model in args.models:
             for mode in args.modes:
@@ -285,6 +290,10 @@ def main() -> None:
                 meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
                 results.append({"key": key, "status": status, **job_meta, "rows": rows})
                 summarize(rows, key, summary)
+                steps = {r["engine"]: r["step_ms"] for r in rows}
+                if "none" in steps:  # each wire setting's own efficiency
+                    alone = steps.pop("none")
+                    summary["by_engine"][key] = {e: round(alone / ms, 4) for e, ms in steps.items()}
     device = str(meta.get("device", found.get("device", "cpu"))).replace(" ", "_")
     record = {
         "what": "bench/two_nodes.py: 2 torchrun agents on one host as 2 nodes, NCCL sockets "

@@ -200,6 +200,8 @@ def test_bench_two_nodes_quick_runs_and_records(tmp_path):
     assert set(record["bus_bandwidth_GBps"]) == {"1", "4"}
     assert all(v > 0 for v in record["bus_bandwidth_GBps"].values())
     assert record["efficiency"]["gpt2_small_eager_2x1_socket"] > 0
+    (mgpu,) = record["by_engine"]["gpt2_small_eager_2x1_socket"].values()  # "none" left out
+    assert mgpu == record["efficiency"]["gpt2_small_eager_2x1_socket"]
     (job,) = record["jobs"]
     assert job["world_size"] == 2 and {r["engine"] for r in job["rows"]} == {"none", "mgpu"}
 
