@@ -204,6 +204,22 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
         ),
         whole_compile=True,
     ),
+    # with --accum (GPT-2 XL): the whole model as one graph (no capture with several
+    # micro-batches), every gradient reduced once after the last micro-batch's backward in
+    # 256 MB buckets (fewer, larger all-reduces in that tail), fp32 and bf16 on the wire
+    "mgpu_whole_compile_cap256": Lever(
+        DistConfig(engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=256),
+        whole_compile=True,
+    ),
+    "mgpu_whole_compile_cap256_bf16": Lever(
+        DistConfig(
+            engine=Engine.mgpu,
+            broadcast_buffers=False,
+            bucket_cap_mb=256,
+            reduce_dtype=ReduceDtype.bf16,
+        ),
+        whole_compile=True,
+    ),
     # torch's PowerSGD hook (dist.compression=powersgd, rank 4, after 10 plain steps): for slow
     # links between nodes (two_nodes.py)
     "torch_ddp_powersgd": Lever(
