@@ -90,3 +90,21 @@ def ranks_gone(rank: int, world_size: int, wait_s: float = GONE_WAIT_S) -> str:
         for name, ranks in by_host.items()
     ]
     return f"gone: {'; '.join(parts)} (no answer within {wait_s:g} s)"
+
+
+def nccl_lost_peer(device) -> bool | None:
+    """Whether this process's NCCL communicator has met a peer whose process ended or whose link
+    broke (NCCL's remote error). None where the backend cannot say (not NCCL, or a torch without
+    ProcessGroupNCCL.get_error). A host does not wait inside an NCCL collective, so no exception
+    reaches the training thread; torch's own NCCL watchdog sees the error at once but ends the
+    process only after its debug-dump wait (four times TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, a
+    minute by default), without a word: mgpu.train.watchdog asks here every couple of seconds
+    and stops the rank with its one line. Thread-safe: torch guards the backend's error state."""
+    if not tdist.is_initialized() or tdist.get_backend() != "nccl":
+        return None
+    # The backend object of the default group: torch's public ProcessGroup does not say it.
+    backend = tdist.group.WORLD._get_backend(device)
+    get_error = getattr(backend, "get_error", None)
+    if get_error is None:
+        return None
+    return get_error().name == "REMOTE_ERROR"  # c10d's ErrorType

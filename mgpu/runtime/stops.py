@@ -18,6 +18,7 @@ from typing import Protocol
 import torch.distributed as tdist
 
 from mgpu.runtime.launch import launch_env
+from mgpu.runtime.peers import nccl_lost_peer
 
 
 class Place(Protocol):
@@ -149,11 +150,26 @@ def stopped(rt: Place) -> Iterator[None]:
             # before it has said why it stops (the SIGTERM handler of a run is gone by now)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         gone = rt.ranks_gone()  # a lost node's ranks and host, or a crashed rank's
-        logging.getLogger("mgpu").error(
-            "rank %d: stopped: another rank's process ended under a collective (the backend: "
-            "%s)%s; that rank's log and torchrun's summary ('Root Cause') say why",
-            rt.rank,
-            words,
-            f"; {gone}" if gone else "",
-        )
+        logging.getLogger("mgpu").error("%s", peer_gone_line(rt.rank, words, gone))
         raise SystemExit(1) from None
+
+
+def peer_gone_line(rank: int, words: str, gone: str) -> str:
+    """The one line a rank stops with when another rank's process ended under a collective:
+    the backend's `words` for it and `gone`, the ranks and hosts that did not answer
+    (Runtime.ranks_gone)."""
+    return (
+        f"rank {rank}: stopped: another rank's process ended under a collective (the backend: "
+        f"{words}){f'; {gone}' if gone else ''}; that rank's log and torchrun's summary "
+        "('Root Cause') say why"
+    )
+
+
+def nccl_peer_lost(rt) -> str | None:
+    """The line a rank stops with where its NCCL communicator met a peer whose process ended or
+    whose link broke (peers.nccl_lost_peer; mgpu.train.watchdog asks), else None. `rt`: a
+    mgpu.runtime.dist.Runtime."""
+    if not nccl_lost_peer(rt.device):
+        return None
+    words = "NCCL's remote error: a peer's process ended or its link broke"
+    return peer_gone_line(rt.rank, words, rt.ranks_gone())

@@ -30,8 +30,8 @@ import torch.distributed as tdist
 
 from mgpu.runtime.dist import RunStopped, Runtime, first_line
 from mgpu.runtime.launch import launch_env
-from mgpu.runtime.peers import store_client
-from mgpu.runtime.stops import record_for_torchrun
+from mgpu.runtime.peers import nccl_lost_peer, store_client
+from mgpu.runtime.stops import nccl_peer_lost, record_for_torchrun
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,9 @@ def progress(record: dict) -> tuple[int, int]:
 
 
 def recorded_collectives() -> list[tuple[str, int, str]]:
-    """(process group, sequence number, name) of each collective this process issued that torch's
-    flight recorders still hold: gloo's and, in a CUDA build, NCCL's (two recorders). Empty where
-    they record nothing (TORCH_FR_BUFFER_SIZE=0). Their only API is underscore-named, so it is
-    read defensively: if it is gone or changed, the report falls back to step and phase. Costs
-    up to a few hundred ms for a full buffer: read when a report asks, never in the loop."""
+    """(process group, sequence number, name) of each collective issued that torch's flight
+    recorders (gloo's; NCCL's in CUDA builds) still hold; empty with TORCH_FR_BUFFER_SIZE=0. Read
+    defensively (underscore-named API; without it reports use step and phase), on reports only."""
     from torch._C import _distributed_c10d as c10d
 
     found = []
@@ -157,6 +155,7 @@ class Watchdog:
         self._loop = threading.get_ident()
         self._stop.clear()
         self._store = store_client(self.rt, timeout_s=5.0)
+        self._ask_nccl = nccl_lost_peer(self.rt.device) is not None  # stops.nccl_peer_lost
         if self.stall_s or self._store is not None:
             self._thread = threading.Thread(target=self._watch, name="mgpu-watchdog", daemon=True)
             self._thread.start()
@@ -171,6 +170,8 @@ class Watchdog:
         while not self._stop.wait(self.publish_every_s):
             self._publish()
             self._answer_if_asked()
+            if self._ask_nccl and (line := nccl_peer_lost(self.rt)):
+                self._exit(line, 1)  # the training thread, not waiting in NCCL, hears nothing
             idle = time.monotonic() - self.at
             if self.stall_s and idle > self.stall_s:
                 self._end_stalled(idle)
