@@ -155,8 +155,8 @@ def test_the_fused_head_is_at_risk_where_inductor_compiles_a_wide_gpt_whole_for_
     """fused_head_risk: a reason for the wide fp32-stream GPT compiled whole by inductor for a
     GPU under autocast, and none for each way out, on a CPU (inductor writes C++ there), under
     another backend, or on several processes compiled block by block (the head is eager). On
-    several processes whose step mgpu replays (models.replayed_whole) the model is compiled
-    whole again, and at risk."""
+    several processes whose step mgpu replays, or that accumulate micro-batches
+    (models.whole_for_mgpu), the model is compiled whole again, and at risk."""
     from pathlib import Path
 
     from hydra import compose, initialize_config_dir
@@ -183,7 +183,8 @@ def test_the_fused_head_is_at_risk_where_inductor_compiles_a_wide_gpt_whole_for_
         assert risk([], device="cpu") is None
         assert risk([], distributed=True)  # compiled whole for mgpu's replay
         assert risk(["trainer.cuda_graphs=false"], distributed=True) is None  # block by block
-        assert risk(["trainer.grad_accum_steps=2"], distributed=True) is None
+        # several micro-batches a step: compiled whole, reduced after the last one's backward
+        assert risk(["trainer.grad_accum_steps=2"], distributed=True)
         assert risk(["dist.shard_optimizer=true"], distributed=True) is None
         assert risk(["model.activation_checkpointing=blocks"], distributed=True) is None
         assert risk(["dist.engine=none"], distributed=True)  # one graph again

@@ -40,10 +40,11 @@ class MgpuDataParallel(nn.Module):
             self.reducer.prepare()
         return self.module(*args, **kwargs)
 
-    def for_capture(self) -> None:
-        """The step will be replayed as CUDA graphs with the reductions inside
-        (mgpu.train.graphs): buckets at dist.bucket_cap_mb's captured size. Before any step."""
-        self.reducer.for_capture()
+    def use_large_buckets(self) -> None:
+        """Buckets at dist.bucket_cap_mb's large size (DistConfig.bucket_cap), for a step
+        replayed as CUDA graphs with the reductions inside (mgpu.train.graphs) or a model compiled
+        whole that hands every gradient over at backward's end. Before any step."""
+        self.reducer.use_large_buckets()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -82,7 +83,7 @@ def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:
     ddp = DistributedDataParallel(
         model,
         device_ids=device_ids,
-        bucket_cap_mb=cfg.bucket_cap(captured=False),
+        bucket_cap_mb=cfg.bucket_cap(large=False),
         gradient_as_bucket_view=cfg.ddp_bucket_view,
         static_graph=cfg.ddp_static_graph,
         find_unused_parameters=cfg.find_unused,

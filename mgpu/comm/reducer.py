@@ -65,7 +65,7 @@ class GradReducer:
         self.find_unused = cfg.find_unused
         self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
         self.cfg = cfg
-        self._set_caps(cfg.bucket_cap(captured=False))
+        self._set_caps(cfg.bucket_cap(large=False))
         # Unique trainable parameters: a tied weight is one Parameter object and is reduced
         # once; frozen parameters have no gradient and are skipped.
         seen: dict[int, nn.Parameter] = {}
@@ -109,11 +109,12 @@ class GradReducer:
         (DistConfig.recordable)."""
         return self.cuda and self.cfg.recordable()
 
-    def for_capture(self) -> None:
-        """Before the first step of a run whose backward a CUDA graph will record with these
-        reductions inside: buckets of dist.bucket_cap_mb's captured size (DistConfig.bucket_cap)."""
+    def use_large_buckets(self) -> None:
+        """Before the first step: buckets of dist.bucket_cap_mb's large size (DistConfig.bucket_cap)
+        for a backward a CUDA graph records with these reductions inside, or one that hands
+        every gradient over at its end (a model compiled whole: models.whole_for_mgpu)."""
         if self.steps_started:  # the layout is fixed once .grad tensors are bucket slices
-            raise RuntimeError("GradReducer.for_capture: call it before the first step")
+            raise RuntimeError("GradReducer.use_large_buckets: call it before the first step")
         self._set_caps(self.cfg.bucket_cap(True, one_node=self.rt.local_world_size == self.world))
         self._build(list(reversed(range(len(self.params)))))
 

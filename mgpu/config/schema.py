@@ -222,8 +222,8 @@ class TrainerConfig:
         return device_type == "cuda" if self.compile == "auto" else self.compile
 
 
-BUCKET_CAP_MB = 25.0  # dist.bucket_cap_mb=auto, uncaptured
-CAPTURED_BUCKET_CAP_MB = 100.0  # dist.bucket_cap_mb=auto, the step replayed with its reductions
+BUCKET_CAP_MB = 25.0  # dist.bucket_cap_mb=auto: buckets launched by hooks during backward
+LARGE_BUCKET_CAP_MB = 100.0  # auto where the step is replayed or the model compiled whole
 
 
 @dataclass
@@ -291,15 +291,19 @@ class DistConfig:
         optimizer) nor find_unused (which parameters get no gradient may change)."""
         return self.engine is Engine.mgpu and not self.shard_optimizer and not self.find_unused
 
-    def bucket_cap(self, captured: bool, one_node: bool = True) -> float:
-        """dist.bucket_cap_mb in MB, auto resolved for a step replayed with its reductions
-        inside (`captured`) or not, by ranks all on `one_node` or not. Captured on one node,
-        100 MB beat 25 in every job that measured both on 4 H200s: GPT-2-small eager 39.73
-        against 40.94 ms and 39.64 against 40.39, compiled whole 35.21 against 36.20, ResNet-50
-        eager 29.88 against 30.06 (bench/README.md). Across nodes it is not measured: 25."""
+    def bucket_cap(self, large: bool, one_node: bool = True) -> float:
+        """dist.bucket_cap_mb in MB, auto resolved for ranks all on `one_node` or not, and for
+        `large` buckets or not: large where the step is replayed with its reductions inside (no
+        host launch per bucket) or the model is compiled whole (every gradient comes at
+        backward's end, so a small first bucket starts nothing early). On one node on 4 H200s,
+        100 MB beat 25 in every captured job that measured both: GPT-2-small eager 39.73 against
+        40.94 ms and 39.64 against 40.39, compiled whole 35.21 against 36.20, ResNet-50 eager
+        29.88 against 30.06; GPT-2 XL compiled whole with 4 micro-batches ran 1,260 ms with 256
+        MB buckets against 1,286 block by block with 25 (bench/README.md). Across nodes it is
+        not measured: 25."""
         if self.bucket_cap_mb != "auto":
             return float(self.bucket_cap_mb)
-        return CAPTURED_BUCKET_CAP_MB if captured and one_node else BUCKET_CAP_MB
+        return LARGE_BUCKET_CAP_MB if large and one_node else BUCKET_CAP_MB
 
 
 @dataclass

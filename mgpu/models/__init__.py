@@ -26,7 +26,7 @@ __all__ = [
     "compiled_whole",
     "count_training_flops",
     "repeated_blocks",
-    "replayed_whole",
+    "whole_for_mgpu",
 ]
 
 
@@ -50,31 +50,35 @@ def compiled_whole(model: nn.Module, overlap: bool) -> bool:
     return not overlap or not repeated_blocks(model)
 
 
-def replayed_whole(
+def whole_for_mgpu(
     tc: TrainerConfig, device: torch.device, distributed: bool, recordable: bool, checkpointed: int
 ) -> bool:
-    """Whether a model is compiled whole, in torch's default mode, for mgpu to replay its step
-    as CUDA graphs with the gradient reductions after backward (mgpu.train.graphs): compiled, on
-    several GPUs, under mgpu's reducer with reductions a graph can record (`recordable`:
-    DistConfig.recordable), one micro-batch a step, trainer.cuda_graphs auto or true,
-    trainer.compile_mode auto or default, no block recomputed in backward (`checkpointed`).
+    """Whether a model under mgpu's reducer on several GPUs is compiled whole, in torch's
+    default mode, with every gradient reduced after backward (in large buckets:
+    DistConfig.bucket_cap): compiled, on GPUs, with reductions a graph can record (`recordable`:
+    DistConfig.recordable), trainer.compile_mode auto or default, no block recomputed in
+    backward (`checkpointed`); and either one micro-batch a step with trainer.cuda_graphs auto
+    or true (mgpu then replays the step as CUDA graphs with the reductions inside:
+    mgpu.train.graphs), or several micro-batches a step (trainer.grad_accum_steps), whose
+    reductions come once, after the last one's backward.
 
-    Compiled block by block, buckets are reduced while backward runs; compiled whole and
-    replayed, after it, but the step keeps inductor's fusions across blocks and has no host
-    launches: on 4 H200s GPT-2-small ran 35.21 ms a step against 37.14 block by block (one GPU
-    alone: 31.72), ResNet-50 (compiled whole either way) 21.45 against 21.54 with torch's own
-    CUDA graphs and its reductions launched from Python
-    (bench/results/engines-x4-whole-20261127-074646.json, engines-x4-r50c-20261127-074929.json)."""
-    return (
+    Compiled block by block, buckets are reduced while backward runs, but the step loses
+    inductor's fusions across blocks, and GPT's embeddings and head run eager, in every
+    micro-batch. On 4 H200s, one micro-batch a step and replayed: GPT-2-small 35.21 ms a step
+    against 37.14 block by block (one GPU alone: 31.72), ResNet-50 (compiled whole either way)
+    21.45 against 21.54 with torch's own CUDA graphs and its reductions launched from Python
+    (bench/results/engines-x4-whole-20261127-074646.json, engines-x4-r50c-20261127-074929.json).
+    GPT-2 XL with 4 micro-batches a step: 1,260 ms against 1,286 block by block (one GPU alone:
+    1,216; engines-x4-xl-20261127-101041.json)."""
+    whole = (
         distributed
         and recordable
         and device.type == "cuda"
         and tc.compiles(device.type)
         and tc.compile_mode in ("auto", "default")
-        and tc.cuda_graphs is not False
-        and tc.grad_accum_steps == 1
         and not checkpointed
     )
+    return whole and (tc.grad_accum_steps > 1 or tc.cuda_graphs is not False)
 
 
 def compile_mode(

@@ -32,7 +32,7 @@ from mgpu.data import decode_split
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.tokenizer import BYTES, UNDECODED, copy_to_run
-from mgpu.models import build_model, compile_mode, compile_model, replayed_whole
+from mgpu.models import build_model, compile_mode, compile_model, whole_for_mgpu
 from mgpu.models.config import VOCAB_MULTIPLE, GPTModelConfig
 from mgpu.models.gpt import (
     FUSED_HEAD_MAX_COMPILED_WIDTH,
@@ -92,12 +92,12 @@ def compiled_for(
     tc: TrainerConfig, dc: DistConfig, model: nn.Module, device: torch.device, distributed: bool
 ) -> nn.Module:
     """`model` compiled for a run of these settings, before it is wrapped: whole, in torch's
-    default mode, where mgpu replays the step with its reductions (models.replayed_whole); else
+    default mode, where mgpu reduces every gradient after backward (models.whole_for_mgpu); else
     block by block where buckets are reduced while backward runs (models.compile_model), in
     trainer.compile_mode's mode (models.compile_mode)."""
     ddp = dc.engine is Engine.torch_ddp and distributed
     checkpointed = getattr(model, "checkpointed", 0)
-    whole = replayed_whole(tc, device, distributed, dc.recordable(), checkpointed)
+    whole = whole_for_mgpu(tc, device, distributed, dc.recordable(), checkpointed)
     overlap = dc.engine is not Engine.none and distributed and not whole
     mode = None
     if not whole:
@@ -111,14 +111,14 @@ def compiled_for(
         "trainer.compile: the first step compiles the model (%s mode %s%s); the first progress "
         "line comes after it, minutes later for a large model (trainer.compile=false starts "
         "at once)", tc.compile_backend, mode or "default",
-        ", whole, for its step to be replayed with the reductions" if whole else "",
+        ", whole, its gradients reduced after backward" if whole else "",
     )  # fmt: skip
     return model
 
 
 def reduces_during_backward(cfg: Config, device: str, distributed: bool) -> bool:
     """Gradients reduced while backward runs: the model is wrapped for data parallelism on
-    several processes and not compiled whole for mgpu's replay (compile_model then compiles a
+    several processes and not compiled whole for mgpu (compile_model then compiles a
     GPT block by block)."""
     if cfg.dist.engine is Engine.none or not distributed:
         return False
@@ -126,7 +126,7 @@ def reduces_during_backward(cfg: Config, device: str, distributed: bool) -> bool
     if isinstance(model, GPTModelConfig):
         checkpointed = checkpointed_blocks(model.activation_checkpointing, model.n_layer)
     recordable = cfg.dist.recordable()
-    whole = replayed_whole(cfg.trainer, torch.device(device), distributed, recordable, checkpointed)
+    whole = whole_for_mgpu(cfg.trainer, torch.device(device), distributed, recordable, checkpointed)
     return not whole
 
 

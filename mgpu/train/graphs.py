@@ -201,7 +201,7 @@ class GraphedLoss:
         self.model, self.amp_dtype, self.required = model, amp_dtype, required
         self.reduces = reduces
         if reduces:  # the reducer's buckets as a replay reduces them best (dist.bucket_cap_mb)
-            model.for_capture()
+            model.use_large_buckets()
         self.eager = ModelLoss(model, loss_fn)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.captured: tuple = ()

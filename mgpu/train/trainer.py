@@ -33,7 +33,7 @@ from mgpu.config.schema import CUDA_GRAPH_MODES, Precision, TrainerConfig
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.progress import ticking
 from mgpu.data.sampler import DataCursor, advance, epochs
-from mgpu.models import compile_mode, replayed_whole
+from mgpu.models import compile_mode, whole_for_mgpu
 from mgpu.models.loss import cross_entropy
 from mgpu.runtime.dist import (
     Runtime,
@@ -97,7 +97,9 @@ class Trainer:
         # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
         checkpointed = getattr(unwrap(model), "checkpointed", 0)
         recordable = isinstance(model, MgpuDataParallel) and model.reducer.capturable()
-        whole = replayed_whole(cfg, rt.device, rt.distributed, recordable, checkpointed)
+        whole = whole_for_mgpu(cfg, rt.device, rt.distributed, recordable, checkpointed)
+        if whole:  # every gradient comes at backward's end: no early bucket to start
+            model.use_large_buckets()
         mode = None  # compiled whole in torch's default mode, for the replay below
         if not whole:
             mode = compile_mode(
