@@ -56,7 +56,7 @@ from mgpu.config.schema import (  # noqa: E402
     ReduceDtype,
     TrainerConfig,
 )
-from mgpu.models import GPT, ResNet, compile_mode  # noqa: E402
+from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
 from mgpu.run.build import compiled_for  # noqa: E402
 from mgpu.run.config import check_dist_fits_trainer  # noqa: E402
@@ -76,6 +76,7 @@ class Lever:
     # (model, dist config, runtime) -> the model wrapped for data parallelism
     wrap: Callable[[nn.Module, DistConfig, Any], nn.Module] = wrap_model
     whole_compile: bool = False  # with --compile: the whole model as one graph
+    block_compile: bool = False  # with --compile: each repeated block its own graph
     preemptible: bool = False  # a Preemption takes part: the per-step agreement runs
     graphs: bool | None = None  # trainer.cuda_graphs for this lever; None: the run's --graphs
     compile_mode: str = "auto"  # trainer.compile_mode for this lever, with --compile
@@ -220,6 +221,9 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
         ),
         whole_compile=True,
     ),
+    # with --accum: each block compiled on its own so that buckets are reduced while the last
+    # micro-batch's backward runs (mgpu's default under accumulation before it compiled whole)
+    "mgpu_block_compile": Lever(DistConfig(engine=Engine.mgpu), block_compile=True),
     # torch's PowerSGD hook (dist.compression=powersgd, rank 4, after 10 plain steps): for slow
     # links between nodes (two_nodes.py)
     "torch_ddp_powersgd": Lever(
@@ -289,6 +293,8 @@ def make_batch(name: str, device: torch.device, models: dict):
 
 
 def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Module:
+    if spec.block_compile:  # buckets reduced while backward runs (mgpu's rule before accum)
+        return compile_model(model, tcfg.compile_backend, None, overlap=True)
     if spec.dist.engine is Engine.mgpu and not spec.whole_compile:
         return compiled_for(tcfg, spec.dist, model, rt.device, rt.distributed)  # as train.py
     if spec.dist.engine is Engine.none:
