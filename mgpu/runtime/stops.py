@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -29,6 +30,9 @@ class Place(Protocol):
 
     @property
     def is_primary(self) -> bool: ...
+
+    @property
+    def backend(self) -> str: ...
 
     def ranks_gone(self) -> str: ...
 
@@ -150,7 +154,16 @@ def stopped(rt: Place) -> Iterator[None]:
             # before it has said why it stops (the SIGTERM handler of a run is gone by now)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         gone = rt.ranks_gone()  # a lost node's ranks and host, or a crashed rank's
-        logging.getLogger("mgpu").error("%s", peer_gone_line(rt.rank, words, gone))
+        line = peer_gone_line(rt.rank, words, gone)
+        logging.getLogger("mgpu").error("%s", line)
+        if rt.backend == "nccl":
+            # The GPU still runs the collective whose peer is gone and never finishes it, so
+            # each later wait on it (releasing the CUDA graphs, destroying the process group)
+            # would hang: end the process here, as a lost peer's machine ended its own.
+            record_for_torchrun(f"mgpu: {line}", launch_env().error_file)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(1)
         raise SystemExit(1) from None
 
 
