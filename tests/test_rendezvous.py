@@ -202,3 +202,21 @@ def test_what_holds_the_group_is_released_before_the_group_is_destroyed(tmp_path
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = sorted(out.read_text().splitlines())
     assert lines == ["0 kept group=True", "1 kept group=True", "False", "False"]
+
+
+def test_a_rank_that_lost_its_peer_tells_the_others_through_the_store(monkeypatch):
+    """On NCCL a survivor whose own collectives never touched the lost rank sees no error:
+    the first survivor's check-in (peers.ranks_gone) is what the others' watchdog threads read
+    (peers.loss_told), never as news to the rank that wrote it. Real TCPStore, ranks as calls."""
+    from mgpu.runtime.peers import loss_told, ranks_gone
+
+    store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}.items():
+        monkeypatch.setenv(key, value)
+    for rank in range(3):
+        store.set(f"mgpu/join/{rank}", f"host{rank} pid {100 + rank}")
+    assert not loss_told(store, 1)  # nobody lost anyone yet
+    said = ranks_gone(0, 3, wait_s=0.3)  # rank 0 met the loss; ranks 1 and 2 never check in
+    assert said.startswith("gone: rank 1 (pid 101) on host1; rank 2 (pid 102) on host2"), said
+    assert loss_told(store, 1) and loss_told(store, 2)
+    assert not loss_told(store, 0)  # its own check-in is no news to rank 0

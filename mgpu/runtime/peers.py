@@ -43,8 +43,10 @@ def store_client(rt: Place, timeout_s: float) -> tdist.Store | None:
         return None
 
 
-# How long a rank whose peer's process ended waits for the other survivors to say they are there.
-GONE_WAIT_S = 3.0
+# How long a rank whose peer's process ended waits for the other survivors to say they are there:
+# on NCCL some learn it only from the first one's check-in, through their watchdog thread, which
+# looks at the store every 2 s (mgpu.train.watchdog).
+GONE_WAIT_S = 5.0
 
 
 def ranks_gone(rank: int, world_size: int, wait_s: float = GONE_WAIT_S) -> str:
@@ -64,6 +66,7 @@ def ranks_gone(rank: int, world_size: int, wait_s: float = GONE_WAIT_S) -> str:
             wait_for_workers=False,
         )
         store = tdist.PrefixStore(attempt_prefix(launch_env()), client)
+        store.set(GONE_KEY, str(rank))  # first: the survivors that saw nothing learn it here
         store.set(f"gone/here/{rank}", "1")
         deadline = time.monotonic() + wait_s
         here = [f"gone/here/{r}" for r in range(world_size)]
@@ -93,13 +96,15 @@ def ranks_gone(rank: int, world_size: int, wait_s: float = GONE_WAIT_S) -> str:
 
 
 def nccl_lost_peer(device) -> bool | None:
-    """Whether this process's NCCL communicator has met a peer whose process ended or whose link
-    broke (NCCL's remote error). None where the backend cannot say (not NCCL, or a torch without
-    ProcessGroupNCCL.get_error). A host does not wait inside an NCCL collective, so no exception
-    reaches the training thread; torch's own NCCL watchdog sees the error at once but ends the
-    process only after its debug-dump wait (four times TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, a
-    minute by default), without a word: mgpu.train.watchdog asks here every couple of seconds
-    and stops the rank with its one line. Thread-safe: torch guards the backend's error state."""
+    """Whether this process's NCCL communicator failed (a peer's process ended, its link broke:
+    torch's ErrorType COMM_ERROR, or REMOTE_ERROR where torch propagates another rank's). None
+    where the backend cannot say (not NCCL, or a torch without ProcessGroupNCCL.get_error). A
+    host does not wait inside an NCCL collective, so no exception reaches the training thread;
+    torch's own NCCL watchdog sees the error at once but ends the process only after its
+    debug-dump wait (four times TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC, a minute by default),
+    without a word: mgpu.train.watchdog asks here every couple of seconds and stops the rank
+    with its one line. A timed-out collective (TIMEOUT) is the hang report's, not this.
+    Thread-safe: torch guards the backend's error state."""
     if not tdist.is_initialized() or tdist.get_backend() != "nccl":
         return None
     # The backend object of the default group: torch's public ProcessGroup does not say it.
@@ -107,4 +112,18 @@ def nccl_lost_peer(device) -> bool | None:
     get_error = getattr(backend, "get_error", None)
     if get_error is None:
         return None
-    return get_error().name == "REMOTE_ERROR"  # c10d's ErrorType
+    return get_error().name in ("COMM_ERROR", "REMOTE_ERROR")  # c10d's ErrorType
+
+
+GONE_KEY = "gone/by"  # set by the first rank of an attempt that checks in after a lost peer
+
+
+def loss_told(store: tdist.Store, rank: int) -> bool:
+    """Whether another rank of this attempt checked in after losing a peer (ranks_gone): on NCCL
+    a rank whose own collectives did not touch the lost one sees no error of its own. Never
+    raises: a store that does not answer tells nothing here (the stall clock still runs)."""
+    try:
+        store = tdist.PrefixStore(attempt_prefix(launch_env()), store)
+        return store.check([GONE_KEY]) and store.get(GONE_KEY).decode() != str(rank)
+    except Exception:  # noqa: BLE001
+        return False

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch.distributed as tdist
 
 from mgpu.runtime.launch import launch_env
-from mgpu.runtime.peers import nccl_lost_peer
+from mgpu.runtime.peers import loss_told, nccl_lost_peer
 
 
 class Place(Protocol):
@@ -153,17 +153,10 @@ def stopped(rt: Place) -> Iterator[None]:
             # torchrun's SIGTERM, sent as the first rank exited, must not end this one as -15
             # before it has said why it stops (the SIGTERM handler of a run is gone by now)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        gone = rt.ranks_gone()  # a lost node's ranks and host, or a crashed rank's
-        line = peer_gone_line(rt.rank, words, gone)
-        logging.getLogger("mgpu").error("%s", line)
         if rt.backend == "nccl":
-            # The GPU still runs the collective whose peer is gone and never finishes it, so
-            # each later wait on it (releasing the CUDA graphs, destroying the process group)
-            # would hang: end the process here, as a lost peer's machine ended its own.
-            record_for_torchrun(f"mgpu: {line}", launch_env().error_file)
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(1)
+            leave_lost(rt, words)
+        gone = rt.ranks_gone()  # a lost node's ranks and host, or a crashed rank's
+        logging.getLogger("mgpu").error("%s", peer_gone_line(rt.rank, words, gone))
         raise SystemExit(1) from None
 
 
@@ -178,11 +171,34 @@ def peer_gone_line(rank: int, words: str, gone: str) -> str:
     )
 
 
-def nccl_peer_lost(rt) -> str | None:
-    """The line a rank stops with where its NCCL communicator met a peer whose process ended or
-    whose link broke (peers.nccl_lost_peer; mgpu.train.watchdog asks), else None. `rt`: a
-    mgpu.runtime.dist.Runtime."""
-    if not nccl_lost_peer(rt.device):
-        return None
-    words = "NCCL's remote error: a peer's process ended or its link broke"
-    return peer_gone_line(rt.rank, words, rt.ranks_gone())
+# One lost-peer line per process: the training thread's (stopped) or the watchdog thread's.
+_SAYING = threading.Lock()
+
+
+def lost_peer_stop(rt, store: tdist.Store | None) -> None:
+    """On NCCL, asked by mgpu.train.watchdog's thread every couple of seconds: where this rank's
+    communicator failed (peers.nccl_lost_peer), or another rank checked in after losing a peer
+    (peers.loss_told: ranks whose own collectives never touched the lost one see no error),
+    say the line and end the process (leave_lost); else return. `rt`: a Runtime."""
+    if nccl_lost_peer(rt.device):
+        words = "NCCL's communication error: a peer's process ended or its link broke"
+    elif store is not None and loss_told(store, rt.rank):
+        words = "NCCL, through another rank that lost its peer"
+    else:
+        return
+    leave_lost(rt, words)
+
+
+def leave_lost(rt, words: str) -> None:
+    """Say the lost-peer line and end the process at once: on NCCL the GPU still runs the
+    collective whose peer is gone and never finishes it, so each later wait on it (releasing the
+    CUDA graphs, destroying the process group) would hang. Whichever thread comes second waits
+    while the first one ends the process. Not recorded for torchrun: the rank that ended first
+    (or the node lost) is its "Root Cause"."""
+    if not _SAYING.acquire(blocking=False):
+        threading.Event().wait()
+    gone = rt.ranks_gone()  # a lost node's ranks and host, or a crashed rank's
+    logging.getLogger("mgpu").error("%s", peer_gone_line(rt.rank, words, gone))
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)

@@ -31,7 +31,7 @@ import torch.distributed as tdist
 from mgpu.runtime.dist import RunStopped, Runtime, first_line
 from mgpu.runtime.launch import launch_env
 from mgpu.runtime.peers import nccl_lost_peer, store_client
-from mgpu.runtime.stops import nccl_peer_lost, record_for_torchrun
+from mgpu.runtime.stops import lost_peer_stop, record_for_torchrun
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Watchdog:
         self._loop = threading.get_ident()
         self._stop.clear()
         self._store = store_client(self.rt, timeout_s=5.0)
-        self._ask_nccl = nccl_lost_peer(self.rt.device) is not None  # stops.nccl_peer_lost
+        self._ask_nccl = nccl_lost_peer(self.rt.device) is not None  # stops.lost_peer_stop
         if self.stall_s or self._store is not None:
             self._thread = threading.Thread(target=self._watch, name="mgpu-watchdog", daemon=True)
             self._thread.start()
@@ -170,8 +170,8 @@ class Watchdog:
         while not self._stop.wait(self.publish_every_s):
             self._publish()
             self._answer_if_asked()
-            if self._ask_nccl and (line := nccl_peer_lost(self.rt)):
-                self._exit(line, 1)  # the training thread, not waiting in NCCL, hears nothing
+            if self._ask_nccl:  # the training thread, not waiting in NCCL, hears nothing
+                lost_peer_stop(self.rt, self._store)  # returns only if no peer is lost
             idle = time.monotonic() - self.at
             if self.stall_s and idle > self.stall_s:
                 self._end_stalled(idle)
