@@ -110,9 +110,8 @@ class GradReducer:
         return self.cuda and self.cfg.recordable()
 
     def use_large_buckets(self) -> None:
-        """Before the first step: buckets of dist.bucket_cap_mb's large size (DistConfig.bucket_cap)
-        for a backward a CUDA graph records with these reductions inside, or one that hands
-        every gradient over at its end (a model compiled whole: models.whole_for_mgpu)."""
+        """Before the first step: buckets of dist.bucket_cap_mb's large size (bucket_cap) for a
+        backward recorded with these reductions, or compiled whole (models.whole_for_mgpu)."""
         if self.steps_started:  # the layout is fixed once .grad tensors are bucket slices
             raise RuntimeError("GradReducer.use_large_buckets: call it before the first step")
         self._set_caps(self.cfg.bucket_cap(True, one_node=self.rt.local_world_size == self.world))
