@@ -194,6 +194,7 @@ R2 = "README Scaling, 2 H200 NVLink, engines.py 2026-11-27"
 I39 = "issue #39, 4 H200 NVLink, train.py at 4e1094c"
 G2 = "GPU.md, 2 H200, plain scripts, torch DDP"
 SL = "bench/results/engines-slowlink-x4-*, 4 H200, NCCL_P2P_DISABLE=1, 2026-11-22"
+XL27 = "H200 NVLink, engines.py --accum 4, bench/results/engines-"
 # mgpu_nocomm over each GPU alone, compiled GPT-2-small on 4 H200s (issue #39: 34.59 / 32.10):
 # the block-by-block compile of the multi-GPU path, before any communication.
 BLOCKS = 34.59 / 32.10
@@ -267,6 +268,35 @@ POINTS = [
         (0.967, 0.967),
         "bench/README.md, 2 H200, engines.py --accum 4, 2026-11-26",
         setting=Setting(accum=4),
+    ),
+    Point(
+        "2gpu_gpt2_xl_accum4_whole",
+        "gpt2_xl",
+        2,
+        1252.0,
+        (0.983, 0.983),
+        XL27 + "x2-xl-default-20261127-103858.json",
+        setting=Setting(accum=4, overlap=False, bucket_mb=100.0),
+        note=WHOLE,
+    ),
+    Point(
+        "4gpu_gpt2_xl_accum4_blocks",
+        "gpt2_xl",
+        4,
+        1216.1,
+        (0.945, 0.945),
+        XL27 + "x4-xl-20261127-101041.json",
+        setting=Setting(accum=4),
+    ),
+    Point(
+        "4gpu_gpt2_xl_accum4_whole",
+        "gpt2_xl",
+        4,
+        1216.1,
+        (0.965, 0.965),
+        XL27 + "x4-xl-20261127-101041.json",
+        setting=Setting(accum=4, overlap=False, bucket_mb=256.0),
+        note=WHOLE,
     ),
     Point(
         "4gpu_gpt2_small_compiled", "gpt2_small", 4, 31.35, (0.879, 0.879), I39, structure=BLOCKS
