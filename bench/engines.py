@@ -82,6 +82,14 @@ class Lever:
     compile_mode: str = "auto"  # trainer.compile_mode for this lever, with --compile
 
 
+def whole_compiled(cap_mb: float, wire: ReduceDtype = ReduceDtype.fp32) -> Lever:
+    """mgpu with the whole model compiled as one graph, `cap_mb` buckets and `wire` dtype."""
+    dist = DistConfig(
+        engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=cap_mb, reduce_dtype=wire
+    )
+    return Lever(dist, whole_compile=True)
+
+
 def ddp_bf16_compressed(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
     """torch DDP with its bf16 compression hook: half the bytes on the wire."""
     model = wrap_model(model, cfg, rt)
@@ -192,35 +200,13 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # the whole model as one graph and the step replayed by mgpu's capture (auto), so every
     # gradient is reduced after backward, as one GPU computes it: larger buckets (fewer NCCL
     # calls in that tail), and the bf16 wire (half its bytes)
-    "mgpu_whole_compile_cap100": Lever(
-        DistConfig(engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=100),
-        whole_compile=True,
-    ),
-    "mgpu_whole_compile_cap100_bf16": Lever(
-        DistConfig(
-            engine=Engine.mgpu,
-            broadcast_buffers=False,
-            bucket_cap_mb=100,
-            reduce_dtype=ReduceDtype.bf16,
-        ),
-        whole_compile=True,
-    ),
+    "mgpu_whole_compile_cap100": whole_compiled(100),
+    "mgpu_whole_compile_cap100_bf16": whole_compiled(100, ReduceDtype.bf16),
     # with --accum (GPT-2 XL): the whole model as one graph (no capture with several
     # micro-batches), every gradient reduced once after the last micro-batch's backward in
     # 256 MB buckets (fewer, larger all-reduces in that tail), fp32 and bf16 on the wire
-    "mgpu_whole_compile_cap256": Lever(
-        DistConfig(engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=256),
-        whole_compile=True,
-    ),
-    "mgpu_whole_compile_cap256_bf16": Lever(
-        DistConfig(
-            engine=Engine.mgpu,
-            broadcast_buffers=False,
-            bucket_cap_mb=256,
-            reduce_dtype=ReduceDtype.bf16,
-        ),
-        whole_compile=True,
-    ),
+    "mgpu_whole_compile_cap256": whole_compiled(256),
+    "mgpu_whole_compile_cap256_bf16": whole_compiled(256, ReduceDtype.bf16),
     # with --accum: each block compiled on its own so that buckets are reduced while the last
     # micro-batch's backward runs (mgpu's default under accumulation before it compiled whole)
     "mgpu_block_compile": Lever(DistConfig(engine=Engine.mgpu), block_compile=True),
