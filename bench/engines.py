@@ -91,17 +91,11 @@ def whole_compiled(cap_mb: float, wire: ReduceDtype = ReduceDtype.fp32) -> Lever
     return Lever(dist, whole_compile=True)
 
 
-def spans_compiled(
-    count: int, cap_mb: float = 100, wire: ReduceDtype = ReduceDtype.fp32, max_ctas: int = 0
-) -> Lever:
+def spans_compiled(count: int, cap_mb: float = 100, wire: ReduceDtype = ReduceDtype.fp32) -> Lever:
     """mgpu with GPT compiled as `count` spans of blocks (GPT.compile_spans): a later span's
     buckets reduced while the earlier spans' backward runs."""
     dist = DistConfig(
-        engine=Engine.mgpu,
-        broadcast_buffers=False,
-        bucket_cap_mb=cap_mb,
-        reduce_dtype=wire,
-        nccl_max_ctas=max_ctas,
+        engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=cap_mb, reduce_dtype=wire
     )
     return Lever(dist, spans=count)
 
@@ -124,19 +118,6 @@ def mgpu_high_priority_stream(model: nn.Module, cfg: DistConfig, rt) -> nn.Modul
     options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     group = torch.distributed.new_group(backend="nccl", pg_options=options)
     return MgpuDataParallel(model, rt, cfg, group=group)
-
-
-def mgpu_min_ctas(count: int) -> Callable[[nn.Module, DistConfig, Any], nn.Module]:
-    """The reducer in a group of its own whose NCCL kernels take at least `count` CTAs (SMs):
-    for an all-reduce left exposed after backward, nothing else wants the SMs."""
-
-    def wrap(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options.config.min_ctas = count
-        group = torch.distributed.new_group(backend="nccl", pg_options=options)
-        return MgpuDataParallel(model, rt, cfg, group=group)
-
-    return wrap
 
 
 def mgpu_packed_buckets(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
@@ -242,11 +223,6 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # GPT compiled as 2-6 spans of blocks, embeddings and head with the first and last
     **{f"mgpu_spans{n}": spans_compiled(n) for n in (2, 3, 4, 6)},
     "mgpu_spans3_cap25": spans_compiled(3, 25),
-    "mgpu_spans4_ctas8": spans_compiled(4, max_ctas=8),
-    "mgpu_spans4_ctas16": spans_compiled(4, max_ctas=16),
-    # as train.py compiles (whole, one graph), the exposed all-reduce on at least 32 / 64 CTAs
-    "mgpu_ctas_min32": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_min_ctas(32)),
-    "mgpu_ctas_min64": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_min_ctas(64)),
     "mgpu_spans3_bf16": spans_compiled(3, 100, ReduceDtype.bf16),
     # torch's PowerSGD hook (dist.compression=powersgd, rank 4, after 10 plain steps): for slow
     # links between nodes (two_nodes.py)
