@@ -77,7 +77,6 @@ class Lever:
     wrap: Callable[[nn.Module, DistConfig, Any], nn.Module] = wrap_model
     whole_compile: bool = False  # with --compile: the whole model as one graph
     block_compile: bool = False  # with --compile: each repeated block its own graph
-    spans: int = 0  # with --compile: GPT compiled as this many spans of blocks (compile_spans)
     preemptible: bool = False  # a Preemption takes part: the per-step agreement runs
     graphs: bool | None = None  # trainer.cuda_graphs for this lever; None: the run's --graphs
     compile_mode: str = "auto"  # trainer.compile_mode for this lever, with --compile
@@ -89,15 +88,6 @@ def whole_compiled(cap_mb: float, wire: ReduceDtype = ReduceDtype.fp32) -> Lever
         engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=cap_mb, reduce_dtype=wire
     )
     return Lever(dist, whole_compile=True)
-
-
-def spans_compiled(count: int, cap_mb: float = 100, wire: ReduceDtype = ReduceDtype.fp32) -> Lever:
-    """mgpu with GPT compiled as `count` spans of blocks (GPT.compile_spans): a later span's
-    buckets reduced while the earlier spans' backward runs."""
-    dist = DistConfig(
-        engine=Engine.mgpu, broadcast_buffers=False, bucket_cap_mb=cap_mb, reduce_dtype=wire
-    )
-    return Lever(dist, spans=count)
 
 
 def ddp_bf16_compressed(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
@@ -220,10 +210,6 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # with --accum: each block compiled on its own so that buckets are reduced while the last
     # micro-batch's backward runs (mgpu's default under accumulation before it compiled whole)
     "mgpu_block_compile": Lever(DistConfig(engine=Engine.mgpu), block_compile=True),
-    # GPT compiled as 2-6 spans of blocks, embeddings and head with the first and last
-    **{f"mgpu_spans{n}": spans_compiled(n) for n in (2, 3, 4, 6)},
-    "mgpu_spans3_cap25": spans_compiled(3, 25),
-    "mgpu_spans3_bf16": spans_compiled(3, 100, ReduceDtype.bf16),
     # torch's PowerSGD hook (dist.compression=powersgd, rank 4, after 10 plain steps): for slow
     # links between nodes (two_nodes.py)
     "torch_ddp_powersgd": Lever(
@@ -293,9 +279,6 @@ def make_batch(name: str, device: torch.device, models: dict):
 
 
 def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Module:
-    if spec.spans:
-        model.compile_spans(spec.spans, tcfg.compile_backend, None)
-        return model
     if spec.block_compile:  # buckets reduced while backward runs (mgpu's rule before accum)
         return compile_model(model, tcfg.compile_backend, None, overlap=True)
     if spec.dist.engine is Engine.mgpu and not spec.whole_compile:

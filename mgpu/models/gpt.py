@@ -7,7 +7,6 @@ formula.
 """
 
 import math
-import types
 
 import torch
 import torch.nn.functional as F
@@ -136,20 +135,6 @@ class FeedForward(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
-def span_bounds(n_layer: int, count: int) -> list[tuple[int, int]]:
-    """The blocks [lo, hi) of `count` spans in a row, as even as n_layer divides; the first
-    spans take any remainder's one-block shortfall (the first span's gradients are reduced
-    last, after backward, exposed)."""
-    if not 1 <= count <= n_layer:
-        raise ValueError(f"spans={count}: must be from 1 to n_layer ({n_layer})")
-    sizes = [n_layer // count + (i >= count - n_layer % count) for i in range(count)]
-    bounds, lo = [], 0
-    for size in sizes:
-        bounds.append((lo, lo + size))
-        lo += size
-    return bounds
-
-
 class Block(nn.Module):
     def __init__(
         self,
@@ -230,7 +215,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         # weight tying: one matrix embeds tokens and scores them (saves vocab*n_embd params)
         self.lm_head.weight = self.wte.weight
-        self.spans: list = []  # compile_spans: forward's compiled spans; empty: one forward
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -254,43 +238,15 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
-        if not self.spans:
-            return self.span(idx, targets, 0, self.n_layer)
-        x = idx
-        for lo, hi, run in self.spans:
-            x = run(x, targets, lo, hi)
-        return x
-
-    def compile_spans(self, count: int, backend: str, mode: str | None) -> None:
-        """Compiles forward as `count` graphs in a row (span_bounds), each its own backward:
-        the gradients of a later span are all there while the earlier spans' backward runs, so
-        a data-parallel reducer can send them meanwhile; inductor still fuses across the
-        blocks of a span, and the embeddings and head are compiled with the first and last."""
-        self.spans = []
-        for lo, hi in span_bounds(self.n_layer, count):
-            # Each span runs a copy of `span` with a code object of its own: torch.compile
-            # keeps its graphs per code object, up to recompile_limit (8) of them, so that
-            # spans sharing one would share that limit (4 spans, trained and evaluated, reach
-            # it) and tell their graphs apart by guards on lo and hi.
-            code = GPT.span.__code__.replace(co_name=f"span_{lo}_{hi}")
-            own = types.MethodType(types.FunctionType(code, GPT.span.__globals__), self)
-            self.spans.append((lo, hi, torch.compile(own, backend=backend, mode=mode)))
-
-    def span(self, x: torch.Tensor, targets: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor:
-        """Blocks lo to hi - 1 on the residual stream `x`; from lo 0, `x` is the token ids
-        and the embeddings come first; to the last block, the head follows (forward's result)."""
-        if lo == 0:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
-            if self.residual == "autocast" and torch.is_autocast_enabled(x.device.type):
-                # model.residual=autocast: from here on the stream and its gradient are bf16 /
-                # fp16; the embeddings' sum is still taken in fp32. Without autocast (fp32
-                # training, sampling) there is no lower dtype to take, and the stream stays.
-                x = x.to(torch.get_autocast_dtype(x.device.type))
-        for block in self.blocks[lo:hi]:
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        if self.residual == "autocast" and torch.is_autocast_enabled(x.device.type):
+            # model.residual=autocast: from here on the stream and its gradient are bf16 / fp16;
+            # the embeddings' sum is still taken in fp32. Without autocast (fp32 training,
+            # sampling) there is no lower dtype to take, and the stream stays as it is.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        for block in self.blocks:
             x = block(x)
-        if hi < self.n_layer:
-            return x
         x = self.ln_f(x)
         if targets is None:
             return self.lm_head(x)
