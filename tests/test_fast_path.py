@@ -17,6 +17,7 @@ from mgpu.optim.optimizer import build_optimizer, build_schedule, param_groups
 from mgpu.run.config import to_config
 from mgpu.runtime.dist import Runtime
 from mgpu.train.graphs import ModelLoss, reduction_in_graphs, unreplayed_hooks, use_graphs
+from mgpu.train.numerics import set_math_modes
 from mgpu.train.trainer import Trainer
 
 CPU = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
@@ -92,6 +93,10 @@ def test_compile_and_math_keys_compose_with_their_defaults():
         ("data.num_workers=many", "data.num_workers='many': must be auto or a number"),
         ("data.num_workers=-2", "data.num_workers=-2: must be auto or a number"),
         ("trainer.cuda_graphs=always", "trainer.cuda_graphs='always': must be auto, true or"),
+        (
+            "trainer.deterministic=true",
+            "trainer.cudnn_benchmark=True: picks cuDNN's convolution algorithms by their speed",
+        ),
     ],
 )
 def test_bad_fast_path_values_name_the_key(override, needle):
@@ -313,3 +318,15 @@ def test_gpt_attention_kernels_match_the_math_reference_on_a_gpu():
         torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2, msg=attention)
         for ours, theirs in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=5e-2, atol=2e-3, msg=attention)
+
+
+def test_deterministic_turns_torchs_deterministic_kernels_on_and_off(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    on = to_config(compose_config("trainer.deterministic=true", "trainer.cudnn_benchmark=false"))
+    try:
+        set_math_modes(on.trainer, torch.device("cpu"))
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # before cuBLAS's workspace
+    finally:
+        set_math_modes(to_config(compose_config()).trainer, torch.device("cpu"))
+    assert not torch.are_deterministic_algorithms_enabled()

@@ -116,6 +116,13 @@ class TrainerConfig:
     # from one process to the next, so set it false for bitwise repeatable convolutions).
     tf32: bool = True
     cudnn_benchmark: bool = True
+    # torch's deterministic kernels only (torch.use_deterministic_algorithms; cuBLAS with a fixed
+    # workspace, CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): a GPU run repeats bit for bit, and
+    # so does a resumed one against an uninterrupted one. Off by default: steps replayed as CUDA
+    # graphs (trainer.cuda_graphs) then differ from run to run in the last bits (the GPT of
+    # tests/test_resume.py on one H200: up to 3e-5 in its weights after 20 steps; equal with
+    # this on). An op with no deterministic kernel stops the run with torch's error naming it.
+    deterministic: bool = False
     # A step whose loss or gradients are NaN/inf, on any rank: stop before the optimizer step,
     # or skip that step on every rank (at most max_consecutive_skips in a row, then stop).
     nonfinite: NonFinite = NonFinite.stop
@@ -150,6 +157,13 @@ class TrainerConfig:
         _positive("trainer.log_every", self.log_every, "10")
         _non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
         _non_negative("trainer.seed", self.seed, "0")
+        _require(
+            not (self.deterministic and self.cudnn_benchmark),
+            "trainer.cudnn_benchmark",
+            self.cudnn_benchmark,
+            "picks cuDNN's convolution algorithms by their speed in this process, which "
+            "trainer.deterministic=true cannot repeat; set trainer.cudnn_benchmark=false with it",
+        )
         self.compile = _auto_or_bool("trainer.compile", self.compile)
         self.cuda_graphs = _auto_or_bool("trainer.cuda_graphs", self.cuda_graphs)
         _require(

@@ -4,6 +4,7 @@ cuDNN modes train.py and the benchmarks share."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -34,7 +35,13 @@ def training_loss(cfg: TrainerConfig, device: torch.device, mode: str | None) ->
 
 
 def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
-    """trainer.tf32 and trainer.cudnn_benchmark, for this process (torch keeps them globally)."""
+    """trainer.tf32, trainer.cudnn_benchmark and trainer.deterministic, for this process (torch
+    keeps them globally); before the first matrix multiply, which creates cuBLAS's workspace."""
+    if cfg.deterministic:
+        # cuBLAS repeats its results only with a fixed workspace; torch refuses a matrix
+        # multiply under deterministic algorithms without one of these two settings.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(cfg.deterministic)
     if device.type != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
