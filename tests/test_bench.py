@@ -121,6 +121,15 @@ def test_optim_step_quick_runs(tmp_path):
     assert result["max_abs_diff"] < 1e-5, result["max_abs_diff"]
 
 
+def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
+    """Two CPU runs of trainer.deterministic=true (the setting end to end through train.py):
+    CPU kernels repeat, so they must compare equal, weights and losses."""
+    args = [sys.executable, "bench/probes/repeatable.py", "--quick", "--cases", "deterministic"]
+    row = run(args, tmp_path)["cases"]["deterministic"]
+    assert row["equal"] and row["max_difference"] == 0.0, row
+    assert row["first_differing_loss_step"] is None
+
+
 def test_real_images_quick_runs(tmp_path):
     """train.py on one GPU (one process) on a written realistic folder against the synthetic
     reference, tiny shapes: the default share (auto) and a fixed one, a named variant, the
