@@ -41,7 +41,9 @@ def set_math_modes(cfg: TrainerConfig, device: torch.device) -> None:
         # cuBLAS repeats its results only with a fixed workspace; torch refuses a matrix
         # multiply under deterministic algorithms without one of these two settings.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(cfg.deterministic)
+    # Called only to change it: the call imports torch's inductor (~1.7 s of a CPU a process).
+    if torch.are_deterministic_algorithms_enabled() != cfg.deterministic:
+        torch.use_deterministic_algorithms(cfg.deterministic)
     if device.type != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
