@@ -210,8 +210,12 @@ def test_a_preempted_run_saves_exits_and_resumes_like_an_uninterrupted_run(
         f"hydra.run.dir={run_dir}",
     ]
     first = run_train(args, cwd=tmp_path, nproc=2)
-    # torchrun's own code: it was signalled itself (README)
-    assert first.returncode == 1, output(first)[-3000:]
+    # torchrun's own code: it was signalled itself (docs/checkpoints.md, Exit codes); rarely
+    # (seen once) its own teardown aborts instead (SIGABRT, torch's message below), after the
+    # workers have saved and left: torch's, not the run's.
+    aborted = first.returncode == -signal.SIGABRT
+    aborted = aborted and "terminate called without an active exception" in output(first)
+    assert first.returncode == 1 or aborted, output(first)[-3000:]
     stopped = re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint saved", output(first))
     assert stopped, output(first)[-3000:]
     step = int(stopped.group(1))
