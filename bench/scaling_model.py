@@ -280,6 +280,17 @@ POINTS = [
         note=WHOLE,
     ),
     Point(
+        "2gpu_gpt2_small_compiled_whole",
+        "gpt2_small",
+        2,
+        32.12,
+        (0.935, 0.935),
+        "bench/README.md, 2 H200, engines-x2-where-20261127-123259.json",
+        setting=Setting(overlap=False, bucket_mb=100.0),
+        structure=32.53 / 32.12,  # the same job's mgpu without its all-reduce (mgpu_nocomm)
+        note=WHOLE,
+    ),
+    Point(
         "4gpu_gpt2_xl_accum4_blocks",
         "gpt2_xl",
         4,
