@@ -128,6 +128,7 @@ def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
     row = run(args, tmp_path)["cases"]["deterministic"]
     assert row["equal"] and row["max_difference"] == 0.0, row
     assert row["first_differing_loss_step"] is None
+    assert len(row["step_ms"]) == 2 and min(row["step_ms"]) > 0, row
 
 
 def test_real_images_quick_runs(tmp_path):

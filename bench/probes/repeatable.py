@@ -4,10 +4,13 @@ run twice through torchrun; their final weights and per-step losses are compared
 
     python bench/probes/repeatable.py --gpus 2
     python bench/probes/repeatable.py --gpus 1 --cases replayed deterministic
+    python bench/probes/repeatable.py --cases replayed deterministic --model model=gpt2_small
     python bench/probes/repeatable.py --quick       # one CPU process: checks the script
 
 The model is tests/test_resume.py's GPT (one narrow block, 20 steps, the math attention): what
-makes a GPU run repeat or not is which kernels run and how, not the model's size. Cases:
+makes a GPU run repeat or not is which kernels run and how, not the model's size (`--model`
+names another, e.g. to time what deterministic kernels cost a real step: each run's median
+step_ms is recorded). Cases:
 replayed (the defaults: one GPU's step, or several GPUs' step with their reductions, replayed as
 CUDA graphs), eager (`trainer.cuda_graphs=false`) and deterministic (`trainer.deterministic=true`).
 Answer on H200s (bench/README.md): replayed runs differ by ~3e-5, eager and deterministic ones
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,9 +41,8 @@ from mgpu.ckpt.checkpoint import step_dir  # noqa: E402
 
 STEPS = 20
 GPT = ["model.vocab_size=256", "model.n_layer=1", "model.n_head=2", "model.n_embd=32"]
+MODEL = [*GPT, "model.attention=math"]  # --model replaces these
 BASE = [
-    *GPT,
-    "model.attention=math",
     f"trainer.max_steps={STEPS}",
     "trainer.log_every=1",
     "trainer.eval_every=0",
@@ -53,11 +56,11 @@ CASES = {
 }
 
 
-def train(run_dir: Path, overrides: list[str], gpus: int, steps: int) -> float:
+def train(run_dir: Path, model: list[str], overrides: list[str], gpus: int, steps: int) -> float:
     """One run; its seconds. A failed run stops the probe with its output's tail."""
     start = time.time()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc_per_node={gpus}", str(ROOT / "train.py"), *BASE, *overrides]
+    command += [f"--nproc_per_node={gpus}", str(ROOT / "train.py"), *model, *BASE, *overrides]
     command += [f"trainer.max_steps={steps}", f"ckpt.every={steps}", f"hydra.run.dir={run_dir}"]
     env = {
         **os.environ,
@@ -70,21 +73,28 @@ def train(run_dir: Path, overrides: list[str], gpus: int, steps: int) -> float:
     return time.time() - start
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     events.Reload()
-    return {e.step: e.value for e in events.Scalars("train/loss")}
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def step_ms(run_dir: Path) -> float:
+    """The run's median logged step time, its first two steps (start-up) left out."""
+    times = scalars(run_dir, "time/step_ms")
+    return statistics.median([v for s, v in times.items() if s > 2] or times.values())
 
 
 def compare(a: Path, b: Path, steps: int) -> dict:
     """Equal weights bit for bit, the largest difference, and the first step whose loss differs."""
     x, y = (torch.load(step_dir(d / "checkpoints", steps) / "state.pt") for d in (a, b))
     pairs = [(x["model"][k].double(), v.double()) for k, v in y["model"].items()]
-    la, lb = losses(a), losses(b)
+    la, lb = scalars(a, "train/loss"), scalars(b, "train/loss")
     return {
         "equal": all(torch.equal(p, q) for p, q in pairs),
         "max_difference": max((p - q).abs().max().item() for p, q in pairs),
         "first_differing_loss_step": next((s for s in sorted(la) if la[s] != lb.get(s)), None),
+        "step_ms": [step_ms(a), step_ms(b)],  # what the case costs a step
     }
 
 
@@ -92,6 +102,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=1, help="processes per run (one per GPU)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=MODEL,
+        help="the model's overrides, e.g. experiment=gpt2_small (default: the test GPT)",
+    )
     parser.add_argument("--quick", action="store_true", help="one CPU process, 3 steps")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = parser.parse_args()
@@ -101,11 +117,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             runs = [Path(tmp) / f"{case}-{i}" for i in (0, 1)]
-            seconds = [train(d, CASES[case], gpus, steps) for d in runs]
+            seconds = [train(d, args.model, CASES[case], gpus, steps) for d in runs]
             rows[case] = {"overrides": CASES[case], "seconds": seconds, **compare(*runs, steps)}
             print(case, json.dumps(rows[case]), flush=True)
     meta = {"device": "cpu", "torch": torch.__version__} if args.quick else versions()
-    record = {**meta, "gpus": gpus, "steps": steps, "base": BASE, "cases": rows}
+    record = {**meta, "gpus": gpus, "steps": steps, "model": args.model, "base": BASE}
+    record["cases"] = rows
     args.out.mkdir(parents=True, exist_ok=True)
     name = meta["device"].replace(" ", "_")
     path = args.out / f"repeatable-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
