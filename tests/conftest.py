@@ -11,7 +11,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
+
+# On a GPU machine each pytest-xdist worker runs its test files on a share of the GPUs of its
+# own (pytest_configure below names them, in the controller): two GPUs a worker, so that the
+# 2-GPU tests of one file never share a GPU with another file's. Set before torch is imported,
+# so that CUDA in this process only ever sees that share.
+_WORKER, _GPUS = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("MGPU_TEST_GPUS")
+if _WORKER and _GPUS and len(_GPUS.split(",")) >= 2:
+    _pair = int(_WORKER.removeprefix("gw")) % (len(_GPUS.split(",")) // 2)  # more workers: shared
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(_GPUS.split(",")[2 * _pair : 2 * _pair + 2])
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"
@@ -113,11 +123,20 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def pytest_xdist_auto_num_workers(config) -> int:
     """pyproject's `-n auto`: one pytest worker per CPU this process may use (a serial run kept
     about one of 2 CPUs busy: its processes start, wait for each other and time out one by
-    one); none on a GPU machine, whose tests would otherwise share its GPUs and time each
-    other's work."""
+    one); on a GPU machine one per two GPUs (none with fewer than 4), each on GPUs of its own
+    (the top of this file), so that no two tests share a GPU or time each other's work."""
     if torch.cuda.is_available():
-        return 0
+        pairs = torch.cuda.device_count() // 2
+        return pairs if pairs > 1 else 0
     return len(os.sched_getaffinity(0))
+
+
+def pytest_configure(config) -> None:
+    """In the controller of a GPU machine's run: the GPUs its workers share out, two each."""
+    if _WORKER is None and "MGPU_TEST_GPUS" not in os.environ and torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else range(torch.cuda.device_count())
+        os.environ["MGPU_TEST_GPUS"] = ",".join(map(str, ids))
 
 
 # The files that take longest on 2 CPUs (a minute or more each), longest first. pytest-xdist

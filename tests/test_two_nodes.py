@@ -169,7 +169,10 @@ def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tm
     (sockets between the nodes), node 1 (its ranks the higher) lost at KILL_AT; then both
     relaunched, against an uninterrupted run."""
     per = min(2, torch.cuda.device_count() // 2)  # GPUs (ranks) per node
-    gpus = [",".join(str(i + n * per) for i in range(per)) for n in (0, 1)]
+    # Each node's share of the GPUs this process sees (a pytest worker may see only some)
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    seen = seen if seen != [""] else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = [",".join(seen[n * per : (n + 1) * per]) for n in (0, 1)]
     envs = [
         {**NCCL_ENV, "NPROC_PER_NODE": str(per), "CUDA_VISIBLE_DEVICES": g, "NCCL_HOSTID": host}
         for g, host in zip(gpus, ("mgpu-node0", "mgpu-node1"), strict=True)
