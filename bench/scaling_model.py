@@ -310,6 +310,16 @@ POINTS = [
         note=WHOLE,
     ),
     Point(
+        "4gpu_gpt2_xl_accum4_whole_100mb",
+        "gpt2_xl",
+        4,
+        1242.9,
+        (0.970, 0.970),
+        "bench/README.md, 4 H200, scaling.py --models gpt2_xl at 143b5a6 (its log)",
+        setting=Setting(accum=4, overlap=False, bucket_mb=100.0),
+        note=WHOLE,
+    ),
+    Point(
         "4gpu_gpt2_small_compiled", "gpt2_small", 4, 31.35, (0.879, 0.879), I39, structure=BLOCKS
     ),
     Point(
