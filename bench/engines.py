@@ -442,11 +442,28 @@ def one_at_a_time(name, engines, rt, args, models, batch):
             idle[e] = idle_table(trainer, batch)
         if rt.is_primary:  # in the log as it comes, should a later engine not finish
             print(f"{name} {e}: ms/step {samples.times[e]}, peak {memory[e]} GiB", flush=True)
+            save_partial(args, name, samples, memory)
         free(model)
         del model, trainer
         # Compiled graphs (and CUDA graph pools) of this engine are not needed again.
         torch.compiler.reset()
     return samples, memory, kernels, idle
+
+
+def save_partial(args, name: str, samples: Samples, memory: dict) -> None:
+    """The engines timed so far one at a time, rank 0's medians, into `<out>/engines-<tag>-
+    partial.json` (rewritten after each): what a job cut short keeps (scaling.py reads it)."""
+    cuda = torch.cuda.is_available() and not args.quick
+    rows = [
+        {"model": name, "engine": e, "step_ms": statistics.median(t), "step_ms_all": t}
+        | {"peak_memory_gib": memory.get(e), "partial": True}
+        for e, t in samples.times.items()
+        if t
+    ]
+    meta = versions() if cuda else {"device": "cpu", "torch": torch.__version__}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"engines-{args.tag}-partial.json"
+    path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 def all_together(name, engines, rt, args, models, batch):
@@ -590,6 +607,7 @@ def report(rows: list[dict], meta: dict, args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"engines-{args.tag}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (out / f"engines-{args.tag}-partial.json").unlink(missing_ok=True)  # the whole is here
     print(f"wrote {path}")
 
 

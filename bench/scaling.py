@@ -21,7 +21,9 @@ Writes bench/results/scaling-<device>-<time>.json: the machine, versions and com
 rows (each engine's step times, peak memory, exposed communication), and two summaries keyed
 `<model>_<compiled|eager>_<gpus>`: "efficiency" (the one-GPU step over mgpu's step),
 "vs_ddp" (the faster torch DDP step over mgpu's step), both for mgpu's faster setting, which
-"engine" names. The file is written again after every job, so a run cut short keeps what it did.
+"engine" names. The file is written again after every job, so a run cut short keeps what it did;
+a job cut short by its time limit, or failed, keeps the engines it finished (engines.py writes
+them after each one when it times them one at a time, as for XL) and names itself at the end.
 """
 
 from __future__ import annotations
@@ -50,15 +52,17 @@ def gpu_count(quick: bool) -> int:
 
 
 def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], dict, str]:
-    """One torchrun of engines.py: its rows and metadata, and how it ended ('ok' or why not)."""
+    """One torchrun of engines.py: its rows and metadata, and how it ended ('ok' or why not).
+    A job cut short keeps the engines it finished (XL's, timed one at a time)."""
     xl = model == "gpt2_xl"
     names = args.xl_engines if xl else ENGINES
+    tag = f"{model}-{mode}-x{gpus}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={gpus}", str(HERE / "engines.py"),
         "--models", model, "--engines", *names,
-        "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-        "--out", str(out), "--tag", f"{model}-{mode}-x{gpus}",
+        "--steps", str(args.xl_steps if xl else args.steps), "--rounds", str(args.rounds),
+        "--warmup", str(args.warmup), "--out", str(out), "--tag", tag,
     ]  # fmt: skip
     if mode == "compiled":
         cmd.append("--compile")
@@ -70,17 +74,24 @@ def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], 
     if not args.quick:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
     print(f"=== {model} {mode} on {gpus} GPU(s): {' '.join(cmd[2:])}", flush=True)
-    before = set(out.glob("engines-*.json"))
+    before = set(out.glob(f"engines-{tag}-2*.json"))
+    limit = args.xl_job_timeout_s if xl else args.job_timeout_s
     try:
-        proc = subprocess.run(cmd, env=env, timeout=args.job_timeout_s, text=True)
+        status = subprocess.run(cmd, env=env, timeout=limit, text=True).returncode
     except subprocess.TimeoutExpired:
-        return [], {}, f"timed out after {args.job_timeout_s} s"
-    written = sorted(set(out.glob("engines-*.json")) - before)
-    if proc.returncode != 0 or not written:
-        return [], {}, f"exit {proc.returncode}"
-    data = json.loads(written[-1].read_text())
+        status = f"timed out after {limit} s"
+    written = sorted(set(out.glob(f"engines-{tag}-2*.json")) - before)
+    if status == 0 and written:
+        data = json.loads(written[-1].read_text())
+        return data.pop("rows"), data, "ok"
+    status = status if isinstance(status, str) else f"exit {status}"
+    partial = out / f"engines-{tag}-partial.json"
+    if not partial.exists():
+        return [], {}, status
+    data = json.loads(partial.read_text())
+    partial.unlink()
     rows = data.pop("rows")
-    return rows, data, "ok"
+    return rows, data, f"{status}; kept the engines it finished: {[r['engine'] for r in rows]}"
 
 
 def summarize(rows: list[dict], key: str, summary: dict) -> None:
@@ -105,6 +116,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["gpt2_small", "resnet50"])
     parser.add_argument("--xl", action="store_true", help="GPT-2 XL too, compiled, --xl-accum")
     parser.add_argument("--xl-accum", type=int, default=4)
+    parser.add_argument("--xl-steps", type=int, default=4, help="steps a round for GPT-2 XL")
+    parser.add_argument("--xl-job-timeout-s", type=int, default=420)
     parser.add_argument("--xl-engines", nargs="+", default=["none", "mgpu", "torch_ddp_view"])
     parser.add_argument("--gpus", nargs="+", type=int, help="GPU counts (default: 2, 4, ... all)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -122,18 +135,26 @@ def main() -> None:
     too_many = [n for n in counts if n > available or n < 2]
     if too_many:
         parser.error(f"--gpus {too_many}: between 2 and the {available} GPUs this machine has")
-    jobs = [(m, n, mode) for m in args.models for mode in args.modes for n in counts]
-    if args.xl:
+    # GPT-2 XL (its experiment) is compiled: one job a GPU count, whatever --modes
+    jobs = [
+        (m, n, mode)
+        for m in args.models
+        for mode in (args.modes if m != "gpt2_xl" else ["compiled"])
+        for n in counts
+    ]
+    if args.xl and "gpt2_xl" not in args.models:
         jobs += [("gpt2_xl", n, "compiled") for n in counts]
     summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}}
     results, meta, started = [], {}, time.time()
     stamp, path = time.strftime("%Y%m%d-%H%M%S"), None
     with tempfile.TemporaryDirectory() as tmp:
         for model, gpus, mode in jobs:
+            began = time.time()
             rows, job_meta, status = job(model, gpus, mode, args, Path(tmp))
             key = f"{model}_{gpus}" if model == "gpt2_xl" else f"{model}_{mode}_{gpus}"
             meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
-            results.append({"key": key, "status": status, **job_meta, "rows": rows})
+            wall = round(time.time() - began, 1)
+            results.append({"key": key, "status": status, "wall_s": wall, **job_meta, "rows": rows})
             summarize(rows, key, summary)
             path = write(args, meta, summary, results, started, available, stamp, path)
     print(f"\n{'key':<28} {'efficiency':>10} {'vs ddp':>7} {'mgpu engine':>12}  status")
@@ -153,6 +174,10 @@ def main() -> None:
 
 def write(args, meta, summary, results, started, available, stamp, path) -> Path:  # noqa: ANN001
     """The record of the jobs so far, into one file (named by the device once a job knew it)."""
+    if "device" not in meta and not args.quick:  # no job told it yet
+        import torch
+
+        meta = {**meta, "device": torch.cuda.get_device_name()}
     device = str(meta.get("device", "cpu")).replace(" ", "_")
     record = {
         "what": "bench/scaling.py: mgpu on N GPUs against each GPU alone and torch DDP, one job "

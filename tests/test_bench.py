@@ -71,11 +71,22 @@ def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
 
 def test_scaling_quick_writes_efficiency_and_ddp_ratios_per_job(tmp_path):
     """bench/scaling.py on the CPU: one torchrun of engines.py per model and mode, summarized
-    as the ratios of the steps its jobs measured (recomputed here from the rows)."""
-    scaling = [sys.executable, "bench/scaling.py", "--quick", "--models", "gpt2_small"]
-    record = run(scaling, tmp_path)
-    assert {j["key"] for j in record["jobs"]} == {"gpt2_small_compiled_2", "gpt2_small_eager_2"}
-    for job in record["jobs"]:
+    as the ratios of the steps its jobs measured (recomputed here from the rows). A job that
+    ends early (GPT-2 XL's second engine here: CUDA graphs required on a CPU) keeps the engines
+    it finished, and the script says which jobs did not finish, exiting non-zero."""
+    scaling = [sys.executable, "bench/scaling.py", "--quick", "--models", "gpt2_small", "gpt2_xl"]
+    scaling += ["--xl-engines", "none", "mgpu_graphs", "--out", str(tmp_path)]
+    proc = subprocess.run(scaling, cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode != 0 and "jobs that did not finish: gpt2_xl_2" in proc.stderr
+    (written,) = tmp_path.glob("scaling-*.json")
+    record = json.loads(written.read_text())
+    jobs = {j["key"]: j for j in record["jobs"]}
+    assert set(jobs) == {"gpt2_small_compiled_2", "gpt2_small_eager_2", "gpt2_xl_2"}
+    xl = jobs.pop("gpt2_xl_2")
+    assert xl["status"].startswith("exit 1; kept the engines it finished")
+    assert [r["engine"] for r in xl["rows"]] == ["none"] and xl["rows"][0]["step_ms"] > 0
+    assert all(j["status"] == "ok" and j["wall_s"] > 0 for j in jobs.values())
+    for job in jobs.values():
         steps = {r["engine"]: r["step_ms"] for r in job["rows"]}
         key = job["key"]
         mgpu = steps[record["engine"][key]]
