@@ -7,6 +7,7 @@ NVLink: a stand-in for two machines on a network.
                                                    # GPT-2-small and ResNet-50, compiled and eager
     python bench/two_nodes.py --models gpt2_small --modes eager
     python bench/two_nodes.py --wire all-socket    # every pair over sockets (the fallback)
+    python bench/two_nodes.py --models --loss-steps 300   # held-out loss, fp32 wire vs PowerSGD
     python bench/two_nodes.py --quick              # CPU, gloo, 2 nodes of 1: checks the script
 
 First a probe: all_reduce bus bandwidth across the whole 2-node job (2(n-1)/n x bytes / time, the
@@ -16,7 +17,9 @@ NET/Socket and no pair within a node may. Where NCCL does not see two hosts (a c
 over P2P or SHM), the whole job goes over sockets instead (NCCL_P2P_DISABLE=1,
 NCCL_SHM_DISABLE=1: --wire all-socket), and the record says so. Then, per model and mode, one
 2-node job of bench/engines.py: mgpu (fp32 and bf16 wire) and torch DDP (plain and with
-PowerSGD) beside every GPU training alone.
+PowerSGD) beside every GPU training alone. With --loss-steps, train.py itself over the 2 nodes
+on real text (Python's sources, byte-level), once per wire setting from the same seed and data:
+the held-out loss each reaches, against the fp32 wire's.
 
 Writes bench/results/two-nodes-<device>-<time>.json: bench/scaling.py's record (machine,
 versions, commit, every job's rows, "efficiency", "vs_ddp" and "engine" keyed
@@ -64,6 +67,16 @@ WIRES = {
     "all-socket": {**SOCKET, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
 }
 PROBE_MB = {"gpu": (16, 64, 256), "cpu": (1, 4)}
+# --loss-wires: each wire setting as train.py's overrides; the first named is the reference
+LOSS_WIRES = {
+    "fp32": [],  # mgpu's reducer, fp32 on the wire (the default)
+    "bf16": ["dist.reduce_dtype=bf16"],
+    "powersgd": ["dist.engine=torch_ddp", "dist.compression=powersgd"],
+}
+# --quick: a narrow tiny GPT, short windows, no workers, no compile (a CPU run checks the path)
+QUICK_LOSS = ["model=gpt_tiny", "model.n_embd=32", "model.n_head=2", "data.seq_len=64"]
+QUICK_LOSS += ["data.batch_size=4", "data.eval_samples=16", "data.num_workers=0"]
+QUICK_LOSS += ["trainer.compile=false", "optim.lr=3e-3"]
 # "Channel 00/0 : 1[1] -> 2[0] [send] via NET/Socket/0", "... : 0[0] -> 1[1] via P2P/CUMEM/read"
 CHANNEL = re.compile(r"(\d+)\[\d+\] -> (\d+)\[\d+\].* via (\S+)")
 
@@ -239,9 +252,69 @@ def engines_job(model: str, mode: str, per_node: int, wire: str, args, tmp: Path
     return data.pop("rows"), data, "ok"
 
 
+def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
+    """--loss-steps: train.py over the two nodes on Python's own sources as byte-level tokens,
+    once per --loss-wires setting, from the same seed and data order; each setting's held-out
+    loss after the last step against the first setting's (#43: a compressed wire within 0.5 %
+    of the fp32 wire's after 300 steps)."""
+    from vs_plain import python_text  # bench/vs_plain.py's real text, no download
+
+    text, tokens = tmp / "python.txt", tmp / "python.bin"
+    python_text(text, limit=2**20 if args.quick else None)
+    subprocess.run(
+        [sys.executable, "-m", "mgpu.data.prepare", str(text), str(tokens)],
+        check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    steps, every = args.loss_steps, max(1, args.loss_steps // 10)
+    runs = {}
+    for name in args.loss_wires:
+        run_dir = tmp / f"loss-{name}"
+        overrides = [*args.loss_model, f"data.path={tokens}", f"trainer.max_steps={steps}"]
+        overrides += [f"trainer.log_every={every}", f"trainer.eval_every={steps}", "ckpt.every=0"]
+        overrides += [f"optim.warmup_steps={every}", *LOSS_WIRES[name], f"hydra.run.dir={run_dir}"]
+        overrides += QUICK_LOSS if args.quick else []
+        print(f"=== {steps} steps of real text on {NODES} nodes of {per_node}, {name}", flush=True)
+        program = [str(ROOT / "train.py"), *overrides]
+        code, output = two_nodes(program, per_node, wire, args.quick, args.loss_timeout_s)
+        if code != 0:
+            print(output[-4000:], flush=True)
+            runs[name] = {"status": f"exit {code}", "overrides": overrides}
+            continue
+        scalars = scalars_of(run_dir)
+        timed = [v for s, v in scalars.get("time/step_ms", []) if s > every]  # after the first
+        runs[name] = {
+            "status": "ok",
+            "overrides": overrides,
+            "eval_loss": scalars["eval/loss"][-1][1],
+            "train_loss": scalars["train/loss"],
+            "ms_per_step": statistics.median(timed) if timed else None,
+        }
+        print(json.dumps({"run": name, "eval_loss": runs[name]["eval_loss"]}), flush=True)
+    result: dict = {"steps": steps, "model": args.loss_model, "runs": runs}
+    first, *others = runs
+    for name in others:
+        if runs[name]["status"] == "ok" and runs[first]["status"] == "ok":
+            change = runs[name]["eval_loss"] / runs[first]["eval_loss"] - 1
+            result[f"{name}_vs_{first}"] = {
+                "eval_loss": change,
+                "within_0.5pct": abs(change) <= 0.005,
+            }
+    return result
+
+
+def scalars_of(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar a run wrote to TensorBoard: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gpt2_small", "resnet50"])
+    parser.add_argument("--models", nargs="*", default=["gpt2_small", "resnet50"],
+                        help="speed jobs (none: only the probe and --loss-steps)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--wire", choices=["auto", *WIRES], default="auto",
                         help="auto: hostid, else all-socket where NCCL sees one host")  # fmt: skip
@@ -252,6 +325,22 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--probe-repeats", type=int, default=20)
     parser.add_argument("--job-timeout-s", type=int, default=420)
+    parser.add_argument(
+        "--loss-steps",
+        type=int,
+        default=0,
+        help="also train.py on real text this many steps per --loss-wires",
+    )
+    parser.add_argument(
+        "--loss-wires", nargs="+", default=["fp32", "powersgd"], choices=list(LOSS_WIRES)
+    )
+    parser.add_argument(
+        "--loss-model",
+        nargs="+",
+        default=["experiment=gpt2_small"],
+        help="train.py overrides of the model the loss runs train",
+    )
+    parser.add_argument("--loss-timeout-s", type=int, default=900)
     parser.add_argument("--quick", action="store_true", help="CPU, gloo, tiny models, 2 x 1")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--probe-worker", type=Path, help=argparse.SUPPRESS)
@@ -294,6 +383,7 @@ def main() -> None:
                 if "none" in steps:  # each wire setting's own efficiency
                     alone = steps.pop("none")
                     summary["by_engine"][key] = {e: round(alone / ms, 4) for e, ms in steps.items()}
+        losses = loss_runs(per_node, wire, args, tmp) if args.loss_steps else None
     device = str(meta.get("device", found.get("device", "cpu"))).replace(" ", "_")
     record = {
         "what": "bench/two_nodes.py: 2 torchrun agents on one host as 2 nodes, NCCL sockets "
@@ -315,6 +405,7 @@ def main() -> None:
         "wall_s": round(time.time() - started, 1),
         **summary,
         "jobs": results,
+        **({"loss": losses} if losses else {}),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"two-nodes-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -326,12 +417,16 @@ def main() -> None:
         key = r["key"]
         said = {name: summary[name].get(key, "-") for name in ("efficiency", "vs_ddp", "engine")}
         print(f"{key}: {r['status']}, " + ", ".join(f"{k} {v}" for k, v in said.items()))
+    for name, said in (losses or {}).items():
+        if name.endswith(tuple(f"_vs_{w}" for w in LOSS_WIRES)):
+            print(f"held-out loss, {name}: {said['eval_loss']:+.2%}")
     print(f"wrote {path} ({record['wall_s']:.0f} s)")
-    if any(r["status"] != "ok" for r in results):
-        sys.exit(
-            "jobs that did not finish: "
-            + ", ".join(r["key"] for r in results if r["status"] != "ok")
-        )
+    failed = [r["key"] for r in results if r["status"] != "ok"]
+    failed += [
+        f"loss {n}" for n, r in (losses or {}).get("runs", {}).items() if r["status"] != "ok"
+    ]
+    if failed:
+        sys.exit("jobs that did not finish: " + ", ".join(failed))
 
 
 if __name__ == "__main__":

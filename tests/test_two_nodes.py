@@ -8,6 +8,7 @@ gives for a change of the number of processes. On GPUs the same, 2 nodes of 2 GP
 
 import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
@@ -199,10 +200,12 @@ def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tm
 
 
 def test_bench_two_nodes_quick_runs_and_records(tmp_path):
-    """bench/two_nodes.py --quick: the probe and one engines job over 2 agents, on the CPU."""
+    """bench/two_nodes.py --quick: the probe, one engines job, and train.py on real text with
+    the fp32 wire and PowerSGD (from step 10 of 16) over 2 agents, on the CPU."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "two_nodes.py"), "--quick", "--models",
-         "gpt2_small", "--modes", "eager", "--engines", "none", "mgpu", "--out", str(tmp_path)],
+         "gpt2_small", "--modes", "eager", "--engines", "none", "mgpu", "--out", str(tmp_path),
+         "--loss-steps", "16", "--loss-wires", "fp32", "powersgd"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -217,6 +220,13 @@ def test_bench_two_nodes_quick_runs_and_records(tmp_path):
     assert mgpu == record["efficiency"]["gpt2_small_eager_2x1_socket"]
     (job,) = record["jobs"]
     assert job["world_size"] == 2 and {r["engine"] for r in job["rows"]} == {"none", "mgpu"}
+    runs = record["loss"]["runs"]
+    assert {n: r["status"] for n, r in runs.items()} == {"fp32": "ok", "powersgd": "ok"}
+    assert "dist.compression=powersgd" in runs["powersgd"]["overrides"]
+    assert all(0 < r["eval_loss"] < math.log(256) for r in runs.values())  # it learned
+    change = record["loss"]["powersgd_vs_fp32"]["eval_loss"]
+    assert change == runs["powersgd"]["eval_loss"] / runs["fp32"]["eval_loss"] - 1
+    assert abs(change) < 0.05, change  # compressed gradients train the same model
 
 
 def test_the_probe_tells_sockets_between_nodes_from_one_host_seen():
