@@ -163,12 +163,18 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 NCCL_ENV |= {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tmp_path):
-    """2 nodes of 2 GPUs (of 1 on a machine of 2 or 3) over NCCL, each its own host to NCCL
-    (sockets between the nodes), node 1 (its ranks the higher) lost at KILL_AT; then both
-    relaunched, against an uninterrupted run."""
+# Bit for bit against another run needs kernels that repeat from run to run (docs/checkpoints.md,
+# Resume): without trainer.deterministic, two uninterrupted runs of this GPT replayed as CUDA
+# graphs differed on 2 H200s as the resumed one did (up to 4e-5 in the weights); with it, on one
+# GPU and the math attention, they were equal.
+GPU_RUN = [*RUN, "model.attention=math", "trainer.deterministic=true"]
+GPU_RUN.append("trainer.cudnn_benchmark=false")
+
+
+def gpu_nodes(tmp: Path) -> tuple[int, list[dict], Path]:
+    """2 nodes of 2 GPUs (of 1 on a machine of 2 or 3), each its own host to NCCL (sockets
+    between the nodes): GPUs per node, each node's environment, and the uninterrupted run's
+    directory (both nodes, the same command)."""
     per = min(2, torch.cuda.device_count() // 2)  # GPUs (ranks) per node
     # Each node's share of the GPUs this process sees (a pytest worker may see only some)
     seen = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
@@ -178,17 +184,20 @@ def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tm
         {**NCCL_ENV, "NPROC_PER_NODE": str(per), "CUDA_VISIBLE_DEVICES": g, "NCCL_HOSTID": host}
         for g, host in zip(gpus, ("mgpu-node0", "mgpu-node1"), strict=True)
     ]
-    # Bit for bit against another run needs kernels that repeat from run to run
-    # (docs/checkpoints.md, Resume): without trainer.deterministic, two uninterrupted runs of
-    # this GPT replayed as CUDA graphs differed on 2 H200s as the resumed one did (up to 4e-5
-    # in the weights); with it, on one GPU and the math attention, they were equal.
-    run = [*RUN, "model.attention=math", "trainer.deterministic=true"]
-    run.append("trainer.cudnn_benchmark=false")
-    reference = tmp_path / "reference"
-    never = faulty("kill_job", rank=-1, step=1, marker=tmp_path / "unused")
-    both_nodes(tmp_path, [*run, *never, f"hydra.run.dir={reference}"], envs)
+    reference = tmp / "reference"
+    never = faulty("kill_job", rank=-1, step=1, marker=tmp / "unused")
+    both_nodes(tmp, [*GPU_RUN, *never, f"hydra.run.dir={reference}"], envs)
+    return per, envs, reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tmp_path):
+    """Over NCCL (gpu_nodes), node 1 (its ranks the higher) lost at KILL_AT; then both
+    relaunched, against an uninterrupted run."""
+    per, envs, reference = gpu_nodes(tmp_path)
     marker = tmp_path / "lost"
-    args = [*run, *faulty("kill_job", rank=per, step=KILL_AT, marker=marker)]
+    args = [*GPU_RUN, *faulty("kill_job", rank=per, step=KILL_AT, marker=marker)]
     args.append(f"dist.timeout_s={TIMEOUT_S}")
     out, code = lose_node_1(tmp_path, args, marker, envs)
     run_dir = tmp_path / "outputs" / "two-nodes"
@@ -197,6 +206,29 @@ def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tm
     outs = both_nodes(tmp_path, args, envs)
     assert "resumed from " + str(step_dir(run_dir / "checkpoints", 10)) in outs[0]
     assert_same_run(run_dir, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_on_gpus_an_elastic_run_goes_on_with_the_node_left(tmp_path):
+    """Over NCCL (gpu_nodes), launched elastic (--nnodes=1:2, one restart): node 1 lost at
+    KILL_AT, node 0's agent starts its workers again alone, and they resume from step 10's
+    checkpoint, saved by both nodes' ranks, and finish; steps 1-10 are the uninterrupted run's,
+    and every step is logged once (docs/checkpoints.md: another number of processes)."""
+    per, envs, reference = gpu_nodes(tmp_path)
+    marker = tmp_path / "lost"
+    args = [*GPU_RUN, *faulty("kill_job", rank=per, step=KILL_AT, marker=marker)]
+    args.append(f"dist.timeout_s={TIMEOUT_S}")
+    out, code = lose_node_1(tmp_path, args, marker, envs, nnodes="1:2", restarts=1)
+    assert code == 0, out[-3000:]
+    run_dir = tmp_path / "outputs" / "two-nodes"
+    assert "resumed from " + str(step_dir(run_dir / "checkpoints", 10)) in out
+    assert f"saved by {2 * per} process(es), this run has {per}" in out
+    losses = loss_record(run_dir)
+    assert sorted(losses) == list(range(1, 21))
+    assert {s: losses[s] for s in range(1, 11)} == {
+        s: v for s, v in loss_record(reference).items() if s <= 10
+    }
 
 
 def test_bench_two_nodes_quick_runs_and_records(tmp_path):
