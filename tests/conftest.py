@@ -242,3 +242,29 @@ def gloo_runtime(rank: int, port: int, world: int = 2, timeout_s: float | None =
         yield Runtime(rank, rank, world, "gloo", torch.device("cpu"), has_process_group=True)
     finally:
         tdist.destroy_process_group()
+
+
+# NVLink multicast stays off on the lent GPU machines (../shared/GPU.md)
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+@contextmanager
+def nccl_runtime(rank: int, port: int, world: int = 2) -> Iterator:
+    """A spawned worker's NCCL process group on GPU `rank` and its Runtime, torn down on the way
+    out (the spawned worker's environment is the fork server's: NCCL_ENV is set here)."""
+    import torch.distributed as tdist
+
+    from mgpu.runtime.dist import Runtime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NCCL_ENV)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    tdist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    try:
+        yield Runtime(rank, rank, world, "nccl", device, has_process_group=True)
+    finally:
+        tdist.destroy_process_group()

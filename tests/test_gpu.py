@@ -9,18 +9,12 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, read_scalars, run_train
+from conftest import FAST, NCCL_ENV, read_scalars, run_train
 from faults import first_sample_of_step
 
 from mgpu.ckpt.checkpoint import step_dir
 
 pytestmark = pytest.mark.gpu
-
-NCCL_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 
 
 class GpuProcessSampler(threading.Thread):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu import NCCL_ENV
+from conftest import NCCL_ENV
 
 pytestmark = [
     pytest.mark.gpu,

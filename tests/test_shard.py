@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as tdist
-from conftest import free_port, gloo_runtime, spawn
+from conftest import free_port, gloo_runtime, nccl_runtime, spawn
 from test_reducer import MODELS, batch
 
 import mgpu.comm.shard
@@ -61,7 +61,7 @@ FOUR = ["gpt_tied_adamw", "frozen_unused_sgd"]
 def build(rt, case: str, engine: str, sharded: bool):
     model_name, accum, optim, clip, overrides = CASES[case]
     torch.manual_seed(0)
-    model = MODELS[model_name]()
+    model = MODELS[model_name]().to(rt.device)
     # An unused parameter gets zeros under find_unused but no gradient in the one-process
     # reference, which then skips its weight decay: no decay where the reference is that.
     decay = 0.0 if model_name == "branchy_unused" else 0.1
@@ -103,8 +103,9 @@ OLD_TORCH_NAMES = {
 }
 
 
-def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int):
-    with gloo_runtime(rank, port, world) as rt:
+def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int, backend: str):
+    runtime = gloo_runtime if backend == "gloo" else nccl_runtime
+    with runtime(rank, port, world) as rt:
         for case in cases:
             if case == "adamw_old_torch_names":
                 with mock.patch.multiple(mgpu.comm.shard, **OLD_TORCH_NAMES):
@@ -118,7 +119,7 @@ def train_case(rt, out_dir: str, case: str, world: int, rank: int) -> None:
     for sharded in (False, True):
         model, optimizer, trainer = build(rt, case, "mgpu", sharded)
         for step in range(STEPS):
-            x, y = inputs(case, step, world * accum * MICRO)
+            x, y = (t.to(rt.device) for t in inputs(case, step, world * accum * MICRO))
             starts = [(m * world + rank) * MICRO for m in range(accum)]
             micro = [(x[s : s + MICRO], y[s : s + MICRO]) for s in starts]
             trainer.train_step(iter(micro))
@@ -132,11 +133,12 @@ def train_case(rt, out_dir: str, case: str, world: int, rank: int) -> None:
         torch.save(result, f"{out_dir}/{case}.{name}.{rank}.pt")
 
 
-def run(tmp_path_factory, world: int, cases: list[str]) -> dict:
-    out = tmp_path_factory.mktemp(f"shard{world}")
-    spawn(worker, free_port(), str(out), cases, world, nprocs=world)
+def run(tmp_path_factory, world: int, cases: list[str], backend: str = "gloo") -> dict:
+    out = tmp_path_factory.mktemp(f"shard{world}{backend}")
+    spawn(worker, free_port(), str(out), cases, world, backend, nprocs=world)
+    load = {"weights_only": True, "map_location": "cpu"}
     return {
-        (case, name, rank): torch.load(out / f"{case}.{name}.{rank}.pt", weights_only=True)
+        (case, name, rank): torch.load(out / f"{case}.{name}.{rank}.pt", **load)
         for case in cases
         for name in ("plain", "sharded")
         for rank in range(world)
@@ -163,12 +165,13 @@ def reference(case: str, world: int) -> dict:
     return model.state_dict()
 
 
-def assert_equal_training(results: dict, case: str, world: int) -> None:
+def assert_equal_training(results: dict, case: str, world: int, one_process=True) -> None:
     """fp32 tolerance: the same sums in another order (the clipping norm is summed shard by
     shard; the CPU's fused kernels round a tensor's vectorised body and its tail apart), which
-    steps of lr 0.05 carry into the 6th digit over 20 steps."""
+    steps of lr 0.05 carry into the 6th digit over 20 steps. `one_process`: against one
+    process on the concatenated batch too (on the CPU: not for training on GPUs)."""
     tol = 1e-5
-    expected = reference(case, world) if "bf16" not in case else None
+    expected = reference(case, world) if "bf16" not in case and one_process else None
     for rank in range(world):
         plain = results[case, "plain", rank]["params"]
         got = results[case, "sharded", rank]["params"]
@@ -189,10 +192,35 @@ def test_sharded_training_equals_unsharded_and_one_process_on_four_ranks(four, c
     assert_equal_training(four, case, 4)
 
 
+@pytest.fixture(scope="module")
+def on_gpus(tmp_path_factory):
+    """Over NCCL, one rank per GPU this process sees (2 in a pytest worker of a GPU machine's
+    run, tests/conftest.py; all of them run alone)."""
+    return run(tmp_path_factory, torch.cuda.device_count(), ON_GPUS, "nccl")
+
+
+ON_GPUS = ["gpt_tied_adamw", "adamw_accum_clip_per_param"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("case", ON_GPUS)
+def test_on_gpus_sharded_training_equals_unsharded(on_gpus, case):
+    assert_equal_training(on_gpus, case, torch.cuda.device_count(), one_process=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_on_gpus_optimizer_state_per_rank_is_one_nth(on_gpus):
+    assert_one_nth(on_gpus, ON_GPUS, torch.cuda.device_count())
+
+
 @pytest.mark.parametrize(("results", "world"), [("two", 2), ("four", 4)])
 def test_optimizer_state_per_rank_is_one_nth(request, results, world):
-    results = request.getfixturevalue(results)
-    cases = CASES if world == 2 else FOUR
+    assert_one_nth(request.getfixturevalue(results), CASES if world == 2 else FOUR, world)
+
+
+def assert_one_nth(results: dict, cases, world: int) -> None:
     for case in cases:
         plain = results[case, "plain", 0]["bytes"]
         sharded = [results[case, "sharded", r]["bytes"] for r in range(world)]

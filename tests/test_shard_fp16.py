@@ -4,13 +4,9 @@ every step and the same skipped steps, when one gradient element overflows on on
 reduce-scatter lands it in one rank's shard: every rank must still skip) and when one rank's loss
 is NaN. On gloo (CPU fp16 autocast) and, marked gpu, on NCCL."""
 
-import os
-
 import pytest
 import torch
-import torch.distributed as tdist
-from conftest import free_port, gloo_runtime, spawn
-from test_gpu import NCCL_ENV
+from conftest import free_port, gloo_runtime, nccl_runtime, spawn
 
 from mgpu.comm.engine import unwrap, wrap_model
 from mgpu.comm.sharded_optim import ShardedOptimizer
@@ -99,19 +95,9 @@ def train(rt: Runtime, case: str, sharded: bool) -> dict:
 
 
 def worker(rank: int, port: int, out_dir: str, backend: str):
-    if backend == "gloo":
-        with gloo_runtime(rank, port) as rt:
-            results = {(c, s): train(rt, c, s) for c in CASES for s in (False, True)}
-    else:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **NCCL_ENV)
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        tdist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
-        try:
-            rt = Runtime(rank, rank, 2, "nccl", device, has_process_group=True)
-            results = {(c, s): train(rt, c, s) for c in CASES for s in (False, True)}
-        finally:
-            tdist.destroy_process_group()
+    runtime = gloo_runtime if backend == "gloo" else nccl_runtime
+    with runtime(rank, port) as rt:
+        results = {(c, s): train(rt, c, s) for c in CASES for s in (False, True)}
     torch.save(results, f"{out_dir}/{rank}.pt")
 
 
