@@ -62,6 +62,7 @@ from mgpu.run.build import compiled_for  # noqa: E402
 from mgpu.run.config import check_dist_fits_trainer  # noqa: E402
 from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
 from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
+from mgpu.runtime.orphan import end_with_agent  # noqa: E402
 from mgpu.runtime.preempt import Preemption  # noqa: E402
 from mgpu.train.numerics import set_math_modes  # noqa: E402
 from mgpu.train.trainer import Trainer  # noqa: E402
@@ -463,7 +464,9 @@ def save_partial(args, name: str, samples: Samples, memory: dict) -> None:
     meta = versions() if cuda else {"device": "cpu", "torch": torch.__version__}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"engines-{args.tag}-partial.json"
-    path.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    # whole or not at all: a job killed while writing leaves the previous one
+    path.with_suffix(".tmp").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    path.with_suffix(".tmp").replace(path)
 
 
 def all_together(name, engines, rt, args, models, batch):
@@ -690,6 +693,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    end_with_agent()  # a worker ends with its torchrun (scaling.py stops a job past its limit)
     default_cuda_connections()  # as train.py: before anything asks CUDA for a device
     # Ends without the teardown of torch's communication threads, as train.py does
     # (mgpu.runtime.dist.exit_process: that teardown can abort a finished run).

@@ -76,22 +76,37 @@ def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], 
     print(f"=== {model} {mode} on {gpus} GPU(s): {' '.join(cmd[2:])}", flush=True)
     before = set(out.glob(f"engines-{tag}-2*.json"))
     limit = args.xl_job_timeout_s if xl else args.job_timeout_s
-    try:
-        status = subprocess.run(cmd, env=env, timeout=limit, text=True).returncode
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {limit} s"
+    status = run_job(cmd, env, limit)
     written = sorted(set(out.glob(f"engines-{tag}-2*.json")) - before)
-    if status == 0 and written:
+    if written:  # the whole job's record, whatever its teardown did after writing it
         data = json.loads(written[-1].read_text())
-        return data.pop("rows"), data, "ok"
+        return data.pop("rows"), data, "ok" if status == 0 else f"ok, then exit {status}"
     status = status if isinstance(status, str) else f"exit {status}"
     partial = out / f"engines-{tag}-partial.json"
-    if not partial.exists():
+    try:
+        data = json.loads(partial.read_text())
+    except (OSError, ValueError):  # none written, or not whole
         return [], {}, status
-    data = json.loads(partial.read_text())
     partial.unlink()
     rows = data.pop("rows")
     return rows, data, f"{status}; kept the engines it finished: {[r['engine'] for r in rows]}"
+
+
+def run_job(cmd: list[str], env: dict, limit: float) -> int | str:
+    """The job's exit code, or why it was stopped: past `limit` seconds torchrun is asked to end
+    (SIGTERM: it stops its workers, which also end with it, engines.py's end_with_agent), then
+    killed; the next job must not share the GPUs with this one's workers."""
+    proc = subprocess.Popen(cmd, env=env, text=True)
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return f"timed out after {limit} s"
 
 
 def summarize(rows: list[dict], key: str, summary: dict) -> None:
@@ -174,10 +189,10 @@ def main() -> None:
 
 def write(args, meta, summary, results, started, available, stamp, path) -> Path:  # noqa: ANN001
     """The record of the jobs so far, into one file (named by the device once a job knew it)."""
-    if "device" not in meta and not args.quick:  # no job told it yet
-        import torch
-
-        meta = {**meta, "device": torch.cuda.get_device_name()}
+    if "device" not in meta and not args.quick:  # no job told it yet; no CUDA context here
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"]
+        name = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+        meta = {**meta, "device": name or "unknown GPU"}
     device = str(meta.get("device", "cpu")).replace(" ", "_")
     record = {
         "what": "bench/scaling.py: mgpu on N GPUs against each GPU alone and torch DDP, one job "

@@ -67,12 +67,16 @@ WIRES = {
     "all-socket": {**SOCKET, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
 }
 PROBE_MB = {"gpu": (16, 64, 256), "cpu": (1, 4)}
-# --loss-wires: each wire setting as train.py's overrides; the first named is the reference
+# --loss-wires: each wire setting as train.py's overrides
 LOSS_WIRES = {
     "fp32": [],  # mgpu's reducer, fp32 on the wire (the default)
     "bf16": ["dist.reduce_dtype=bf16"],
+    "ddp_fp32": ["dist.engine=torch_ddp"],  # torch DDP, fp32: PowerSGD's engine uncompressed
     "powersgd": ["dist.engine=torch_ddp", "dist.compression=powersgd"],
 }
+# Each setting against the fp32 run of its own engine where it ran (only the wire differs),
+# else against the first setting run.
+LOSS_REFERENCE = {"bf16": "fp32", "powersgd": "ddp_fp32", "ddp_fp32": "fp32"}
 # --quick: a narrow tiny GPT, short windows, no workers, no compile (a CPU run checks the path)
 QUICK_LOSS = ["model=gpt_tiny", "model.n_embd=32", "model.n_head=2", "data.seq_len=64"]
 QUICK_LOSS += ["data.batch_size=4", "data.eval_samples=16", "data.num_workers=0"]
@@ -255,8 +259,8 @@ def engines_job(model: str, mode: str, per_node: int, wire: str, args, tmp: Path
 def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
     """--loss-steps: train.py over the two nodes on Python's own sources as byte-level tokens,
     once per --loss-wires setting, from the same seed and data order; each setting's held-out
-    loss after the last step against the first setting's (#43: a compressed wire within 0.5 %
-    of the fp32 wire's after 300 steps)."""
+    loss after the last step against its reference's (LOSS_REFERENCE; #43: a compressed wire
+    within 0.5 % of the fp32 wire's after 300 steps)."""
     from vs_plain import python_text  # bench/vs_plain.py's real text, no download
 
     text, tokens = tmp / "python.txt", tmp / "python.bin"
@@ -293,9 +297,11 @@ def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
     result: dict = {"steps": steps, "model": args.loss_model, "runs": runs}
     first, *others = runs
     for name in others:
-        if runs[name]["status"] == "ok" and runs[first]["status"] == "ok":
-            change = runs[name]["eval_loss"] / runs[first]["eval_loss"] - 1
-            result[f"{name}_vs_{first}"] = {
+        ref = LOSS_REFERENCE.get(name, first)
+        ref = ref if ref in runs else first
+        if runs[name]["status"] == "ok" and runs[ref]["status"] == "ok":
+            change = runs[name]["eval_loss"] / runs[ref]["eval_loss"] - 1
+            result[f"{name}_vs_{ref}"] = {
                 "eval_loss": change,
                 "within_0.5pct": abs(change) <= 0.005,
             }
@@ -332,7 +338,10 @@ def main() -> None:
         help="also train.py on real text this many steps per --loss-wires",
     )
     parser.add_argument(
-        "--loss-wires", nargs="+", default=["fp32", "powersgd"], choices=list(LOSS_WIRES)
+        "--loss-wires",
+        nargs="+",
+        default=["fp32", "ddp_fp32", "powersgd"],
+        choices=list(LOSS_WIRES),
     )
     parser.add_argument(
         "--loss-model",

@@ -20,6 +20,8 @@ _WORKER, _GPUS = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("MGPU_TES
 if _WORKER and _GPUS and len(_GPUS.split(",")) >= 2:
     _pair = int(_WORKER.removeprefix("gw")) % (len(_GPUS.split(",")) // 2)  # more workers: shared
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(_GPUS.split(",")[2 * _pair : 2 * _pair + 2])
+    # nvidia-smi's numbering, which the IDs above and GPU tests' nvidia-smi queries use
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
 import torch  # noqa: E402
 
@@ -134,6 +136,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def pytest_configure(config) -> None:
     """In the controller of a GPU machine's run: the GPUs its workers share out, two each."""
     if _WORKER is None and "MGPU_TEST_GPUS" not in os.environ and torch.cuda.is_available():
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as its workers number them
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else range(torch.cuda.device_count())
         os.environ["MGPU_TEST_GPUS"] = ",".join(map(str, ids))

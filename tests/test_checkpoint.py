@@ -192,7 +192,7 @@ def test_cuda_rng_state_is_this_devices_and_loads_to_cpu(tmp_path):
         restore_rng(loaded.rank_state["rng"], dev)
         assert torch.equal(torch.rand(4, device=dev), expected)
     if dev.index > 0:  # with several GPUs: nothing of this landed on GPU 0
-        assert torch.cuda.memory_allocated(0) == on_gpu0
+        assert torch.cuda.memory_allocated(0) <= on_gpu0  # nothing new (older may be freed)
 
 
 # ---- corruption ----

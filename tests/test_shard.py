@@ -79,6 +79,7 @@ def build(rt, case: str, engine: str, sharded: bool):
         grad_accum_steps=1 if engine == "none" else accum,
         grad_clip=clip,
         precision=Precision.fp32,
+        compile=False,  # as on the CPU: compile=auto compiles on a GPU
         nonfinite=NonFinite.skip if "nan" in case else NonFinite.stop,
     )
     return model, optimizer, Trainer(tcfg, model, optimizer, schedule, rt)

@@ -143,7 +143,7 @@ def main() -> None:
     batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     rows = []
     for case in args.cases:
-        started = time.time()
+        started, step = time.time(), None
         try:
             model, step = build(case, args, device)
             timed(step, batch, args.warmup, device)
