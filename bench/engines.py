@@ -207,6 +207,9 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # micro-batches), every gradient reduced once after the last micro-batch's backward in
     # 256 MB buckets (fewer, larger all-reduces in that tail), fp32 and bf16 on the wire
     "mgpu_whole_compile_cap256": whole_compiled(256),
+    # every gradient of a model compiled whole in one all-reduce (GPT-2-small's ~500 MB): they
+    # all arrive at backward's end anyway, and NCCL's bus bandwidth grows with the message
+    "mgpu_whole_compile_cap1024": whole_compiled(1024),
     "mgpu_whole_compile_cap256_bf16": whole_compiled(256, ReduceDtype.bf16),
     # with --accum: each block compiled on its own so that buckets are reduced while the last
     # micro-batch's backward runs (mgpu's default under accumulation before it compiled whole)
