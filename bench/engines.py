@@ -56,7 +56,7 @@ from mgpu.config.schema import (  # noqa: E402
     ReduceDtype,
     TrainerConfig,
 )
-from mgpu.models import GPT, ResNet, compile_mode, compile_model  # noqa: E402
+from mgpu.models import GPT, ResNet, compile_mode, compile_model, repeated_blocks  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
 from mgpu.run.build import compiled_for  # noqa: E402
 from mgpu.run.config import check_dist_fits_trainer  # noqa: E402
@@ -78,6 +78,9 @@ class Lever:
     wrap: Callable[[nn.Module, DistConfig, Any], nn.Module] = wrap_model
     whole_compile: bool = False  # with --compile: the whole model as one graph
     block_compile: bool = False  # with --compile: each repeated block its own graph
+    # with --compile: compiled as train.py does (whole under accumulation), and each repeated
+    # block compiled too, for the micro-batch whose backward reduces (ReducingByBlocks)
+    reducing_by_blocks: bool = False
     preemptible: bool = False  # a Preemption takes part: the per-step agreement runs
     graphs: bool | None = None  # trainer.cuda_graphs for this lever; None: the run's --graphs
     compile_mode: str = "auto"  # trainer.compile_mode for this lever, with --compile
@@ -109,6 +112,24 @@ def mgpu_high_priority_stream(model: nn.Module, cfg: DistConfig, rt) -> nn.Modul
     options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     group = torch.distributed.new_group(backend="nccl", pg_options=options)
     return MgpuDataParallel(model, rt, cfg, group=group)
+
+
+class ReducingByBlocks(MgpuDataParallel):
+    """The micro-batch whose backward reduces runs the model's own forward, its blocks compiled
+    one by one (Lever.reducing_by_blocks), so that buckets are reduced while backward runs; the
+    others run the model compiled whole, which hands its gradients over at backward's end (their
+    fusions across blocks kept). A lever for accumulation (GPT-2 XL): block by block costs a
+    micro-batch ~17 ms and hides the ~38 ms reduction of a step on 4 H200s (bench/README.md)."""
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.training and self.reducer.sync_enabled:
+            self.reducer.prepare()
+            return self.module.forward(*args, **kwargs)  # past the whole-model compile
+        return super().forward(*args, **kwargs)
+
+
+def mgpu_reducing_by_blocks(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
+    return ReducingByBlocks(model, rt, cfg)
 
 
 def mgpu_packed_buckets(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
@@ -214,6 +235,11 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # with --accum: each block compiled on its own so that buckets are reduced while the last
     # micro-batch's backward runs (mgpu's default under accumulation before it compiled whole)
     "mgpu_block_compile": Lever(DistConfig(engine=Engine.mgpu), block_compile=True),
+    # with --accum and --compile: the micro-batches that only accumulate run the model compiled
+    # whole, the one whose backward reduces runs it block by block (ReducingByBlocks)
+    "mgpu_reducing_by_blocks": Lever(
+        DistConfig(engine=Engine.mgpu), wrap=mgpu_reducing_by_blocks, reducing_by_blocks=True
+    ),
     # torch's PowerSGD hook (dist.compression=powersgd, rank 4, after 10 plain steps): for slow
     # links between nodes (two_nodes.py)
     "torch_ddp_powersgd": Lever(
@@ -283,6 +309,11 @@ def make_batch(name: str, device: torch.device, models: dict):
 
 
 def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Module:
+    if spec.reducing_by_blocks:
+        model = compiled_for(tcfg, spec.dist, model, rt.device, rt.distributed)
+        for block in repeated_blocks(model):  # in place: the whole model's graph inlines them
+            block.compile(backend=tcfg.compile_backend)
+        return model
     if spec.block_compile:  # buckets reduced while backward runs (mgpu's rule before accum)
         return compile_model(model, tcfg.compile_backend, None, overlap=True)
     if spec.dist.engine is Engine.mgpu and not spec.whole_compile:

@@ -99,12 +99,15 @@ def test_engines_one_at_a_time_with_micro_batches(tmp_path):
     """GPT-2 XL's path (engines that do not fit a GPU together): each engine built, timed and
     freed in turn, several micro-batches a step; a step's tokens count every micro-batch."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    engines = ["none", "mgpu", "torch_ddp_view", "mgpu"]  # mgpu twice: its rounds pooled
+    # mgpu twice: its rounds pooled; the reducing micro-batch through the model's own forward
+    engines = ["none", "mgpu", "torch_ddp_view", "mgpu", "mgpu_reducing_by_blocks"]
     args = ["--quick", "--models", "gpt2_xl", "--accum", "2", "--one-at-a-time"]
     result = run([*torchrun, "bench/engines.py", *args, "--engines", *engines], tmp_path)
     assert result["accum"] == 2 and result["one_at_a_time"] is True
     rows = {r["engine"]: r for r in result["rows"]}
-    assert [r["engine"] for r in result["rows"]] == ["none", "mgpu", "torch_ddp_view"]
+    assert [r["engine"] for r in result["rows"]] == [
+        "none", "mgpu", "torch_ddp_view", "mgpu_reducing_by_blocks"
+    ]  # fmt: skip
     # --quick times one round a build
     assert len(rows["mgpu"]["step_ms_all"]) == 2 and len(rows["none"]["step_ms_all"]) == 1
     for r in rows.values():
