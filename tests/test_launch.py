@@ -331,7 +331,12 @@ def test_a_failed_launch_ends_in_the_workers_one_line_and_exit_code(tmp_path):
 
 
 WORKERS = {
-    "crash": "raise RuntimeError('boom')",  # a traceback, and exit code 1
+    # a traceback, and exit code 1, once both ranks are up (as near together as they can)
+    "crash": "import os, pathlib, time\n"
+    "pathlib.Path(f\"up{os.environ['RANK']}\").touch()\n"
+    "while not all(pathlib.Path(f'up{r}').exists() for r in (0, 1)):\n"
+    "    time.sleep(0.01)\n"
+    "raise RuntimeError('boom')",
     "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
 }
 
@@ -358,7 +363,9 @@ def test_a_worker_that_leaves_no_line_is_named_last_with_its_exit_code(
     assert lines[-1].startswith("launch: rank ") and lines[-1].endswith(last), proc.stderr
     assert "ChildFailedError" not in proc.stderr and proc.returncode == code, proc.stderr
     if worker == "crash":  # the worker's own traceback stays, said once
-        assert proc.stderr.count("RuntimeError: boom") == 2, proc.stderr  # one per rank
+        # once per rank that printed it: torchrun stops the other rank as soon as it sees the
+        # first exit, which can come before the other's traceback (seen once in a suite run)
+        assert 1 <= proc.stderr.count("RuntimeError: boom") <= 2, proc.stderr
 
 
 def test_a_launch_on_a_port_in_use_names_the_fix_in_one_line(tmp_path):
