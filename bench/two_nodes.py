@@ -261,7 +261,8 @@ def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
     once per --loss-wires setting, from the same seed and data order; each setting's held-out
     loss after the last step against its reference's (LOSS_REFERENCE; #43: a compressed wire
     within 0.5 % of the fp32 wire's after 300 steps)."""
-    from vs_plain import python_text  # bench/vs_plain.py's real text, no download
+    # bench/vs_plain.py's real text (no download) and its reading of a run's TensorBoard
+    from vs_plain import python_text, tensorboard_scalars
 
     text, tokens = tmp / "python.txt", tmp / "python.bin"
     python_text(text, limit=2**20 if args.quick else None)
@@ -284,7 +285,7 @@ def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
             print(output[-4000:], flush=True)
             runs[name] = {"status": f"exit {code}", "overrides": overrides}
             continue
-        scalars = scalars_of(run_dir)
+        scalars = tensorboard_scalars(run_dir)
         timed = [v for s, v in scalars.get("time/step_ms", []) if s > every]  # after the first
         runs[name] = {
             "status": "ok",
@@ -306,15 +307,6 @@ def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
                 "within_0.5pct": abs(change) <= 0.005,
             }
     return result
-
-
-def scalars_of(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar a run wrote to TensorBoard: tag -> [(step, value), ...]."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def main() -> None:
