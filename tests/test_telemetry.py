@@ -172,17 +172,22 @@ def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
         "NVSHMEM_DISABLE_NVLS": "1",
     }
     base = ["model=gpt2_small", "data.seq_len=1024", "data.batch_size=16", "data.num_workers=4"]
-    # uncaptured: a replayed step reduces inside its graphs, where no exposed share is measured
-    base += ["trainer.max_steps=30", "trainer.cuda_graphs=false"]
-    base += ["trainer.log_every=10", "trainer.eval_every=0", "ckpt.every=0"]
+    base += ["trainer.max_steps=30", "trainer.log_every=10", "trainer.eval_every=0", "ckpt.every=0"]
     exposed = {}
-    for name, cap in (("overlap", 25), ("none", 100_000)):
+    # Launched from Python (timed events), then one bucket replayed as CUDA graphs (the default
+    # where a step can be recorded), whose exposed share the GPU stamps itself.
+    for name, cap, graphs in (
+        ("overlap", 25, False),
+        ("none", 100_000, False),
+        ("replayed", 100_000, True),
+    ):
         run = tmp_path / name
         proc = run_train(
             [
                 *base,
                 f"dist.bucket_cap_mb={cap}",
                 f"dist.first_bucket_mb={cap}",
+                f"trainer.cuda_graphs={str(graphs).lower()}",
                 f"hydra.run.dir={run}",
             ],  # fmt: skip
             cwd=tmp_path,
@@ -201,6 +206,7 @@ def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
         assert "memory/max_allocated_gib" in scalars and "throughput/mfu_pct" in scalars
     print(f"exposed comm ms/step: {exposed}")
     assert exposed["none"] > 2 * exposed["overlap"], exposed
+    assert exposed["replayed"] > 2 * exposed["overlap"], exposed  # measured, and not overlapped
 
 
 def test_breakdown_leaves_exposed_comm_out_where_the_reducer_left_no_marks():
@@ -220,3 +226,68 @@ def test_breakdown_leaves_exposed_comm_out_where_the_reducer_left_no_marks():
     assert "exposed_comm" not in captured and captured["compute"] == 8000.0
     alone = breakdown(interval(None), clock)  # no reducer at all: nothing was communicated
     assert alone["exposed_comm"] == 0.0 and alone["compute"] == 8000.0
+
+
+def test_replayed_steps_stamps_are_summed_over_the_steps_since_the_last_reading():
+    """A snapshot of the GPU's stamps ([counter, ring of (begin, end) ns]) read on the host: the
+    steps since the previous reading, their spans summed; a ring overrun by more steps than it
+    holds counts them at the mean of those it kept; breakdown takes the sum out of compute."""
+    from types import SimpleNamespace
+
+    from mgpu.telemetry.lagged import HostCopy
+    from mgpu.telemetry.stamps import StampRange, span_total_ms
+    from mgpu.telemetry.timing import Clock, Interval, breakdown
+
+    def snapshot(count: int, spans_ns: dict[int, tuple[int, int]], size: int = 4):
+        ring = torch.zeros(size, 2, dtype=torch.int64)
+        for slot, pair in spans_ns.items():
+            ring[slot] = torch.tensor(pair)
+        return torch.cat([torch.tensor([count]), ring.flatten()])
+
+    three = snapshot(3, {0: (0, 2_000_000), 1: (10, 1_000_010), 2: (5, 3_000_005)})
+    assert span_total_ms(three, 0) == (6.0, 3)
+    assert span_total_ms(three, 2) == (3.0, 1)  # only the step after the last reading
+    assert span_total_ms(three, 3) == (0.0, 0)
+    # 6 steps through a ring of 4: slots 2, 3, 0, 1 hold steps 2-5 (1, 1, 2, 4 ms), 2 are gone
+    wrapped = {2: (0, 1_000_000), 3: (0, 1_000_000), 0: (0, 2_000_000), 1: (0, 4_000_000)}
+    assert span_total_ms(snapshot(6, wrapped), 0) == (12.0, 6)
+
+    stamps = SimpleNamespace(read_upto=0)
+    first = StampRange(stamps, HostCopy(snapshot(2, {0: (0, 1_000_000), 1: (0, 1_000_000)})))
+    second = StampRange(stamps, HostCopy(three))
+    clock = Clock(torch.device("cpu"))
+    iv = Interval(1, 2, 0.1, None, 0.0, 22.0, comm=[first], marks=[[1.0, 2.0, 10.0, 11.0]] * 2)
+    parts = breakdown(iv, clock)  # 2 steps, 2 ms exposed in all: 1 ms a step
+    assert parts["exposed_comm"] == 1.0 and stamps.read_upto == 2
+    assert second.total_ms() == 3.0 and second.total_ms() == 3.0  # read once, kept
+    assert stamps.read_upto == 3
+
+
+@pytest.mark.gpu
+def test_gpu_stamps_recorded_in_a_graph_time_each_replay():
+    """Begin and end stamps around a known wait, captured into a CUDA graph and replayed: the
+    reading counts every replay, and each span is the wait as CUDA's timed events see it."""
+    from mgpu.telemetry.stamps import GraphStamps
+
+    device = torch.device("cuda", 0)
+    stamps = GraphStamps(device)
+    square = torch.randn(4096, 4096, device=device)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            stamps.begin()
+            for _ in range(8):  # some milliseconds of work
+                product = square @ square
+            stamps.end()
+    before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    before.record()
+    for _ in range(5):
+        graph.replay()
+    after.record()
+    reading = stamps.snapshot()
+    torch.cuda.synchronize()
+    stamped, timed = reading.total_ms(), before.elapsed_time(after)
+    assert stamps.read_upto == 5 and product.shape == square.shape
+    assert 0.5 * timed < stamped <= timed * 1.01, (stamped, timed)

@@ -15,10 +15,9 @@ Stream rules (CUDA), in the order they happen in one optimizer step:
    the compute stream. It stays .grad until the optimizer clears it, and the optimizer runs
    after the wait of rule 2, so its memory, too, is reused only after the reduction is done.
 
-Not supported: reentrant activation checkpointing (torch.utils.checkpoint with
-use_reentrant=True) runs an inner backward whose end the reducer would take for the end of the
-step; use use_reentrant=False, as GPT's model.activation_checkpointing does (its recompute feeds
-the one backward, and each parameter's hook fires once, as without checkpointing).
+Not supported: reentrant activation checkpointing (use_reentrant=True) runs an inner backward
+whose end the reducer would take for the step's; use use_reentrant=False, as GPT's
+model.activation_checkpointing does (each parameter's hook fires once, as without it).
 
 Buffers (BatchNorm statistics) follow rank 0's: see buckets.FlatBuffers.
 """
@@ -28,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -39,6 +39,7 @@ from mgpu.comm.groups import capped_group
 from mgpu.comm.shard import sharding
 from mgpu.config.schema import DistConfig, ReduceDtype
 from mgpu.runtime.dist import Runtime
+from mgpu.telemetry import stamps
 from mgpu.telemetry.profiling import REDUCE, phase
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,9 @@ class GradReducer:
         in_place: bool = True,
         communicate: bool = True,
     ):
-        """The keywords are for measuring the reducer (bench/engines.py): `group`, a process
-        group to reduce in instead of the default one (or dist.nccl_max_ctas's); `in_place=False`
-        packs every bucket, a bucket of one parameter too (Bucket.own); `communicate=False` does
-        everything but the buckets' all-reduce (wrong math: for timing only)."""
+        """Keywords for measuring the reducer (bench/engines.py): `group` to reduce in (default:
+        dist.nccl_max_ctas's); `in_place=False` packs every bucket, one of a parameter too
+        (Bucket.own); `communicate=False` skips the all-reduce (wrong math: timing only)."""
         self.rt, self.world = rt, rt.world_size
         self.find_unused = cfg.find_unused
         self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
@@ -92,6 +92,7 @@ class GradReducer:
         # (backward end, reduce end) marks per synchronised step (take_exposed); bounded
         # so that a run that never reads them does not grow without limit.
         self.exposed: deque = deque(maxlen=10_000)
+        self.stamps: stamps.GraphStamps | None = None  # replayed steps' marks (stamp_replays)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # Buckets of one parameter reduced in its own .grad; never under sharding, whose
         # buckets are packed and padded to equal shards.
@@ -104,9 +105,8 @@ class GradReducer:
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
 
     def capturable(self) -> bool:
-        """Whether a CUDA graph can record this reducer's work for every later step
-        (mgpu.train.graphs): on a GPU, with the same buckets reduced every step
-        (DistConfig.recordable)."""
+        """Whether a CUDA graph can record this reducer's work for every later step (mgpu.train.
+        graphs): on a GPU, with the same buckets reduced every step (DistConfig.recordable)."""
         return self.cuda and self.cfg.recordable()
 
     def use_large_buckets(self) -> None:
@@ -123,10 +123,17 @@ class GradReducer:
 
     def take_exposed(self) -> list:
         """The (backward end, communication end) marks of the synchronised steps since the last
-        call (CUDA events, or host times on CPU), for telemetry; the reducer forgets them."""
-        marks = list(self.exposed)
+        call (CUDA events, or host times on CPU), then the replayed steps' (a StampRange), for
+        telemetry (mgpu.telemetry.timing); the reducer forgets them."""
+        marks: list = list(self.exposed)
         self.exposed.clear()
-        return marks
+        return marks if self.stamps is None else [*marks, self.stamps.snapshot()]
+
+    def stamp_replays(self) -> None:
+        """Before a capture records this reducer (mgpu.train.graphs): replays stamp backward's
+        end and the end of its wait for the reductions by the GPU's clock, where it can."""
+        if self.stamps is None and stamps.available(self.rt.device):
+            self.stamps = stamps.GraphStamps(self.rt.device)
 
     def remove(self) -> None:
         """Take this reducer off its parameters: no hook of it runs in a later backward. Before
@@ -151,14 +158,11 @@ class GradReducer:
         self.ready: set[int] = set()  # ids of parameters whose gradient is final this step
 
     def prepare(self) -> None:
-        """Before a forward: start a new step if the last one ended.
-
-        A step ends when a synchronised backward finishes (or, before the first, at once). If
+        """Before a forward: start a new step if the last synchronised backward finished. If
         the optimizer cleared the gradients (zero_grad(set_to_none=True)), each parameter's
-        first gradient of the step is copied into its slice when its bucket launches (see _flush);
+        first gradient of the step is copied into its slice when its bucket launches (_flush);
         gradients zeroed in place stay attached, and gradients left alone keep accumulating,
-        as they would without data parallelism.
-        """
+        as they would without data parallelism."""
         if self.callback_queued:
             self._recover()  # the last backward raised before its final callback ran
         if not self.step_done:
@@ -190,11 +194,9 @@ class GradReducer:
         no gradient (unused, under find_unused) gets a zeroed slice: it contributes zeros. A
         bucket of its own (Bucket.own) keeps its fresh gradient as it is (zeros if none came).
 
-        Autograd hands over a fresh gradient when .grad is None, so one copy (read and write
-        once) puts it in the bucket; zeroing the buckets and accumulating into them in place
-        instead writes every gradient twice and reads it twice. One copy per bucket rather than
-        per parameter keeps the host's work per step small: ResNet-50 has 161 parameters in a
-        handful of buckets. Later micro-steps of the step accumulate into the slices in place.
+        One copy (autograd's fresh gradient read and written once) rather than zeroed buckets
+        accumulated into (twice each); one per bucket keeps the host's work small (ResNet-50:
+        161 parameters, a handful of buckets). Later micro-steps accumulate in place.
         """
         if not bucket.arrived:
             return
@@ -217,9 +219,8 @@ class GradReducer:
         bucket.arrived.clear()
 
     def _recover(self) -> None:
-        """After an exception inside backward: autograd dropped the final callback, so finish
-        whatever was launched and start clean. Ranks stay in step only if they all failed at
-        the same point (a rank-local failure desynchronises collectives, as with torch DDP)."""
+        """After an exception inside backward (autograd dropped the final callback): finish what
+        was launched and start clean. Ranks stay in step only if all failed at the same point."""
         log.warning("mgpu reducer: the previous backward did not finish; resetting its state")
         self._wait_launched()
         for b in self.buckets:  # every .grad a slice again, as a finished backward leaves them
@@ -230,12 +231,9 @@ class GradReducer:
         self.step_done = True
 
     def _learn_order(self) -> None:
-        """Rebuild the buckets once in the order the first backward produced gradients.
-
-        Rank 0's order is used everywhere: the launch order must be identical on all ranks. The
-        broadcast happens on every rank, whatever its own observation: a rank that saw fewer
-        gradients (an unused branch, with find_unused) still takes part. -1 marks "incomplete".
-        """
+        """Rebuild the buckets once in the order the first backward produced gradients: rank
+        0's everywhere (the launch order must be identical on all ranks). Every rank takes part
+        in the broadcast, whatever it saw (an unused branch, with find_unused); -1: incomplete."""
         n = len(self.params)
         observed = torch.full((n,), -1, dtype=torch.int64)
         if len(self.observed) == n:
@@ -336,13 +334,16 @@ class GradReducer:
             self._finish_reductions()
 
     def _finish_reductions(self) -> None:
-        # A backward that a CUDA graph records (mgpu.train.graphs) keeps these stream rules but
-        # not the timing marks (a timed event cannot be recorded into a graph); the graph holds
-        # the buckets' addresses, so they are never laid out again (observed order: none).
+        # A backward that a CUDA graph records (mgpu.train.graphs) keeps these stream rules; no
+        # timed event can be recorded into it (the GPU stamps the two points: stamp_replays);
+        # it holds the buckets' addresses, so they are never laid out again (observed: none).
         captured = self.cuda and torch.cuda.is_current_stream_capturing()
+        stamped = self.stamps if captured else None
         start = torch.cuda.Event(enable_timing=not captured) if self.cuda else time.perf_counter()
         if self.cuda:
             start.record()  # backward compute is done here (compute stream)
+            if stamped is not None:
+                stamped.begin()
             # The buffers were last written by this step's forwards: read them after this.
             self.stream.wait_event(start)
             with torch.cuda.stream(self.stream):
@@ -354,6 +355,8 @@ class GradReducer:
             end = None if captured else torch.cuda.Event(enable_timing=True)
             if end is not None:
                 end.record()
+            elif stamped is not None:
+                stamped.end()
         else:
             self._wait_all()
             self._broadcast_buffers()
@@ -372,15 +375,12 @@ class GradReducer:
 
     def _wait_launched(self) -> None:
         """Wait for the reductions already launched and order the compute stream after them."""
-        launched = [b for b in self.buckets if b.work is not None]
-        if self.cuda:
-            with torch.cuda.stream(self.stream):
-                for b in launched:
+        with torch.cuda.stream(self.stream) if self.cuda else nullcontext():
+            for b in self.buckets:
+                if b.work is not None:
                     b.work.wait()
+        if self.cuda:
             torch.cuda.current_stream().wait_stream(self.stream)
-        else:
-            for b in launched:
-                b.work.wait()
 
     def _wait_all(self) -> None:
         for b in self.buckets:

@@ -125,7 +125,7 @@ class Recorder:
         samples_per_step: int,
         tokens_per_sample: int | None,
         max_steps: int,
-        comm_marks: Callable[[], list[tuple[Mark, Mark]]] | None = None,
+        comm_marks: Callable[[], list] | None = None,
         flops_per_sample: float | None = None,
         peak_tflops: float | None = None,
         goodput: Goodput | None = None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mgpu.telemetry.lagged import HostCopy
+from mgpu.telemetry.stamps import StampRange
 
 Mark = torch.cuda.Event | float
 
@@ -144,7 +145,8 @@ class Interval:
     start: Mark
     end: Mark
     data_wait: WaitSample | None = None
-    comm: list[tuple[Mark, Mark]] | None = None  # per synchronised step: backward end, comm end
+    # per synchronised step: (backward end, comm end); replayed steps' in a StampRange
+    comm: list | None = None
     # per step: (data requested, data ready, backward done) per micro-step, then optimizer done
     marks: list[list[Mark]] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)  # Recorder.counters at the end
@@ -176,13 +178,14 @@ def breakdown(iv: Interval, clock: Clock) -> dict[str, float]:
         ms["exposed_comm"] = exposed_ms(iv.comm, clock)
         ms["compute"] -= ms["exposed_comm"]
     elif iv.comm is not None:
-        # A reducer that left no marks reduced inside replayed CUDA graphs (trainer.cuda_graphs
-        # =true under data parallelism), where no timed event can be recorded: its exposed share
-        # is in compute, unmeasured, and no figure is better than a zero.
+        # A reducer that left no marks reduced inside replayed CUDA graphs on a GPU that could
+        # not stamp them (mgpu.telemetry.stamps: no Triton): its exposed share is in compute,
+        # unmeasured, and no figure is better than a zero.
         del ms["exposed_comm"]
     return {k: v / iv.steps for k, v in ms.items()}
 
 
-def exposed_ms(marks: list[tuple[Mark, Mark]], clock: Clock) -> float:
-    """Total time the compute stream waited for gradient communication after backward."""
-    return sum(clock.elapsed_ms(start, end) for start, end in marks)
+def exposed_ms(marks: list[tuple[Mark, Mark] | StampRange], clock: Clock) -> float:
+    """Total time the compute stream waited for gradient communication after backward: timed
+    events per step launched from Python, the GPU's own stamps for replayed steps."""
+    return sum(m.total_ms() if isinstance(m, StampRange) else clock.elapsed_ms(*m) for m in marks)

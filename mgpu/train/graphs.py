@@ -324,6 +324,8 @@ class GraphedLoss:
                         torch.autograd.grad(loss, self.params, allow_unused=True)
             del loss
         torch.cuda.synchronize()
+        if self.reduces:  # its stamps' kernel is built now: recording must not compile one
+            self.model.reducer.stamp_replays()
         # thread_local: the loader's copy thread goes on issuing copies and allocations on its
         # own stream while this thread records; a process-wide ("global") capture would be
         # invalidated by them. Forward and backward share one memory pool, recorded in the
