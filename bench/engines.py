@@ -64,6 +64,7 @@ from mgpu.runtime.dist import distributed, exit_process  # noqa: E402
 from mgpu.runtime.launch import default_cuda_connections  # noqa: E402
 from mgpu.runtime.orphan import end_with_agent  # noqa: E402
 from mgpu.runtime.preempt import Preemption  # noqa: E402
+from mgpu.telemetry.stamps import StampRange  # noqa: E402
 from mgpu.train.numerics import set_math_modes  # noqa: E402
 from mgpu.train.trainer import Trainer  # noqa: E402
 
@@ -396,13 +397,21 @@ def timed(trainer: Trainer, batch, steps: int) -> tuple[float, float]:
 
 
 def exposed_ms(model) -> float | None:
+    """The reducer's exposed communication per synchronised step since the last call: timed
+    events of steps launched from Python (host times on a CPU), the GPU's own stamps of replayed
+    steps (a StampRange); None where no step left either."""
     if not isinstance(model, MgpuDataParallel):
         return None
-    marks = model.reducer.take_exposed()
-    if marks and isinstance(marks[0][0], float):  # host times on a CPU, in seconds
-        return sum(b - a for a, b in marks) * 1e3 / len(marks)
-    total = sum(a.elapsed_time(b) for a, b in marks)  # all events are complete here
-    return total / max(len(marks), 1)
+    total, steps = 0.0, 0
+    for mark in model.reducer.take_exposed():
+        if isinstance(mark, StampRange):
+            ms, n = mark.reading()
+            total, steps = total + ms, steps + n
+        elif isinstance(mark[0], float):  # host times, in seconds
+            total, steps = total + (mark[1] - mark[0]) * 1e3, steps + 1
+        else:  # CUDA events, all complete here
+            total, steps = total + mark[0].elapsed_time(mark[1]), steps + 1
+    return total / steps if steps else None
 
 
 def memory_mark() -> int:

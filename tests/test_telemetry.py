@@ -206,7 +206,10 @@ def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
         assert "memory/max_allocated_gib" in scalars and "throughput/mfu_pct" in scalars
     print(f"exposed comm ms/step: {exposed}")
     assert exposed["none"] > 2 * exposed["overlap"], exposed
-    assert exposed["replayed"] > 2 * exposed["overlap"], exposed  # measured, and not overlapped
+    # Measured, not overlapped: the same one bucket's all-reduce after backward as "none", timed
+    # by the GPU's stamps rather than by events
+    assert exposed["replayed"] > 2 * exposed["overlap"], exposed
+    assert 0.5 * exposed["none"] < exposed["replayed"] < 1.5 * exposed["none"], exposed
 
 
 def test_breakdown_leaves_exposed_comm_out_where_the_reducer_left_no_marks():
@@ -228,39 +231,34 @@ def test_breakdown_leaves_exposed_comm_out_where_the_reducer_left_no_marks():
     assert alone["exposed_comm"] == 0.0 and alone["compute"] == 8000.0
 
 
-def test_replayed_steps_stamps_are_summed_over_the_steps_since_the_last_reading():
-    """A snapshot of the GPU's stamps ([counter, ring of (begin, end) ns]) read on the host: the
-    steps since the previous reading, their spans summed; a ring overrun by more steps than it
+def test_replayed_steps_stamps_are_summed_over_the_steps_since_the_last_snapshot():
+    """A snapshot of the GPU's stamps ([previous snapshot's counter, counter, ring of (begin,
+    end) ns]) read on the host: its steps' spans summed; a ring overrun by more steps than it
     holds counts them at the mean of those it kept; breakdown takes the sum out of compute."""
-    from types import SimpleNamespace
-
     from mgpu.telemetry.lagged import HostCopy
     from mgpu.telemetry.stamps import StampRange, span_total_ms
     from mgpu.telemetry.timing import Clock, Interval, breakdown
 
-    def snapshot(count: int, spans_ns: dict[int, tuple[int, int]], size: int = 4):
+    def snapshot(since: int, count: int, spans_ns: dict[int, tuple[int, int]], size: int = 4):
         ring = torch.zeros(size, 2, dtype=torch.int64)
         for slot, pair in spans_ns.items():
             ring[slot] = torch.tensor(pair)
-        return torch.cat([torch.tensor([count]), ring.flatten()])
+        return torch.cat([torch.tensor([since, count]), ring.flatten()])
 
-    three = snapshot(3, {0: (0, 2_000_000), 1: (10, 1_000_010), 2: (5, 3_000_005)})
-    assert span_total_ms(three, 0) == (6.0, 3)
-    assert span_total_ms(three, 2) == (3.0, 1)  # only the step after the last reading
-    assert span_total_ms(three, 3) == (0.0, 0)
+    spans = {0: (0, 2_000_000), 1: (10, 1_000_010), 2: (5, 3_000_005)}
+    assert span_total_ms(snapshot(0, 3, spans)) == (6.0, 3)
+    assert span_total_ms(snapshot(2, 3, spans)) == (3.0, 1)  # only the step after the last
+    assert span_total_ms(snapshot(3, 3, spans)) == (0.0, 0)
     # 6 steps through a ring of 4: slots 2, 3, 0, 1 hold steps 2-5 (1, 1, 2, 4 ms), 2 are gone
     wrapped = {2: (0, 1_000_000), 3: (0, 1_000_000), 0: (0, 2_000_000), 1: (0, 4_000_000)}
-    assert span_total_ms(snapshot(6, wrapped), 0) == (12.0, 6)
+    assert span_total_ms(snapshot(0, 6, wrapped)) == (12.0, 6)
 
-    stamps = SimpleNamespace(read_upto=0)
-    first = StampRange(stamps, HostCopy(snapshot(2, {0: (0, 1_000_000), 1: (0, 1_000_000)})))
-    second = StampRange(stamps, HostCopy(three))
+    reading = StampRange(HostCopy(snapshot(0, 2, {0: (0, 1_000_000), 1: (0, 1_000_000)})))
     clock = Clock(torch.device("cpu"))
-    iv = Interval(1, 2, 0.1, None, 0.0, 22.0, comm=[first], marks=[[1.0, 2.0, 10.0, 11.0]] * 2)
+    marks = [[1.0, 2.0, 10.0, 11.0]] * 2
+    iv = Interval(1, 2, 0.1, None, 0.0, 22.0, comm=[reading], marks=marks)
     parts = breakdown(iv, clock)  # 2 steps, 2 ms exposed in all: 1 ms a step
-    assert parts["exposed_comm"] == 1.0 and stamps.read_upto == 2
-    assert second.total_ms() == 3.0 and second.total_ms() == 3.0  # read once, kept
-    assert stamps.read_upto == 3
+    assert parts["exposed_comm"] == 1.0 and reading.reading() == (2.0, 2)
 
 
 @pytest.mark.gpu
@@ -272,9 +270,12 @@ def test_gpu_stamps_recorded_in_a_graph_time_each_replay():
     device = torch.device("cuda", 0)
     stamps = GraphStamps(device)
     square = torch.randn(4096, 4096, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # cuBLAS sets up outside the capture, as torch asks
+        product = square @ square
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         with torch.cuda.graph(graph):
             stamps.begin()
@@ -288,6 +289,6 @@ def test_gpu_stamps_recorded_in_a_graph_time_each_replay():
     after.record()
     reading = stamps.snapshot()
     torch.cuda.synchronize()
-    stamped, timed = reading.total_ms(), before.elapsed_time(after)
-    assert stamps.read_upto == 5 and product.shape == square.shape
+    (stamped, steps), timed = reading.reading(), before.elapsed_time(after)
+    assert steps == 5 and product.shape == square.shape
     assert 0.5 * timed < stamped <= timed * 1.01, (stamped, timed)

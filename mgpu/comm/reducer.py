@@ -132,8 +132,8 @@ class GradReducer:
     def stamp_replays(self) -> None:
         """Before a capture records this reducer (mgpu.train.graphs): replays stamp backward's
         end and the end of its wait for the reductions by the GPU's clock, where it can."""
-        if self.stamps is None and stamps.available(self.rt.device):
-            self.stamps = stamps.GraphStamps(self.rt.device)
+        self.exposed.clear()  # the capture's warm-up steps, not the run's
+        self.stamps = self.stamps or stamps.build(self.rt.device)
 
     def remove(self) -> None:
         """Take this reducer off its parameters: no hook of it runs in a later backward. Before

@@ -14,9 +14,13 @@ that telemetry reports for steps launched from Python (mgpu.telemetry.timing).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from mgpu.telemetry.lagged import HostCopy
+
+log = logging.getLogger(__name__)
 
 RING = 4096  # steps kept: an interval of more replayed steps is measured by its last RING
 
@@ -55,19 +59,34 @@ def _stamp_kernel():
     return _KERNEL
 
 
+def build(device: torch.device) -> GraphStamps | None:
+    """The stamps, or None where the GPU cannot stamp (available) or their kernel cannot be
+    built here (a Triton that cannot compile: no C compiler, another GPU maker's build): said
+    once, and the replayed steps' exposed communication is then not measured (telemetry only;
+    the run goes on)."""
+    if not available(device):
+        return None
+    try:
+        return GraphStamps(device)
+    except Exception as err:
+        log.warning("telemetry: replayed steps' exposed communication not measured (%s)", err)
+        return None
+
+
 class GraphStamps:
     """Two stamps per replayed step, `begin` and `end`, each on the stream current where it is
     called (inside a capture: recorded into the graph); `end` moves to the next step's slot.
 
     Stream rules: the stamps and the counter's increment are queued on the compute stream of the
     step they time, in that order, so a step's slot is written before the counter moves on;
-    `snapshot` copies counter and ring behind the work queued so far on the current stream."""
+    `snapshot` copies counter and ring behind the work queued so far on the current stream, and
+    then, on the device in the same order, keeps the counter as the next snapshot's start."""
 
     def __init__(self, device: torch.device):
         self.ring = torch.zeros(RING, 2, dtype=torch.int64, device=device)
         self.count = torch.zeros(1, dtype=torch.int64, device=device)
+        self.since = torch.zeros(1, dtype=torch.int64, device=device)  # the last snapshot's count
         self.kernel = _stamp_kernel()
-        self.read_upto = 0  # the steps whose time an earlier snapshot's reading has counted
         # Both stamps built (one kernel each) and launched once now, outside any capture:
         # recording must not compile one.
         self._stamp(0)
@@ -75,7 +94,7 @@ class GraphStamps:
         self.ring.zero_()
 
     def _stamp(self, which: int) -> None:
-        self.kernel[(1,)](self.ring, self.count, which, RING)
+        self.kernel[(1,)](self.ring, self.count, which, RING, num_warps=1)
 
     def begin(self) -> None:
         self._stamp(0)
@@ -86,34 +105,37 @@ class GraphStamps:
         self.count.add_(1)
 
     def snapshot(self) -> StampRange:
-        """The stamps so far, on their way to the host (read them an interval later)."""
-        return StampRange(self, HostCopy(torch.cat([self.count, self.ring.flatten()])))
+        """The steps stamped since the last snapshot, on their way to the host (read them an
+        interval later): each snapshot holds its own range, read or not."""
+        data = torch.cat([self.since, self.count, self.ring.flatten()])
+        self.since.copy_(self.count)
+        return StampRange(HostCopy(data))
 
 
 class StampRange:
-    """A snapshot's reading: the replayed steps since the previous snapshot's, and their time.
-    Snapshots are read in the order they were taken (metrics publishes intervals in order)."""
+    """A snapshot's reading: the replayed steps since the previous snapshot, and their time."""
 
-    def __init__(self, stamps: GraphStamps, copy: HostCopy):
-        self.stamps = stamps
+    def __init__(self, copy: HostCopy):
         self.copy = copy
-        self.read: tuple[float, int] | None = None
+        self._read: tuple[float, int] | None = None
+
+    def reading(self) -> tuple[float, int]:
+        """(milliseconds between begin and end summed over the range's steps, its steps)."""
+        if self._read is None:
+            self._read = span_total_ms(self.copy.read())
+        return self._read
 
     def total_ms(self) -> float:
-        """Milliseconds between begin and end, summed over the steps since the last reading."""
-        if self.read is None:  # once: the reading moves the stamps' read_upto on
-            self.read = span_total_ms(self.copy.read(), self.stamps.read_upto)
-            self.stamps.read_upto += self.read[1]
-        return self.read[0]
+        return self.reading()[0]
 
 
-def span_total_ms(data: torch.Tensor, read_upto: int) -> tuple[float, int]:
-    """(milliseconds summed over the steps stamped since `read_upto`, how many steps) from a
-    snapshot's host copy: [counter, ring of RING (begin, end) pairs in ns]. Steps whose slots
-    the ring has since overwritten are counted at the mean of the RING kept."""
-    count = int(data[0])
-    ring = data[1:].view(-1, 2)
-    steps = count - read_upto
+def span_total_ms(data: torch.Tensor) -> tuple[float, int]:
+    """(milliseconds summed over a snapshot's steps, how many steps) from its host copy: [the
+    previous snapshot's counter, the counter, a ring of RING (begin, end) pairs in ns]. Steps
+    whose slots the ring has since overwritten are counted at the mean of the RING kept."""
+    since, count = int(data[0]), int(data[1])
+    ring = data[2:].view(-1, 2)
+    steps = count - since
     if steps <= 0:
         return 0.0, 0
     kept = min(steps, ring.shape[0])
