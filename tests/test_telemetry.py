@@ -171,8 +171,15 @@ def test_gpu_exposed_comm_grows_without_overlap(tmp_path):
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1",
     }
+    # Eager (no compile to wait for): the step stays GPU-bound, and the three runs start sooner
     base = ["model=gpt2_small", "data.seq_len=1024", "data.batch_size=16", "data.num_workers=4"]
-    base += ["trainer.max_steps=30", "trainer.log_every=10", "trainer.eval_every=0", "ckpt.every=0"]
+    base += [
+        "trainer.compile=false",
+        "trainer.max_steps=30",
+        "trainer.log_every=10",
+        "trainer.eval_every=0",
+        "ckpt.every=0",
+    ]
     exposed = {}
     # Launched from Python (timed events), then one bucket replayed as CUDA graphs (the default
     # where a step can be recorded), whose exposed share the GPU stamps itself.
