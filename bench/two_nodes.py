@@ -72,11 +72,17 @@ LOSS_WIRES = {
     "fp32": [],  # mgpu's reducer, fp32 on the wire (the default)
     "bf16": ["dist.reduce_dtype=bf16"],
     "ddp_fp32": ["dist.engine=torch_ddp"],  # torch DDP, fp32: PowerSGD's engine uncompressed
-    "powersgd": ["dist.engine=torch_ddp", "dist.compression=powersgd"],
+    "powersgd": ["dist.engine=torch_ddp", "dist.compression=powersgd"],  # rank 4, the default
+    "powersgd_r32": ["dist.engine=torch_ddp", "dist.compression=powersgd", "dist.powersgd_rank=32"],
 }
 # Each setting against the fp32 run of its own engine where it ran (only the wire differs),
 # else against the first setting run.
-LOSS_REFERENCE = {"bf16": "fp32", "powersgd": "ddp_fp32", "ddp_fp32": "fp32"}
+LOSS_REFERENCE = {
+    "bf16": "fp32",
+    "powersgd": "ddp_fp32",
+    "powersgd_r32": "ddp_fp32",
+    "ddp_fp32": "fp32",
+}
 # --quick: a narrow tiny GPT, short windows, no workers, no compile (a CPU run checks the path)
 QUICK_LOSS = ["model=gpt_tiny", "model.n_embd=32", "model.n_head=2", "data.seq_len=64"]
 QUICK_LOSS += ["data.batch_size=4", "data.eval_samples=16", "data.num_workers=0"]
