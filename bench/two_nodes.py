@@ -109,6 +109,17 @@ def node_env(index: int, per_node: int, wire: str, quick: bool) -> dict[str, str
     return env
 
 
+def socket_env(args) -> dict[str, str]:
+    """--socket-threads and --socks-per-thread as NCCL's socket transport settings (its threads
+    per connection, and sockets per thread: one each by default, which a fast link outruns)."""
+    env = {}
+    if args.socket_threads:
+        env["NCCL_SOCKET_NTHREADS"] = str(args.socket_threads)
+    if args.socks_per_thread:
+        env["NCCL_NSOCKS_PERTHREAD"] = str(args.socks_per_thread)
+    return env
+
+
 def two_nodes(program: list[str], per_node: int, wire: str, quick: bool, timeout_s: float,
               extra_env: dict[str, str] | None = None) -> tuple[int, str]:  # fmt: skip
     """Run `program` under two torchrun agents, one per node; (worst exit code, both outputs)."""
@@ -230,7 +241,8 @@ def probe(per_node: int, wire: str, args, tmp: Path) -> dict:
                str(args.probe_repeats), "--probe-mb", *map(str, sizes)]  # fmt: skip
     print(f"=== probe, wire {wire}: all_reduce across {NODES} nodes of {per_node}", flush=True)
     debug = {} if args.quick else {"NCCL_DEBUG": "INFO"}
-    code, output = two_nodes(program, per_node, wire, args.quick, args.job_timeout_s, debug)
+    env = {**socket_env(args), **debug}
+    code, output = two_nodes(program, per_node, wire, args.quick, args.job_timeout_s, env)
     if code != 0 or not out.exists():
         print(output[-5000:])
         return {"status": f"exit {code}"}
@@ -253,7 +265,9 @@ def engines_job(model: str, mode: str, per_node: int, wire: str, args, tmp: Path
         program.append("--quick")
     print(f"=== {model} {mode} on {NODES} nodes of {per_node}, wire {wire}", flush=True)
     before = set(tmp.glob("engines-*.json"))
-    code, output = two_nodes(program, per_node, wire, args.quick, args.job_timeout_s)
+    code, output = two_nodes(
+        program, per_node, wire, args.quick, args.job_timeout_s, socket_env(args)
+    )
     print(output[-4000:] if code != 0 else output[-1500:], flush=True)
     written = sorted(set(tmp.glob("engines-*.json")) - before)
     if code != 0 or not written:
@@ -286,7 +300,9 @@ def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
         overrides += QUICK_LOSS if args.quick else []
         print(f"=== {steps} steps of real text on {NODES} nodes of {per_node}, {name}", flush=True)
         program = [str(ROOT / "train.py"), *overrides]
-        code, output = two_nodes(program, per_node, wire, args.quick, args.loss_timeout_s)
+        code, output = two_nodes(
+            program, per_node, wire, args.quick, args.loss_timeout_s, socket_env(args)
+        )
         if code != 0:
             print(output[-4000:], flush=True)
             runs[name] = {"status": f"exit {code}", "overrides": overrides}
@@ -328,6 +344,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--probe-repeats", type=int, default=20)
+    parser.add_argument(
+        "--socket-threads",
+        type=int,
+        default=0,
+        help="NCCL_SOCKET_NTHREADS between the nodes, 1-16 (0: NCCL's own, 1)",
+    )
+    parser.add_argument(
+        "--socks-per-thread",
+        type=int,
+        default=0,
+        help="NCCL_NSOCKS_PERTHREAD (0: NCCL's own, 1); threads x sockets <= 64",
+    )
     parser.add_argument("--job-timeout-s", type=int, default=420)
     parser.add_argument(
         "--loss-steps",
@@ -356,6 +384,14 @@ def main() -> None:
     if args.probe_worker:
         probe_worker(args.probe_worker, args.probe_mb, args.probe_repeats)
         return
+    threads, socks = args.socket_threads, args.socks_per_thread
+    if not 0 <= threads <= 16:
+        parser.error(f"--socket-threads {threads}: NCCL takes 1 to 16 (0 leaves NCCL's own)")
+    if socks < 0 or max(threads, 1) * max(socks, 1) > 64:
+        parser.error(
+            f"--socks-per-thread {socks}: at least 1 (0 leaves NCCL's own), and threads x "
+            f"sockets at most 64 (NCCL's limit), here {max(threads, 1) * max(socks, 1)}"
+        )
     if args.quick:
         per_node, args.probe_repeats = 1, 3
     else:
@@ -404,8 +440,9 @@ def main() -> None:
         "nccl": meta.get("nccl"),
         "git_commit": meta.get("git_commit") or commit(),
         "env": meta.get("env", {}),
-        "wire": {"name": wire, "nodes": [
-            {**WIRES[wire], "NCCL_HOSTID": f"mgpu-two-nodes-{i}"} for i in range(NODES)
+        "wire": {"name": wire, "socket": socket_env(args), "nodes": [
+            {**WIRES[wire], **socket_env(args), "NCCL_HOSTID": f"mgpu-two-nodes-{i}"}
+            for i in range(NODES)
         ] if wire in WIRES else []},
         "bus_bandwidth_GBps": found["bus_bandwidth_GBps"],
         "transport": found["transport"],

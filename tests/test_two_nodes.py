@@ -238,7 +238,8 @@ def test_bench_two_nodes_quick_runs_and_records(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "two_nodes.py"), "--quick", "--models",
          "gpt2_small", "--modes", "eager", "--engines", "none", "mgpu", "--out", str(tmp_path),
-         "--loss-steps", "16", "--loss-wires", "ddp_fp32", "powersgd"],
+         "--loss-steps", "16", "--loss-wires", "ddp_fp32", "powersgd",
+         "--socket-threads", "2", "--socks-per-thread", "4"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -246,6 +247,8 @@ def test_bench_two_nodes_quick_runs_and_records(tmp_path):
     (written,) = tmp_path.glob("two-nodes-cpu-*.json")
     record = json.loads(written.read_text())
     assert (record["nodes"], record["per_node"], record["wire"]["name"]) == (2, 1, "gloo")
+    socket = {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "4"}
+    assert record["wire"]["socket"] == socket  # recorded (gloo on the CPU reads neither)
     assert set(record["bus_bandwidth_GBps"]) == {"1", "4"}
     assert all(v > 0 for v in record["bus_bandwidth_GBps"].values())
     assert record["efficiency"]["gpt2_small_eager_2x1_socket"] > 0
