@@ -191,6 +191,8 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     "mgpu_ctas2": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=2)),
     "mgpu_ctas4": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=4)),
     "mgpu_ctas8": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=8)),
+    # NCCL's kernels scheduled before backward's where both wait for SMs
+    "mgpu_nccl_priority": Lever(DistConfig(engine=Engine.mgpu, nccl_high_priority=True)),
     # BatchNorm statistics kept per rank: one collective less per step (ResNet-50), for both
     "mgpu_own_buffers": Lever(DistConfig(engine=Engine.mgpu, broadcast_buffers=False)),
     "torch_ddp_tuned_own_buffers": Lever(

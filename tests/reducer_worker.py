@@ -6,7 +6,8 @@ parameters and buffers.
 recorded inside (mgpu.train.graphs) against torch DDP uncaptured; "compiled": the GPT alone,
 compiled as train.py compiles it for that replay on several processes (whole, in torch's default
 mode: mgpu.run.build.compiled_for), replayed with the reduction inside against the same compiled
-model trained uncaptured (the reference sees the same kernels).
+model trained uncaptured (the reference sees the same kernels). "priority": the mgpu runs with
+dist.nccl_high_priority=true (NCCL and the reducer on high-priority streams).
 Used by test_reducer_gpu.py, also under TORCH_CUDA_SANITIZER=1."""
 
 import sys
@@ -37,6 +38,7 @@ RACE = "race" in sys.argv[2:]
 # "shard": the mgpu runs with dist.shard_optimizer=true (reduce-scatter, all-gather;
 # mgpu.comm.shard)
 SHARD = "shard" in sys.argv[2:]
+PRIORITY = "priority" in sys.argv[2:]
 
 
 def _finish_without_waiting(self) -> None:
@@ -70,13 +72,18 @@ def train(name: str, engine: Engine, rt, graphs: bool = False, compiled: bool = 
     model = model.to(rt.device)
     # tiny buckets: many buckets in flight at once, the hardest case for stream ordering
     shard = SHARD and engine is Engine.mgpu
-    dcfg = DistConfig(engine=engine, bucket_cap_mb=0.01, shard_optimizer=shard)
+    high = PRIORITY and engine is Engine.mgpu
+    dcfg = DistConfig(
+        engine=engine, bucket_cap_mb=0.01, shard_optimizer=shard, nccl_high_priority=high
+    )
     if compiled:  # as train.py compiles it for the captured step, in both runs
         replayed = TrainerConfig(precision=Precision.fp32, compile=True, cuda_graphs=True)
         model = compiled_for(replayed, dcfg, model, rt.device, rt.distributed)
     ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     model = wrap_model(model, dcfg, rt)
+    if high and rt.is_primary:  # the reducer's stream (NCCL's own streams cannot be read)
+        print(f"{name}: reducer stream priority={model.reducer.stream.priority}")
     if shard:
         optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
     schedule = build_schedule(ocfg, optimizer, STEPS)

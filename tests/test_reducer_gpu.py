@@ -40,19 +40,21 @@ def run_worker(
 
 @pytest.mark.parametrize(
     "extra",
-    [(), ("shard",), ("graphs",), ("compiled",)],
-    ids=["mgpu", "mgpu_sharded", "mgpu_graphs", "mgpu_compiled_graphs"],
+    [(), ("shard",), ("graphs",), ("compiled",), ("graphs", "priority")],
+    ids=["mgpu", "mgpu_sharded", "mgpu_graphs", "mgpu_compiled_graphs", "mgpu_graphs_priority"],
 )
 def test_mgpu_matches_torch_ddp_over_nccl(extra):
     """The captured variants (trainer.cuda_graphs=true) once printed equal parameters and then
     hung in the process group's teardown, while their graphs still held NCCL's communicator
     (mgpu.runtime.dist.release_before_leaving): their bound is short, so that such a hang fails
     the test in minutes."""
-    captured = extra in (("graphs",), ("compiled",))
+    captured = "graphs" in extra or "compiled" in extra
     proc = run_worker(20, {}, *extra, timeout=240 if captured else 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     if captured:  # the path under test did run
         assert "GraphedLoss reduces=True" in proc.stdout, proc.stdout
+    if "priority" in extra:  # dist.nccl_high_priority: the communicator made with it
+        assert "gpt: reducer stream priority=-1" in proc.stdout, proc.stdout
     diff, scale = map(
         float, re.search(r"max_abs_diff=(\S+) max_abs_param=(\S+)", proc.stdout).groups()
     )

@@ -35,7 +35,7 @@ import torch.distributed as tdist
 from torch import nn
 
 from mgpu.comm.buckets import Bucket, FlatBuffers, assign_buckets
-from mgpu.comm.groups import capped_group
+from mgpu.comm.groups import comm_group, comm_stream
 from mgpu.comm.shard import sharding
 from mgpu.config.schema import DistConfig, ReduceDtype
 from mgpu.runtime.dist import Runtime
@@ -59,8 +59,8 @@ class GradReducer:
         communicate: bool = True,
     ):
         """Keywords for measuring the reducer (bench/engines.py): `group` to reduce in (default:
-        dist.nccl_max_ctas's); `in_place=False` packs every bucket, one of a parameter too
-        (Bucket.own); `communicate=False` skips the all-reduce (wrong math: timing only)."""
+        mgpu.comm.groups.comm_group's); `in_place=False` packs every bucket, one of a parameter
+        too (Bucket.own); `communicate=False` skips the all-reduce (wrong math: timing only)."""
         self.rt, self.world = rt, rt.world_size
         self.find_unused = cfg.find_unused
         self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
@@ -76,10 +76,10 @@ class GradReducer:
         self.names = {id(p): n for n, p in module.named_parameters()}
         buffers = [b for b in module.buffers() if b.numel() > 0] if cfg.broadcast_buffers else []
         self.buffers = FlatBuffers(buffers)
-        self.cuda = rt.device.type == "cuda"  # one persistent stream: one per step would leak
-        self.stream = torch.cuda.Stream(device=rt.device) if self.cuda else None
+        self.cuda = rt.device.type == "cuda"
+        self.stream = comm_stream(rt, cfg)
         self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
-        self.group = group if group is not None else capped_group(rt, cfg.nccl_max_ctas)
+        self.group = group if group is not None else comm_group(rt, cfg)
         self.communicate = communicate
         self.sync_enabled = True
         self.step_done = True  # the last synchronised backward finished: next forward is new

@@ -263,6 +263,9 @@ class DistConfig:
     # mgpu: at most this many SMs for NCCL's kernels (on a communicator of mgpu's own), leaving
     # the rest to the backward kernels they overlap with; 0: NCCL's own choice
     nccl_max_ctas: int = 0
+    # mgpu: NCCL's kernels (and the reducer's stream) at high priority, on a communicator of
+    # mgpu's own: the GPU's scheduler gives the reductions SMs before backward's or the decode's
+    nccl_high_priority: bool = False
     ddp_bucket_view: bool = False  # torch_ddp: gradient_as_bucket_view
     ddp_static_graph: bool = False  # torch_ddp: static_graph
     # mgpu: ZeRO-1. Gradients reduce-scattered, each rank steps and keeps optimizer state for
@@ -286,6 +289,9 @@ class DistConfig:
         _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
         self.cpu_affinity = _auto_or_bool("dist.cpu_affinity", self.cpu_affinity)
         _non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
+        ok = not self.nccl_high_priority or self.engine is Engine.mgpu
+        why = f"sets mgpu's reducer only (dist.engine={self.engine.value}); set it false"
+        _require(ok, "dist.nccl_high_priority", self.nccl_high_priority, why)
         ok = not self.shard_optimizer or self.engine is Engine.mgpu
         why = f"needs dist.engine=mgpu (not {self.engine.value}); or set dist.shard_optimizer=false"
         _require(ok, "dist.shard_optimizer", self.shard_optimizer, why)
