@@ -21,7 +21,10 @@ Writes bench/results/scaling-<device>-<time>.json: the machine, versions and com
 rows (each engine's step times, peak memory, exposed communication), and two summaries keyed
 `<model>_<compiled|eager>_<gpus>`: "efficiency" (the one-GPU step over mgpu's step),
 "vs_ddp" (the faster torch DDP step over mgpu's step), both for mgpu's faster setting, which
-"engine" names. The file is written again after every job, so a run cut short keeps what it did;
+"engine" names. Jobs of half the machine's GPUs or fewer run side by side (2-GPU jobs two at a
+time on 4 GPUs, `--no-side-by-side` one at a time), each on GPUs and host cores of its own (each
+GPU's equal share of the cores); a job's record says which GPUs, how many cores, and which jobs
+ran beside it. The file is written again after every job, so a run cut short keeps what it did;
 a job cut short by its time limit, or failed, keeps the engines it finished (engines.py writes
 them after each one when it times them one at a time, as for XL) and names itself at the end.
 """
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -51,38 +55,116 @@ def gpu_count(quick: bool) -> int:
     return torch.cuda.device_count()
 
 
-def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], dict, str]:
-    """One torchrun of engines.py: its rows and metadata, and how it ended ('ok' or why not).
-    A job cut short keeps the engines it finished (XL's, timed one at a time)."""
-    xl = model == "gpt2_xl"
+@dataclass
+class Job:
+    """One torchrun of engines.py for one model, mode and GPU count, and, once started, where it
+    runs: its GPUs and the host cores that go with them."""
+
+    model: str
+    gpus: int
+    mode: str
+    key: str = ""
+    devices: list[int] = field(default_factory=list)
+    cores: list[int] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    began: float = 0.0
+    beside: set[str] = field(default_factory=set)  # keys of jobs that ran at the same time
+
+    def __post_init__(self) -> None:
+        xl = self.model == "gpt2_xl"
+        self.key = f"{self.model}_{self.gpus}" if xl else f"{self.model}_{self.mode}_{self.gpus}"
+
+    @property
+    def tag(self) -> str:
+        return f"{self.model}-{self.mode}-x{self.gpus}"
+
+
+def order(jobs: list[Job]) -> list[Job]:
+    """The order jobs start in: fewer GPUs first (jobs that can share the machine side by side
+    start together, the machine-wide ones after), the longest first within a GPU count (GPT-2
+    XL, then compiled jobs, whose compiling is most of their wall), so that the side-by-side
+    jobs end at about the same time."""
+    length = {"gpt2_xl": 0}
+    return sorted(jobs, key=lambda j: (j.gpus, length.get(j.model, 1), j.mode != "compiled"))
+
+
+def place(free: list[int], gpus: int) -> list[int] | None:
+    """`gpus` of the free GPUs, an aligned block of them (GPUs 0-1 or 2-3 for 2 of 4, which
+    on a server share a switch or a socket more often than 1-2 do), or None."""
+    for first in range(0, max(free, default=-1) + 1, gpus):
+        block = list(range(first, first + gpus))
+        if all(d in free for d in block):
+            return block
+    return None
+
+
+def cores_of(devices: list[int], machine_gpus: int, cpus: list[int]) -> list[int]:
+    """The host cores that go with `devices`: each GPU's equal share of the cores this process
+    may use, so that jobs side by side do not take each other's (compiling is CPU-bound)."""
+    share = max(1, len(cpus) // machine_gpus)
+    return [c for d in devices for c in cpus[d * share : (d + 1) * share]] or cpus
+
+
+def command(job: Job, args, out: Path) -> list[str]:
+    xl = job.model == "gpt2_xl"
     names = args.xl_engines if xl else ENGINES
-    tag = f"{model}-{mode}-x{gpus}"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={gpus}", str(HERE / "engines.py"),
-        "--models", model, "--engines", *names,
+        f"--nproc_per_node={job.gpus}", str(HERE / "engines.py"),
+        "--models", job.model, "--engines", *names,
         "--steps", str(args.xl_steps if xl else args.steps), "--rounds", str(args.rounds),
-        "--warmup", str(args.warmup), "--out", str(out), "--tag", tag,
+        "--warmup", str(args.warmup), "--out", str(out), "--tag", job.tag,
     ]  # fmt: skip
-    if mode == "compiled":
+    if job.mode == "compiled":
         cmd.append("--compile")
     if xl:
         cmd += ["--accum", str(args.xl_accum), "--one-at-a-time"]
     if args.quick:
         cmd.append("--quick")
+    return cmd
+
+
+def start(job: Job, args, out: Path) -> None:
+    """Starts the job's torchrun on its GPUs, its processes bound to its cores."""
     env = dict(os.environ)
     if not args.quick:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(gpus)))
-    print(f"=== {model} {mode} on {gpus} GPU(s): {' '.join(cmd[2:])}", flush=True)
-    before = set(out.glob(f"engines-{tag}-2*.json"))
-    limit = args.xl_job_timeout_s if xl else args.job_timeout_s
-    status = run_job(cmd, env, limit)
-    written = sorted(set(out.glob(f"engines-{tag}-2*.json")) - before)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, job.devices))
+    cmd = command(job, args, out)
+    where = f"GPUs {job.devices}, {len(job.cores)} cores" if not args.quick else "CPU"
+    print(f"=== {job.key} ({where}): {' '.join(cmd[2:])}", flush=True)
+    cores = set(job.cores)
+    job.began = time.time()
+    job.proc = subprocess.Popen(cmd, env=env, text=True, preexec_fn=lambda: bind(cores))
+
+
+def bind(cores: set[int]) -> None:
+    """In the job's torchrun before it starts: its workers inherit the cores."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+def stop(job: Job, limit: float) -> str:
+    """Past its limit the job's torchrun is asked to end (SIGTERM: it stops its workers, which
+    also end with it, engines.py's end_with_agent), then killed; the next job must not share
+    the GPUs with this one's workers."""
+    job.proc.terminate()
+    try:
+        job.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        job.proc.kill()
+        job.proc.wait()
+    return f"timed out after {limit} s"
+
+
+def collect(job: Job, status: int | str, out: Path) -> tuple[list[dict], dict, str]:
+    """The ended job's rows and metadata, and how it ended ('ok' or why not). A job cut short
+    keeps the engines it finished (XL's, timed one at a time)."""
+    written = sorted(out.glob(f"engines-{job.tag}-2*.json"))
     if written:  # the whole job's record, whatever its teardown did after writing it
         data = json.loads(written[-1].read_text())
         return data.pop("rows"), data, "ok" if status == 0 else f"ok, then exit {status}"
     status = status if isinstance(status, str) else f"exit {status}"
-    partial = out / f"engines-{tag}-partial.json"
+    partial = out / f"engines-{job.tag}-partial.json"
     try:
         data = json.loads(partial.read_text())
     except (OSError, ValueError):  # none written, or not whole
@@ -92,21 +174,37 @@ def job(model: str, gpus: int, mode: str, args, out: Path) -> tuple[list[dict], 
     return rows, data, f"{status}; kept the engines it finished: {[r['engine'] for r in rows]}"
 
 
-def run_job(cmd: list[str], env: dict, limit: float) -> int | str:
-    """The job's exit code, or why it was stopped: past `limit` seconds torchrun is asked to end
-    (SIGTERM: it stops its workers, which also end with it, engines.py's end_with_agent), then
-    killed; the next job must not share the GPUs with this one's workers."""
-    proc = subprocess.Popen(cmd, env=env, text=True)
-    try:
-        return proc.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        return f"timed out after {limit} s"
+def run_all(jobs: list[Job], args, machine_gpus: int, out: Path, done) -> None:  # noqa: ANN001
+    """Runs the jobs, side by side where their GPUs leave room (`--side-by-side`), in `order`;
+    `done(job, rows, meta, status)` as each ends."""
+    pending, running = order(jobs), []
+    free = list(range(machine_gpus))
+    cpus = sorted(os.sched_getaffinity(0))
+    while pending or running:
+        while pending and (args.side_by_side or not running):
+            devices = place(free, pending[0].gpus)
+            if devices is None:  # in order: the machine-wide jobs wait for the machine
+                break
+            job = pending.pop(0)
+            job.devices, job.cores = devices, cores_of(devices, machine_gpus, cpus)
+            free = [d for d in free if d not in devices]
+            for other in running:
+                job.beside.add(other.key)
+                other.beside.add(job.key)
+            start(job, args, out)
+            running.append(job)
+        time.sleep(0.5)
+        for job in list(running):
+            xl = job.model == "gpt2_xl"
+            limit = args.xl_job_timeout_s if xl else args.job_timeout_s
+            status = job.proc.poll()
+            if status is None and time.time() - job.began > limit:
+                status = stop(job, limit)
+            if status is None:
+                continue
+            running.remove(job)
+            free = sorted(free + job.devices)
+            done(job, *collect(job, status, out))
 
 
 def summarize(rows: list[dict], key: str, summary: dict) -> None:
@@ -140,6 +238,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--job-timeout-s", type=int, default=300)
+    parser.add_argument(
+        "--side-by-side",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="jobs that leave room (2 GPUs of 4) run at the same time on GPUs and cores of "
+        "their own; --no-side-by-side runs one job at a time",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny models on the CPU (gloo)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
@@ -152,26 +257,31 @@ def main() -> None:
         parser.error(f"--gpus {too_many}: between 2 and the {available} GPUs this machine has")
     # GPT-2 XL (its experiment) is compiled: one job a GPU count, whatever --modes
     jobs = [
-        (m, n, mode)
+        Job(m, n, mode)
         for m in args.models
         for mode in (args.modes if m != "gpt2_xl" else ["compiled"])
         for n in counts
     ]
     if args.xl and "gpt2_xl" not in args.models:
-        jobs += [("gpt2_xl", n, "compiled") for n in counts]
+        jobs += [Job("gpt2_xl", n, "compiled") for n in counts]
     summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}}
     results, meta, started = [], {}, time.time()
     stamp, path = time.strftime("%Y%m%d-%H%M%S"), None
+
+    def done(job: Job, rows: list[dict], job_meta: dict, status: str) -> None:
+        nonlocal meta, path
+        meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
+        results.append({
+            "key": job.key, "status": status, "wall_s": round(time.time() - job.began, 1),
+            "gpus_used": job.devices, "cores": len(job.cores), "beside": sorted(job.beside),
+            **job_meta, "rows": rows,
+        })  # fmt: skip
+        summarize(rows, job.key, summary)
+        path = write(args, meta, summary, results, started, available, stamp, path)
+        print(f"--- {job.key}: {status} in {results[-1]['wall_s']} s", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
-        for model, gpus, mode in jobs:
-            began = time.time()
-            rows, job_meta, status = job(model, gpus, mode, args, Path(tmp))
-            key = f"{model}_{gpus}" if model == "gpt2_xl" else f"{model}_{mode}_{gpus}"
-            meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
-            wall = round(time.time() - began, 1)
-            results.append({"key": key, "status": status, "wall_s": wall, **job_meta, "rows": rows})
-            summarize(rows, key, summary)
-            path = write(args, meta, summary, results, started, available, stamp, path)
+        run_all(jobs, args, available, Path(tmp), done)
     print(f"\n{'key':<28} {'efficiency':>10} {'vs ddp':>7} {'mgpu engine':>12}  status")
     for r in results:
         k = r["key"]

@@ -1,6 +1,7 @@
 """The benchmark scripts that can run on a CPU still run and write their results file: they are
 not tests, but a refactor that breaks one should not wait for a GPU machine to show it."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -354,3 +355,31 @@ def test_every_benchmark_has_one_readme_row_and_a_help():
             ok = "__main__" not in source or "ArgumentParser(" in source
         no_help += [] if ok else [name]
     assert not no_help
+
+
+def test_scaling_plans_side_by_side_jobs_on_gpus_and_cores_of_their_own():
+    """On a 4-GPU machine, 2-GPU jobs start first, the longest first (XL, then compiled), two at
+    a time on aligned GPU pairs with each pair's share of the host's cores; 4-GPU jobs wait for
+    the whole machine."""
+    spec = importlib.util.spec_from_file_location("scaling", ROOT / "bench" / "scaling.py")
+    scaling = importlib.util.module_from_spec(spec)
+    sys.modules["scaling"] = scaling  # its dataclasses look their module up
+    spec.loader.exec_module(scaling)
+    jobs = [scaling.Job(m, n, mode) for m in ("gpt2_small", "resnet50") for mode in
+            ("compiled", "eager") for n in (2, 4)] + [scaling.Job("gpt2_xl", n, "compiled")
+                                                      for n in (2, 4)]  # fmt: skip
+    keys = [j.key for j in scaling.order(jobs)]
+    assert keys[:5] == [
+        "gpt2_xl_2", "gpt2_small_compiled_2", "resnet50_compiled_2",
+        "gpt2_small_eager_2", "resnet50_eager_2",
+    ]  # fmt: skip
+    assert keys[5] == "gpt2_xl_4" and len(keys) == 10
+    assert scaling.place([0, 1, 2, 3], 2) == [0, 1]
+    assert scaling.place([2, 3], 2) == [2, 3]
+    assert scaling.place([1, 2], 2) is None  # not aligned: GPUs 1-2 are left for later
+    assert scaling.place([0, 1, 2], 4) is None
+    assert scaling.place([0, 1, 2, 3], 4) == [0, 1, 2, 3]
+    cpus = list(range(64))
+    assert scaling.cores_of([2, 3], 4, cpus) == list(range(32, 64))
+    assert scaling.cores_of([0, 1, 2, 3], 4, cpus) == cpus
+    assert scaling.cores_of([2, 3], 4, [0, 1]) == [0, 1]  # fewer cores than GPUs: all of them
