@@ -6,7 +6,8 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -84,6 +85,14 @@ def run_train(
     return subprocess.run(
         command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def together(*runs: Callable[[], subprocess.CompletedProcess]) -> list:
+    """Runs that do not depend on each other (a reference run and its faulty twin), started at
+    once and awaited: on a GPU machine the slowest GPU tests are pairs of such runs, each mostly
+    start-up and compiling. Their results in the order given."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return [f.result() for f in [pool.submit(run) for run in runs]]
 
 
 def said_lines(proc) -> list[str]:

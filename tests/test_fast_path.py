@@ -268,7 +268,7 @@ def test_default_compiled_run_on_a_gpu_trains_like_eager_and_resumes(tmp_path):
     """train.py's defaults on one GPU: compile on (the ResNet whole, replayed as CUDA graphs; the
     loss its own region), TF32 and cuDNN autotuning, auto workers. It trains as the eager run
     does, evaluates, checkpoints, and a second launch resumes from its checkpoint."""
-    from conftest import read_scalars, run_train
+    from conftest import read_scalars, run_train, together
 
     base = [
         "model=resnet_tiny",
@@ -280,12 +280,17 @@ def test_default_compiled_run_on_a_gpu_trains_like_eager_and_resumes(tmp_path):
         "ckpt.every=20",
         "data.eval_samples=256",
     ]
+    runs = {"compiled": [], "eager": ["trainer.compile=false"]}
+
+    def launch(name: str):
+        args = [*base, *runs[name], f"hydra.run.dir={tmp_path / name}"]
+        return lambda: run_train(args, cwd=tmp_path, nproc=None)
+
     losses = {}
-    for name, extra in {"compiled": [], "eager": ["trainer.compile=false"]}.items():
-        run_dir = tmp_path / name
-        proc = run_train([*base, *extra, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    # the eager run trains while the other compiles, on the same GPU
+    for name, proc in zip(runs, together(*map(launch, runs)), strict=True):
         assert proc.returncode == 0, proc.stderr[-3000:]
-        losses[name] = [v for _, v in read_scalars(run_dir)["eval/loss"]]
+        losses[name] = [v for _, v in read_scalars(tmp_path / name)["eval/loss"]]
     assert losses["compiled"][-1] < losses["compiled"][0]  # it learns
     # bf16 kernels differ between the compiled and eager steps: close, not equal
     assert losses["compiled"][-1] == pytest.approx(losses["eager"][-1], rel=0.1), losses
