@@ -42,6 +42,11 @@ GPUS_PER_NODE = 8
 # figures (2 x H200...)"): MB -> GB/s; log-interpolated, held flat outside.
 NVLINK_BUSBW = ((16, 222.0), (64, 270.0), (256, 300.0), (1024, 330.0))
 SLOW_BUSBW = 27.0  # same with NCCL_P2P_DISABLE=1, "about 27 GB/s from 16 MB up" (GPU.md)
+# The two-node stand-in (bench/two_nodes.py: two torchrun agents of 2 H200s, NCCL sockets over
+# loopback between them, NVLink within): the 4-rank all_reduce's bus bandwidth, MB -> GB/s,
+# measured (bench/results/two-nodes-NVIDIA_H200-20261127-080711.json). The socket bounds the
+# ring, so this one table stands for both levels.
+SOCKET_2X2_BUSBW = ((16, 4.77), (64, 4.30), (256, 4.34))
 
 
 @dataclass(frozen=True)
@@ -78,9 +83,9 @@ class Setting:
     shard: bool = False  # dist.shard_optimizer: reduce-scatter + an all-gather not overlapped
 
 
-def nvlink_busbw(mb: float) -> float:
-    """GB/s at a message of `mb` MB, log-interpolated in the measured 2-GPU figures."""
-    pts = NVLINK_BUSBW
+def nvlink_busbw(mb: float, pts: tuple = NVLINK_BUSBW) -> float:
+    """GB/s at a message of `mb` MB, log-interpolated in measured figures (the 2-GPU NVLink
+    ones unless `pts` is given)."""
     if mb <= pts[0][0]:
         return pts[0][1]
     for (m0, b0), (m1, b1) in zip(pts, pts[1:], strict=False):
@@ -95,7 +100,12 @@ def allreduce_ms(
     """One ring all-reduce of `nbytes` on `n_gpus` spread over `nodes` (link: Gb/s per GPU)."""
     if n_gpus <= 1:
         return 0.0
-    busbw = SLOW_BUSBW if intra == "slow" else nvlink_busbw(nbytes / 1e6)
+    if intra == "slow":
+        busbw = SLOW_BUSBW
+    elif intra == "socket2x2":
+        busbw = nvlink_busbw(nbytes / 1e6, SOCKET_2X2_BUSBW)
+    else:
+        busbw = nvlink_busbw(nbytes / 1e6)
     if nodes > 1:
         busbw = min(busbw, GPUS_PER_NODE * link_gbps / 8 * LINK_EFFICIENCY)
     alpha = ALPHA_MS + ALPHA_HOP_MS * 2 * math.log2(nodes)
@@ -201,6 +211,8 @@ BLOCKS = 34.59 / 32.10
 GRAPHS = "the multi-GPU step drops the one-GPU CUDA graphs (launch-bound), not modelled"
 WHOLE = "compiled whole on N GPUs: gradients complete at backward's end, no overlap"
 BF16, NO_OVERLAP = Setting(wire_bytes=2), Setting(overlap=False)
+TN = "bench/results/two-nodes-NVIDIA_H200-20261127-080711.json: 2 agents x 2 H200, eager"
+SOCK = "socket2x2"
 POINTS = [
     Point("2gpu_gpt2_small_eager_graphs", "gpt2_small", 2, 37.70, (0.939, 0.939), R2, fit=True),
     Point("2gpu_resnet50_eager_graphs", "resnet50", 2, 28.89, (0.975, 0.975), R2, fit=True),
@@ -354,6 +366,60 @@ POINTS = [
     ),
     Point("4gpu_resnet50_eager", "resnet50", 4, 28.7, (0.80, 0.83), I39, note=GRAPHS),
     Point("4gpu_gpt2_xl", "gpt2_xl", 4, 2424.0, (0.941, 0.941), I39),
+    Point(
+        "4gpu_gpt2_xl_accum4_whole_100mb_again",
+        "gpt2_xl",
+        4,
+        1271.3,
+        (0.984, 0.984),
+        "bench/README.md, 4 H200, scaling.py --xl at fa29565 (its log)",
+        setting=Setting(accum=4, overlap=False, bucket_mb=100.0),
+        note=WHOLE,
+    ),
+    Point(
+        "4gpu_gpt2_small_compiled_whole",
+        "gpt2_small",
+        4,
+        32.15,
+        (0.914, 0.914),
+        "bench/results/engines-x4-prio-gpt2c-20261127-193038.json, 4 H200",
+        setting=Setting(overlap=False, bucket_mb=100.0),
+        note=WHOLE,
+    ),
+    Point(
+        "4gpu_resnet50_compiled_whole",
+        "resnet50",
+        4,
+        20.28,
+        (0.955, 0.955),
+        "bench/results/engines-x4-prio-r50c-20261127-193256.json, 4 H200",
+        setting=Setting(overlap=False, bucket_mb=100.0),
+        note=WHOLE,
+    ),
+    Point("2x2_socket_gpt2_small_ddp", "gpt2_small", 4, 36.46, (0.218, 0.218), TN, intra=SOCK),
+    Point("2x2_socket_resnet50_ddp", "resnet50", 4, 28.96, (0.616, 0.616), TN, intra=SOCK),
+    Point(
+        "2x2_socket_gpt2_small_mgpu_100mb",
+        "gpt2_small",
+        4,
+        36.46,
+        (0.174, 0.174),
+        TN,
+        setting=Setting(bucket_mb=100.0),
+        intra=SOCK,
+        note="mgpu's captured eager step, 100 MB buckets (auto's size across nodes is 25 MB now)",
+    ),
+    Point(
+        "2x2_socket_resnet50_mgpu_100mb",
+        "resnet50",
+        4,
+        28.96,
+        (0.470, 0.470),
+        TN,
+        setting=Setting(bucket_mb=100.0),
+        intra=SOCK,
+        note="as above",
+    ),
     Point("4gpu_slow_gpt2_small", "gpt2_small", 4, 45.65, (0.765, 0.766), SL, intra="slow"),
     Point(
         "4gpu_slow_gpt2_small_bf16",
@@ -505,8 +571,9 @@ def print_check(rows: list[dict], k: float) -> None:
         err = 100 * r["error"]
         print(f"{r['key']:40s} {meas:>11s} {r['predicted']:6.3f} {err:+6.1f}%{fit}{flag}")
         print(f"    {r['source']}{note}")
-    print("No measured point crosses a network link yet (no GPU job has run on 2 nodes): the")
-    print("projections to 2-64 nodes rest on the assumed NIC efficiency and per-GPU NICs.")
+    print("The 2x2_socket points crossed a link between two torchrun agents: NCCL sockets over")
+    print("one host's loopback (4.3-4.8 GB/s), not a network; the projections to 2-64 nodes rest")
+    print("on the assumed NIC efficiency and per-GPU NICs.")
 
 
 def git_commit() -> str:
@@ -582,7 +649,8 @@ def main() -> None:
         "models": {m: asdict(v) for m, v in MODELS.items()},
         "table": rows,
         "check": checked,
-        "measured_across_nodes": None,
+        # the points that crossed a link between torchrun agents: the stand-in's sockets
+        "measured_across_nodes": [r for r in checked if r["key"].startswith("2x2_socket")],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"scaling_model-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"

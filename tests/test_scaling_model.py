@@ -64,6 +64,11 @@ def test_a_measured_point_is_predicted_by_the_formula():
     # the NVLink curve passes through its measured figures
     assert sm.nvlink_busbw(64) == 270.0 and sm.nvlink_busbw(1024) == 330.0
     assert 222.0 < sm.nvlink_busbw(25) < 270.0
+    # the two-node stand-in: its socket bounds the 4-rank ring at every size
+    (q,) = [p for p in sm.POINTS if p.key == "2x2_socket_resnet50_ddp"]
+    assert sm.allreduce_ms(64e6, 4, 1, None, q.intra) == pytest.approx(
+        sm.ALPHA_MS + 1.5 * 64e6 / 4.30e9 * 1e3
+    )
 
 
 def test_the_fitted_slowdown_is_least_squares_over_the_fit_points():
@@ -102,5 +107,9 @@ def test_help_and_a_run_that_writes_its_json(tmp_path):
     result = json.loads(written.read_text())
     assert {r["nodes"] for r in result["table"]} == {1, 8}
     assert len(result["table"]) == 3 * 3 * 2 and result["check"]
-    assert result["measured_across_nodes"] is None
+    across = result["measured_across_nodes"]
+    assert {r["key"] for r in across} == {
+        "2x2_socket_gpt2_small_ddp", "2x2_socket_resnet50_ddp",
+        "2x2_socket_gpt2_small_mgpu_100mb", "2x2_socket_resnet50_mgpu_100mb",
+    }  # fmt: skip
     assert "Predicted against measured" in proc.stdout
