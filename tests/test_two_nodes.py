@@ -171,10 +171,9 @@ GPU_RUN = [*RUN, "model.attention=math", "trainer.deterministic=true"]
 GPU_RUN.append("trainer.cudnn_benchmark=false")
 
 
-def gpu_nodes(tmp: Path) -> tuple[int, list[dict], Path]:
+def gpu_nodes() -> tuple[int, list[dict]]:
     """2 nodes of 2 GPUs (of 1 on a machine of 2 or 3), each its own host to NCCL (sockets
-    between the nodes): GPUs per node, each node's environment, and the uninterrupted run's
-    directory (both nodes, the same command)."""
+    between the nodes): GPUs per node, and each node's environment."""
     per = min(2, torch.cuda.device_count() // 2)  # GPUs (ranks) per node
     # Each node's share of the GPUs this process sees (a pytest worker may see only some)
     seen = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
@@ -184,18 +183,28 @@ def gpu_nodes(tmp: Path) -> tuple[int, list[dict], Path]:
         {**NCCL_ENV, "NPROC_PER_NODE": str(per), "CUDA_VISIBLE_DEVICES": g, "NCCL_HOSTID": host}
         for g, host in zip(gpus, ("mgpu-node0", "mgpu-node1"), strict=True)
     ]
+    return per, envs
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(tmp_path_factory) -> Path:
+    """The uninterrupted run over gpu_nodes (both nodes, the same command), once for the file's
+    GPU tests: each compares its faulty run with it."""
+    tmp = tmp_path_factory.mktemp("gpu_reference")
     reference = tmp / "reference"
     never = faulty("kill_job", rank=-1, step=1, marker=tmp / "unused")
-    both_nodes(tmp, [*GPU_RUN, *never, f"hydra.run.dir={reference}"], envs)
-    return per, envs, reference
+    both_nodes(tmp, [*GPU_RUN, *never, f"hydra.run.dir={reference}"], gpu_nodes()[1])
+    return reference
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tmp_path):
+def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(
+    tmp_path, gpu_reference
+):
     """Over NCCL (gpu_nodes), node 1 (its ranks the higher) lost at KILL_AT; then both
     relaunched, against an uninterrupted run."""
-    per, envs, reference = gpu_nodes(tmp_path)
+    (per, envs), reference = gpu_nodes(), gpu_reference
     marker = tmp_path / "lost"
     args = [*GPU_RUN, *faulty("kill_job", rank=per, step=KILL_AT, marker=marker)]
     args.append(f"dist.timeout_s={TIMEOUT_S}")
@@ -210,12 +219,12 @@ def test_on_gpus_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes(tm
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_on_gpus_an_elastic_run_goes_on_with_the_node_left(tmp_path):
+def test_on_gpus_an_elastic_run_goes_on_with_the_node_left(tmp_path, gpu_reference):
     """Over NCCL (gpu_nodes), launched elastic (--nnodes=1:2, one restart): node 1 lost at
     KILL_AT, node 0's agent starts its workers again alone, and they resume from step 10's
     checkpoint, saved by both nodes' ranks, and finish; steps 1-10 are the uninterrupted run's,
     and every step is logged once (docs/checkpoints.md: another number of processes)."""
-    per, envs, reference = gpu_nodes(tmp_path)
+    (per, envs), reference = gpu_nodes(), gpu_reference
     marker = tmp_path / "lost"
     args = [*GPU_RUN, *faulty("kill_job", rank=per, step=KILL_AT, marker=marker)]
     args.append(f"dist.timeout_s={TIMEOUT_S}")
