@@ -23,7 +23,8 @@ the held-out loss each reaches, against the fp32 wire's.
 
 Writes bench/results/two-nodes-<device>-<time>.json: bench/scaling.py's record (machine,
 versions, commit, every job's rows, "efficiency", "vs_ddp" and "engine" keyed
-`<model>_<compiled|eager>_<nodes>x<per node>_socket`), "by_engine" (under the same keys, each
+`<model>_<compiled|eager>_<nodes>x<per node>_socket`, then `_accum<N>` for a job of --accum N
+micro-batches a step), "by_engine" (under the same keys, each
 engine's efficiency: the wire settings of WIRE_ENGINES side by side), "wire" (the NCCL
 settings of both nodes), "bus_bandwidth_GBps" by message size and "transport" (what NCCL chose,
 by pair kind).
@@ -251,19 +252,25 @@ def probe(per_node: int, wire: str, args, tmp: Path) -> dict:
     return {"status": "ok", "wire": wire, "transport": seen, **found}
 
 
-def engines_job(model: str, mode: str, per_node: int, wire: str, args, tmp: Path):
+def job_key(model: str, mode: str, per_node: int, accum: int) -> str:
+    """`<model>_<mode>_2x<per node>_socket`, `_accum<N>` after it for N micro-batches a step."""
+    return f"{model}_{mode}_{NODES}x{per_node}_socket" + (f"_accum{accum}" if accum > 1 else "")
+
+
+def engines_job(model: str, mode: str, per_node: int, wire: str, accum: int, args, tmp: Path):
     """One 2-node job of bench/engines.py: its rows and metadata, and 'ok' or why not."""
     names = args.engines or WIRE_ENGINES
+    tag = job_key(model, mode, per_node, accum).replace("_", "-")
     program = [
         str(HERE / "engines.py"), "--models", model, "--engines", *names,
         "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-        "--out", str(tmp), "--tag", f"{model}-{mode}-{NODES}x{per_node}-socket",
+        "--out", str(tmp), "--tag", tag, "--accum", str(accum),
     ]  # fmt: skip
     if mode == "compiled":
         program.append("--compile")
     if args.quick:
         program.append("--quick")
-    print(f"=== {model} {mode} on {NODES} nodes of {per_node}, wire {wire}", flush=True)
+    print(f"=== {model} {mode} x{accum} on {NODES} nodes of {per_node}, wire {wire}", flush=True)
     before = set(tmp.glob("engines-*.json"))
     code, output = two_nodes(
         program, per_node, wire, args.quick, args.job_timeout_s, socket_env(args)
@@ -341,6 +348,10 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, help="GPUs in all, half a node (default: all)")
     parser.add_argument("--engines", nargs="+", help="bench/engines.py's (default: WIRE_ENGINES)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--accum", type=int, nargs="+", default=[1],
+        help="micro-batches a step, a job for each (trainer.grad_accum_steps; keys _accum<N>)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--probe-repeats", type=int, default=20)
@@ -415,17 +426,17 @@ def main() -> None:
             sys.exit(f"the probe failed ({found['status']}); its output is above")
         summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}, "by_engine": {}}
         results, meta = [], {}
-        for model in args.models:
-            for mode in args.modes:
-                rows, job_meta, status = engines_job(model, mode, per_node, wire, args, tmp)
-                key = f"{model}_{mode}_{NODES}x{per_node}_socket"
-                meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
-                results.append({"key": key, "status": status, **job_meta, "rows": rows})
-                summarize(rows, key, summary)
-                steps = {r["engine"]: r["step_ms"] for r in rows}
-                if "none" in steps:  # each wire setting's own efficiency
-                    alone = steps.pop("none")
-                    summary["by_engine"][key] = {e: round(alone / ms, 4) for e, ms in steps.items()}
+        jobs = [(m, mode, a) for m in args.models for mode in args.modes for a in args.accum]
+        for model, mode, accum in jobs:
+            rows, job_meta, status = engines_job(model, mode, per_node, wire, accum, args, tmp)
+            key = job_key(model, mode, per_node, accum)
+            meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
+            results.append({"key": key, "status": status, **job_meta, "rows": rows})
+            summarize(rows, key, summary)
+            steps = {r["engine"]: r["step_ms"] for r in rows}
+            if "none" in steps:  # each wire setting's own efficiency
+                alone = steps.pop("none")
+                summary["by_engine"][key] = {e: round(alone / ms, 4) for e, ms in steps.items()}
         losses = loss_runs(per_node, wire, args, tmp) if args.loss_steps else None
     device = str(meta.get("device", found.get("device", "cpu"))).replace(" ", "_")
     record = {

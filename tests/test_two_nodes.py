@@ -242,13 +242,14 @@ def test_on_gpus_an_elastic_run_goes_on_with_the_node_left(tmp_path, gpu_referen
 
 
 def test_bench_two_nodes_quick_runs_and_records(tmp_path):
-    """bench/two_nodes.py --quick: the probe, one engines job, and train.py on real text with
-    torch DDP's fp32 wire and PowerSGD (from step 10 of 16) over 2 agents, on the CPU."""
+    """bench/two_nodes.py --quick: the probe, one engines job of 2 micro-batches a step, and
+    train.py on real text with torch DDP's fp32 wire and PowerSGD (from step 10 of 16) over 2
+    agents, on the CPU."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "two_nodes.py"), "--quick", "--models",
          "gpt2_small", "--modes", "eager", "--engines", "none", "mgpu", "--out", str(tmp_path),
          "--loss-steps", "16", "--loss-wires", "ddp_fp32", "powersgd",
-         "--socket-threads", "2", "--socks-per-thread", "4"],
+         "--socket-threads", "2", "--socks-per-thread", "4", "--accum", "2"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -260,11 +261,13 @@ def test_bench_two_nodes_quick_runs_and_records(tmp_path):
     assert record["wire"]["socket"] == socket  # recorded (gloo on the CPU reads neither)
     assert set(record["bus_bandwidth_GBps"]) == {"1", "4"}
     assert all(v > 0 for v in record["bus_bandwidth_GBps"].values())
-    assert record["efficiency"]["gpt2_small_eager_2x1_socket"] > 0
-    (mgpu,) = record["by_engine"]["gpt2_small_eager_2x1_socket"].values()  # "none" left out
-    assert mgpu == record["efficiency"]["gpt2_small_eager_2x1_socket"]
+    key = "gpt2_small_eager_2x1_socket_accum2"  # 2 micro-batches a step
+    assert record["efficiency"][key] > 0
+    (mgpu,) = record["by_engine"][key].values()  # "none" left out
+    assert mgpu == record["efficiency"][key]
     (job,) = record["jobs"]
     assert job["world_size"] == 2 and {r["engine"] for r in job["rows"]} == {"none", "mgpu"}
+    assert job["accum"] == 2 and all(r["accum"] == 2 for r in job["rows"])
     runs = record["loss"]["runs"]
     assert {n: r["status"] for n, r in runs.items()} == {"ddp_fp32": "ok", "powersgd": "ok"}
     assert "dist.compression=powersgd" in runs["powersgd"]["overrides"]
