@@ -455,6 +455,9 @@ class Samples:
         self.times: dict[str, list[float]] = {e: [] for e in engines}
         self.ahead: dict[str, list[float]] = {e: [] for e in engines}
         self.exposed: dict[str, list[float]] = {e: [] for e in engines}
+        # wall seconds before an engine's rounds: building it (compiling, capturing), its
+        # warm-up and, built together, its peak-memory pass; where a job's time goes
+        self.setup_s: dict[str, float] = dict.fromkeys(engines, 0.0)
 
     def round(self, engine: str, model, trainer: Trainer, batch, steps: int) -> None:
         exposed_ms(model)  # drop marks from earlier rounds
@@ -476,8 +479,10 @@ def one_at_a_time(name, engines, rt, args, models, batch):
     cuda = rt.device.type == "cuda"
     for e in engines:
         before = memory_mark() if cuda else 0
+        began = time.perf_counter()
         model, trainer = build(name, e, rt, args.compile, models, args.accum, args.graphs)
-        timed(trainer, batch, args.warmup)
+        timed(trainer, batch, args.warmup)  # ends when the GPU is done
+        samples.setup_s[e] += time.perf_counter() - began
         for _ in range(args.rounds):
             samples.round(e, model, trainer, batch, args.steps)
         peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
@@ -516,14 +521,17 @@ def save_partial(args, name: str, samples: Samples, memory: dict) -> None:
 
 def all_together(name, engines, rt, args, models, batch):
     """Every engine built up front and timed in interleaved rounds."""
-    memory = {
-        e: peak_memory_gib(name, e, rt, args.compile, batch, models, args.accum, args.graphs)
-        for e in engines
-    }
-    built = {e: build(name, e, rt, args.compile, models, args.accum, args.graphs) for e in engines}
-    for _model, trainer in built.values():
-        timed(trainer, batch, args.warmup)
-    samples = Samples(engines)
+    samples, memory, built = Samples(engines), {}, {}
+    build_args = (rt, args.compile, models, args.accum, args.graphs)
+    for e in engines:  # each built twice: first alone, for its peak memory
+        began = time.perf_counter()
+        memory[e] = peak_memory_gib(name, e, rt, args.compile, batch, *build_args[2:])
+        samples.setup_s[e] += time.perf_counter() - began
+    for e in engines:
+        began = time.perf_counter()
+        built[e] = build(name, e, *build_args)
+        timed(built[e][1], batch, args.warmup)  # ends when the GPU is done
+        samples.setup_s[e] += time.perf_counter() - began
     for _ in range(args.rounds):
         for e in engines:
             samples.round(e, *built[e], batch, args.steps)
@@ -565,6 +573,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
                 "peak_memory_gib": memory[e],
                 "exposed_comm_ms": statistics.median(exposed[e]) if exposed[e] else None,
                 "host_ahead_ms": statistics.median(ahead[e]),
+                "setup_s": round(samples.setup_s[e], 1),
                 "step_ms_by_rank": by_rank[engines.index(e)],
                 **({"kernels": kernels[e]} if e in kernels else {}),
                 **({"idle": idle[e]} if e in idle else {}),
@@ -635,6 +644,8 @@ def report(rows: list[dict], meta: dict, args) -> None:
             )
             for t in k["top"][:12]:
                 print(f"  {t['ms']:7.3f} ms {t['calls']:6.1f}x  {t['kernel'][:90]}")
+    setup = ", ".join(f"{r['engine']} {r['setup_s']:.0f}" for r in rows)
+    print(f"seconds to build, compile and warm up each engine (rank 0): {setup}")
     for row in rows:
         ranks = " ".join(f"{ms:.2f}" for ms in row["step_ms_by_rank"])
         print(f"{row['model']} {row['engine']}: ms/step by rank {ranks}")

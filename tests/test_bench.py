@@ -67,6 +67,7 @@ def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
     rows = {r["engine"]: r for r in result["rows"]}
     assert set(rows) == {"none", "torch_ddp", "torch_ddp_tuned", "mgpu", "mgpu_sharded"}, rows
     assert all(r["step_ms"] > 0 for r in rows.values())
+    assert all(r["setup_s"] > 0 for r in rows.values())  # building and warming up took time
     assert rows["mgpu_sharded"]["exposed_comm_ms"] is not None
 
 
