@@ -431,22 +431,6 @@ def free(model) -> None:
         model.reducer.remove()
 
 
-def peak_memory_gib(name, engine, rt, use_compile, batch, models, accum, graphs) -> float | None:
-    """Peak memory of one engine: its model, optimizer, gradients, buckets and activations,
-    measured above whatever was allocated before it was built (None on a CPU)."""
-    if rt.device.type != "cuda":
-        return None
-    before = memory_mark()
-    model, trainer = build(name, engine, rt, use_compile, models, accum, graphs)
-    timed(trainer, batch, 3)
-    peak = (torch.cuda.max_memory_allocated() - before) / 2**30
-    free(model)
-    del model, trainer
-    gc.collect()
-    torch.cuda.empty_cache()
-    return peak
-
-
 class Samples:
     """Each engine's timed rounds: step ms, GPU work queued when the host was done, and the
     reducer's exposed communication."""
@@ -455,8 +439,8 @@ class Samples:
         self.times: dict[str, list[float]] = {e: [] for e in engines}
         self.ahead: dict[str, list[float]] = {e: [] for e in engines}
         self.exposed: dict[str, list[float]] = {e: [] for e in engines}
-        # wall seconds before an engine's rounds: building it (compiling, capturing), its
-        # warm-up and, built together, its peak-memory pass; where a job's time goes
+        # wall seconds before an engine's rounds: building it (compiling, capturing) and its
+        # warm-up; where a job's time goes
         self.setup_s: dict[str, float] = dict.fromkeys(engines, 0.0)
 
     def round(self, engine: str, model, trainer: Trainer, batch, steps: int) -> None:
@@ -522,16 +506,16 @@ def save_partial(args, name: str, samples: Samples, memory: dict) -> None:
 def all_together(name, engines, rt, args, models, batch):
     """Every engine built up front and timed in interleaved rounds."""
     samples, memory, built = Samples(engines), {}, {}
-    build_args = (rt, args.compile, models, args.accum, args.graphs)
-    for e in engines:  # each built twice: first alone, for its peak memory
-        began = time.perf_counter()
-        memory[e] = peak_memory_gib(name, e, rt, args.compile, batch, *build_args[2:])
-        samples.setup_s[e] += time.perf_counter() - began
+    cuda = rt.device.type == "cuda"
     for e in engines:
+        # Its peak: its model, optimizer, gradients, buckets, graphs and activations, over its
+        # build and warm-up, above what the engines built before it keep (each built once).
+        before = memory_mark() if cuda else 0
         began = time.perf_counter()
-        built[e] = build(name, e, *build_args)
+        built[e] = build(name, e, rt, args.compile, models, args.accum, args.graphs)
         timed(built[e][1], batch, args.warmup)  # ends when the GPU is done
         samples.setup_s[e] += time.perf_counter() - began
+        memory[e] = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
     for _ in range(args.rounds):
         for e in engines:
             samples.round(e, *built[e], batch, args.steps)
