@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,7 @@ class Job:
     proc: subprocess.Popen | None = None
     began: float = 0.0
     beside: set[str] = field(default_factory=set)  # keys of jobs that ran at the same time
+    before: set[Path] = field(default_factory=set)  # its result files already there at its start
 
     def __post_init__(self) -> None:
         xl = self.model == "gpt2_xl"
@@ -104,7 +106,9 @@ def place(free: list[int], gpus: int) -> list[int] | None:
 
 def cores_of(devices: list[int], machine_gpus: int, cpus: list[int]) -> list[int]:
     """The host cores that go with `devices`: each GPU's equal share of the cores this process
-    may use, so that jobs side by side do not take each other's (compiling is CPU-bound)."""
+    may use, so that jobs side by side do not take each other's (compiling is CPU-bound). The
+    share is taken in the order the CPUs are numbered, not by socket or by hardware thread: where
+    a core's second thread is numbered far from its first, two shares can share cores."""
     share = max(1, len(cpus) // machine_gpus)
     return [c for d in devices for c in cpus[d * share : (d + 1) * share]] or cpus
 
@@ -137,6 +141,7 @@ def start(job: Job, args, out: Path) -> None:
     where = f"GPUs {job.devices}, {len(job.cores)} cores" if not args.quick else "CPU"
     print(f"=== {job.key} ({where}): {' '.join(cmd[2:])}", flush=True)
     cores = set(job.cores)
+    job.before = set(out.glob(f"engines-{job.tag}-2*.json"))  # a job run twice reads its own
     job.began = time.time()
     job.proc = subprocess.Popen(cmd, env=env, text=True, preexec_fn=lambda: bind(cores))
 
@@ -163,7 +168,7 @@ def stop(job: Job, limit: float) -> str:
 def collect(job: Job, status: int | str, out: Path) -> tuple[list[dict], dict, str]:
     """The ended job's rows and metadata, and how it ended ('ok' or why not). A job cut short
     keeps the engines it finished (XL's, timed one at a time)."""
-    written = sorted(out.glob(f"engines-{job.tag}-2*.json"))
+    written = sorted(set(out.glob(f"engines-{job.tag}-2*.json")) - job.before)
     if written:  # the whole job's record, whatever its teardown did after writing it
         data = json.loads(written[-1].read_text())
         return data.pop("rows"), data, "ok" if status == 0 else f"ok, then exit {status}"
@@ -182,6 +187,19 @@ def run_all(jobs: list[Job], args, machine_gpus: int, out: Path, done) -> None: 
     """Runs the jobs, side by side where their GPUs leave room (`--side-by-side`), in `order`;
     `done(job, rows, meta, status)` as each ends."""
     pending, running = order(jobs), []
+    # SIGTERM (a batch system's, a time limit's) ends this process through the cleanup below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("scaling.py: stopped by SIGTERM"))
+    try:
+        schedule(pending, running, args, machine_gpus, out, done)
+    finally:  # an error here or a signal: no job left running on its GPUs unrecorded
+        for job in running:
+            if job.proc is not None and job.proc.poll() is None:
+                stop(job, 0)
+
+
+def schedule(pending, running, args, machine_gpus: int, out: Path, done) -> None:  # noqa: ANN001
+    """run_all's loop: starts the pending jobs that fit the free GPUs, in order, and polls the
+    running ones (`running` is shared, for run_all's cleanup)."""
     free = list(range(machine_gpus))
     cpus = sorted(os.sched_getaffinity(0))
     while pending or running:
@@ -190,7 +208,10 @@ def run_all(jobs: list[Job], args, machine_gpus: int, out: Path, done) -> None: 
             if devices is None:  # in order: the machine-wide jobs wait for the machine
                 break
             job = pending.pop(0)
-            job.devices, job.cores = devices, cores_of(devices, machine_gpus, cpus)
+            # one job at a time: every core, as before side by side existed
+            share = args.side_by_side and len(devices) < machine_gpus
+            job.devices = devices
+            job.cores = cores_of(devices, machine_gpus, cpus) if share else cpus
             free = [d for d in free if d not in devices]
             for other in running:
                 job.beside.add(other.key)
