@@ -22,6 +22,9 @@ Buffer kinds:
   symmetric   buffers from torch's symmetric memory on its NCCL backend, rendezvoused over the
               group (NCCL's window registration: its symmetric kernels, which use fewer SMs)
   ctas4       plain buffers on a communicator capped at 4 CTAs (dist.nccl_max_ctas=4)
+Both buffer kinds reach torch through underscored APIs (ProcessGroup._get_backend,
+torch.distributed._symmetric_memory, which torch documents as its symmetric-memory interface):
+this probe is where they are tried; mgpu's own code would adopt them only if they pay.
 A kind that this torch or NCCL cannot set up is recorded with the error and skipped (it fails
 alike on every rank: the same software); on the CPU (gloo) only plain runs. Writes
 bench/results/contention-<device>-<time>.json.
