@@ -21,8 +21,9 @@ PowerSGD) beside every GPU training alone. With --loss-steps, train.py itself ov
 on real text (Python's sources, byte-level), once per wire setting from the same seed and data:
 the held-out loss each reaches, against the fp32 wire's.
 
-Writes bench/results/two-nodes-<device>-<time>.json: bench/scaling.py's record (machine,
-versions, commit, every job's rows, "efficiency", "vs_ddp" and "engine" keyed
+Writes bench/results/scaling-two-nodes-<device>-<time>.json (a scaling results file, beside
+scaling.py's; until 2026-11-27 named two-nodes-*): scaling.py's record (machine, versions,
+commit, every job's rows, "efficiency", "vs_ddp" and "engine" keyed
 `<model>_<compiled|eager>_<nodes>x<per node>_socket`, then `_accum<N>` for a job of --accum N
 micro-batches a step), "by_engine" (under the same keys, each
 engine's efficiency: the wire settings of WIRE_ENGINES side by side), "wire" (the NCCL
@@ -463,7 +464,7 @@ def main() -> None:
         **({"loss": losses} if losses else {}),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"two-nodes-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = args.out / f"scaling-two-nodes-{device}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"\nwire {wire}; NCCL's transports: {found['transport']}")
     sizes = ", ".join(f"{v} GB/s at {k} MB" for k, v in found["bus_bandwidth_GBps"].items())

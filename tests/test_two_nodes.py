@@ -254,7 +254,7 @@ def test_bench_two_nodes_quick_runs_and_records(tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    (written,) = tmp_path.glob("two-nodes-cpu-*.json")
+    (written,) = tmp_path.glob("scaling-two-nodes-cpu-*.json")  # with the scaling results
     record = json.loads(written.read_text())
     assert (record["nodes"], record["per_node"], record["wire"]["name"]) == (2, 1, "gloo")
     socket = {"NCCL_SOCKET_NTHREADS": "2", "NCCL_NSOCKS_PERTHREAD": "4"}
