@@ -51,7 +51,7 @@ sys.path.insert(1, str(ROOT / "bench"))
 from bench.engines import versions  # noqa: E402
 
 HOWS = ["plain", "registered", "symmetric", "ctas4"]
-KEPT: list = []  # the pools behind registered buffers: alive until the process ends
+KEPT: list = []  # (backend, pool) behind registered buffers: alive until released below
 
 
 class Compute:
@@ -66,6 +66,7 @@ class Compute:
         self.iters = 1
         self.device = device
         if device.type == "cuda":  # as many iterations as make compute_ms alone
+            self.time(iters=3)  # warm: the first loop pays cuBLAS's set-up, not one iteration
             one = self.time(iters=5) / 5
             self.iters = max(1, round(compute_ms / one))
 
@@ -165,7 +166,8 @@ def measure(how: str, args, device: torch.device, compute: Compute) -> dict:
         for key, ms in (("compute", alone), ("comm", comm), ("overlap_compute", over)):
             times[key].append(ms)
         times["overlap_total"].append(total)
-    KEPT.append(keep)
+    if keep is not None:
+        KEPT.append((group._get_backend(device), keep))
     med = {k: statistics.median(v[args.warmup :]) for k, v in times.items()}
     return {
         "how": how,
@@ -228,7 +230,19 @@ def main() -> None:
         path = args.out / f"contention-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
         path.write_text(json.dumps(record, indent=1))
         print(f"wrote {path}")
+    release()
     dist.destroy_process_group()
+
+
+def release() -> None:
+    """Deregister and free the registered pools while their communicator is alive: a pool freed
+    at exit, after the process group is gone, aborts in NCCL's deregistration."""
+    if KEPT:
+        torch.cuda.synchronize()  # no all-reduce still reading a buffer of theirs
+    while KEPT:
+        backend, pool = KEPT.pop()
+        backend.deregister_mem_pool(pool)
+        del pool
 
 
 if __name__ == "__main__":
