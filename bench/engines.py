@@ -243,10 +243,12 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     "mgpu_reducing_by_blocks": Lever(
         DistConfig(engine=Engine.mgpu), wrap=mgpu_reducing_by_blocks, reducing_by_blocks=True
     ),
-    # torch's PowerSGD hook (dist.compression=powersgd, rank 4, after 10 plain steps): for slow
-    # links between nodes (two_nodes.py)
+    # torch's PowerSGD hook (dist.compression=powersgd, rank 4): for slow links between nodes
+    # (two_nodes.py). Compressed from its 3rd step on, the fewest plain steps torch allows, and
+    # warm-up covers those (warmup_of): with train.py's default 10 plain steps, the few steps a
+    # job times were mostly all-reduced uncompressed
     "torch_ddp_powersgd": Lever(
-        DistConfig(engine=Engine.torch_ddp, compression=Compression.powersgd)
+        DistConfig(engine=Engine.torch_ddp, compression=Compression.powersgd, powersgd_start_step=2)
     ),
     "torch_ddp_bf16": Lever(
         DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, ddp_static_graph=True),
@@ -465,7 +467,7 @@ def one_at_a_time(name, engines, rt, args, models, batch):
         before = memory_mark() if cuda else 0
         began = time.perf_counter()
         model, trainer = build(name, e, rt, args.compile, models, args.accum, args.graphs)
-        timed(trainer, batch, args.warmup)  # ends when the GPU is done
+        timed(trainer, batch, warmup_of(e, args.warmup))  # ends when the GPU is done
         samples.setup_s[e] += time.perf_counter() - began
         for _ in range(args.rounds):
             samples.round(e, model, trainer, batch, args.steps)
@@ -483,6 +485,15 @@ def one_at_a_time(name, engines, rt, args, models, batch):
         # Compiled graphs (and CUDA graph pools) of this engine are not needed again.
         torch.compiler.reset()
     return samples, memory, kernels, idle
+
+
+def warmup_of(engine: str, warmup: int) -> int:
+    """Steps before timing: `warmup`, and at least the steps an engine all-reduces uncompressed
+    before compressing (PowerSGD's), so that only its compressed steps are timed."""
+    lever = ENGINES.get(engine)
+    if lever is None or lever.dist.compression is Compression.none:
+        return warmup
+    return max(warmup, lever.dist.powersgd_start_step)
 
 
 def save_partial(args, name: str, samples: Samples, memory: dict) -> None:
@@ -513,7 +524,7 @@ def all_together(name, engines, rt, args, models, batch):
         before = memory_mark() if cuda else 0
         began = time.perf_counter()
         built[e] = build(name, e, rt, args.compile, models, args.accum, args.graphs)
-        timed(built[e][1], batch, args.warmup)  # ends when the GPU is done
+        timed(built[e][1], batch, warmup_of(e, args.warmup))  # ends when the GPU is done
         samples.setup_s[e] += time.perf_counter() - began
         memory[e] = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
     for _ in range(args.rounds):

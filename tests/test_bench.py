@@ -211,6 +211,17 @@ def test_trace_streams_sums_each_streams_kernels_per_step(tmp_path):
     assert s["window_ms_per_step"] == 2.0 / 2
 
 
+def test_powersgd_engine_is_timed_only_over_its_compressed_steps():
+    """torch's PowerSGD all-reduces its first steps uncompressed: engines.py's PowerSGD engine
+    warms up over those, so that no timed step is a plain one (however few steps a job times)."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # engines.py imports its bench/ siblings
+    from bench.engines import ENGINES, warmup_of
+
+    start = ENGINES["torch_ddp_powersgd"].dist.powersgd_start_step
+    assert warmup_of("torch_ddp_powersgd", 0) == start and warmup_of("torch_ddp_powersgd", 9) == 9
+    assert warmup_of("torch_ddp", 0) == 0 and warmup_of("mgpu", 1) == 1
+
+
 def test_head_loss_quick_checks_every_side_against_fp32(tmp_path):
     result = run([sys.executable, "bench/head_loss.py", "--quick"], tmp_path)
     assert set(result["shapes"]) == {"small", "xl"}
