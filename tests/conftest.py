@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-# On a GPU machine each pytest-xdist worker runs its test files on a share of the GPUs of its
-# own (pytest_configure below names them, in the controller): two GPUs a worker, so that the
-# 2-GPU tests of one file never share a GPU with another file's. Set before torch is imported,
-# so that CUDA in this process only ever sees that share.
+# On a GPU machine each pytest-xdist worker runs its test files on a pair of GPUs
+# (pytest_configure below names them, in the controller), as many workers as GPUs: two workers
+# share each pair. Most GPU tests leave a GPU idle most of their time (starting processes,
+# compiling), so two files on a pair end sooner than one after the other; no GPU test times
+# anything against a fixed figure (those that compare runs compare runs of their own). Set
+# before torch is imported, so that CUDA in this process only ever sees its pair.
 _WORKER, _GPUS = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("MGPU_TEST_GPUS")
 if _WORKER and _GPUS and len(_GPUS.split(",")) >= 2:
     _pair = int(_WORKER.removeprefix("gw")) % (len(_GPUS.split(",")) // 2)  # more workers: shared
@@ -134,16 +136,17 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def pytest_xdist_auto_num_workers(config) -> int:
     """pyproject's `-n auto`: one pytest worker per CPU this process may use (a serial run kept
     about one of 2 CPUs busy: its processes start, wait for each other and time out one by
-    one); on a GPU machine one per two GPUs (none with fewer than 4), each on GPUs of its own
-    (the top of this file), so that no two tests share a GPU or time each other's work."""
+    one); on a GPU machine one per GPU (none with fewer than 4), two on each pair of GPUs (the
+    top of this file): one worker a pair left the 4-GPU suite at 8:17 for 56 of its 58 tests,
+    its test time (~1,000 s) split over only two workers."""
     if torch.cuda.is_available():
-        pairs = torch.cuda.device_count() // 2
-        return pairs if pairs > 1 else 0
+        gpus = torch.cuda.device_count()
+        return gpus if gpus >= 4 else 0
     return len(os.sched_getaffinity(0))
 
 
 def pytest_configure(config) -> None:
-    """In the controller of a GPU machine's run: the GPUs its workers share out, two each."""
+    """In the controller of a GPU machine's run: the GPUs its workers share out, a pair each."""
     if _WORKER is None and "MGPU_TEST_GPUS" not in os.environ and torch.cuda.is_available():
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # as its workers number them
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -169,8 +172,8 @@ SLOW_FILES = [
 ]
 
 
-# The same on a 4-GPU machine, where `pytest -m gpu` runs two workers: the GPU files of a
-# minute or more (on 4 H200s), longest first, so that the two workers end close together.
+# The same on a 4-GPU machine, where `pytest -m gpu` runs four workers: the GPU files of a
+# minute or more (on 4 H200s), longest first, so that the workers end close together.
 GPU_SLOW_FILES = [
     "test_gpu.py",
     "test_two_nodes.py",

@@ -6,6 +6,7 @@ import re
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.gpu
 
 
 class GpuProcessSampler(threading.Thread):
-    """Polls nvidia-smi for (pid, gpu) pairs of the run's processes while it is going on.
+    """Polls nvidia-smi for (pid, gpu) pairs of the run's processes while it is going on: the
+    processes this pytest process started (another worker's tests share its GPUs,
+    tests/conftest.py).
 
     The pytest process itself is left out: earlier GPU tests in the same session (checkpoint
     round trips, the prefetcher's) leave it holding a CUDA context on GPU 0."""
@@ -32,7 +35,7 @@ class GpuProcessSampler(threading.Thread):
         mine = self.visible_gpus()
         while not self.done.is_set():
             for pid, gpu in self.query("--query-compute-apps=pid,gpu_uuid"):
-                if pid != str(os.getpid()) and (mine is None or gpu in mine):
+                if pid != str(os.getpid()) and (mine is None or gpu in mine) and ours(pid):
                     self.pairs.add((pid, gpu))
             time.sleep(0.5)
 
@@ -53,6 +56,20 @@ class GpuProcessSampler(threading.Thread):
         names = set(visible.split(","))
         gpus = cls.query("--query-gpu=index,uuid")
         return {uuid for index, uuid in gpus if index in names or uuid in names}
+
+
+def ours(pid: str) -> bool:
+    """Whether process `pid` descends from this one (its parents, read from /proc)."""
+    me, current = os.getpid(), int(pid)
+    while current > 1:
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+        except OSError:  # it ended: not seen as ours, the next poll sees the run's others
+            return False
+        current = int(stat.rsplit(")", 1)[1].split()[1])  # the parent, after "(name) state"
+        if current == me:
+            return True
+    return False
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
