@@ -213,6 +213,9 @@ WHOLE = "compiled whole on N GPUs: gradients complete at backward's end, no over
 BF16, NO_OVERLAP = Setting(wire_bytes=2), Setting(overlap=False)
 TN = "bench/results/two-nodes-NVIDIA_H200-20261127-080711.json: 2 agents x 2 H200, eager"
 SOCK = "socket2x2"
+TN2 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-212607.json: 2 x 2 H200, eager"
+TN3 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-213654.json: 2 x 2 H200, eager"
+TN4 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-21*.json: 2 x 2 H200, compiled"
 POINTS = [
     Point("2gpu_gpt2_small_eager_graphs", "gpt2_small", 2, 37.70, (0.939, 0.939), R2, fit=True),
     Point("2gpu_resnet50_eager_graphs", "resnet50", 2, 28.89, (0.975, 0.975), R2, fit=True),
@@ -419,6 +422,58 @@ POINTS = [
         setting=Setting(bucket_mb=100.0),
         intra=SOCK,
         note="as above",
+    ),
+    # 2026-11-27 21:23-21:40, 2 agents x 2 H200, eager unless named; the ring's bus bandwidth
+    # that job measured beside each (GB/s at 16/64/256 MB); accumulation's one-GPU step is that
+    # of its micro-steps (the job's "none" engine)
+    *(
+        Point(f"2x2_socket_{m}_{e}{a}", m, 4, one, (eff, eff), TN2, setting=st, intra=SOCK)
+        for m, e, a, one, eff, st in (
+            ("gpt2_small", "mgpu", "", 36.12, 0.196, Setting()),
+            ("gpt2_small", "mgpu_bf16", "", 36.12, 0.325, BF16),
+            ("gpt2_small", "mgpu", "_accum16", 582.97, 0.756, Setting(accum=16)),
+            ("gpt2_small", "mgpu_bf16", "_accum16", 582.97, 0.869, Setting(2, accum=16)),
+            ("gpt2_small", "ddp", "_accum16", 582.97, 0.790, Setting(accum=16)),
+            ("resnet50", "mgpu", "", 29.12, 0.605, Setting()),
+            ("resnet50", "mgpu_bf16", "", 29.12, 0.829, BF16),
+            ("resnet50", "mgpu", "_accum16", 461.50, 0.925, Setting(accum=16)),
+            ("resnet50", "mgpu_bf16", "_accum16", 461.50, 0.949, Setting(2, accum=16)),
+            ("resnet50", "ddp", "_accum16", 461.50, 0.915, Setting(accum=16)),
+        )
+    ),
+    # the same stand-in measured slower beside these (3.35-3.46 GB/s at 64-256 MB)
+    Point(
+        "2x2_socket_gpt2_small_mgpu_bf16_accum32",
+        "gpt2_small",
+        4,
+        1166.92,
+        (0.901, 0.901),
+        TN3,
+        setting=Setting(2, accum=32),
+        intra=SOCK,
+        note="the link measured 3.46 GB/s at 256 MB in this job, the table 4.34",
+    ),
+    Point(
+        "2x2_socket_gpt2_small_compiled_mgpu_bf16_accum32",
+        "gpt2_small",
+        4,
+        1013.17,
+        (0.872, 0.872),
+        TN4,
+        setting=Setting(2, accum=32, overlap=False, bucket_mb=100.0),
+        intra=SOCK,
+        note=WHOLE + "; the link 3.40 GB/s at 256 MB",
+    ),
+    Point(
+        "2x2_socket_resnet50_compiled_mgpu_bf16_accum4",
+        "resnet50",
+        4,
+        90.75,
+        (0.668, 0.668),
+        TN4,
+        setting=Setting(2, accum=4, overlap=False, bucket_mb=100.0),
+        intra=SOCK,
+        note=WHOLE + "; rank 0's one-GPU step (the four ranks' 90.8-107.3)",
     ),
     Point("4gpu_slow_gpt2_small", "gpt2_small", 4, 45.65, (0.765, 0.766), SL, intra="slow"),
     Point(
