@@ -333,8 +333,9 @@ def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Modul
             overlap=False,
             accum=tcfg.grad_accum_steps,
         )
-        return torch.compile(model, mode=alone)
-    return torch.compile(model)  # torch DDP splits the graph at its buckets itself
+        return torch.compile(model, backend=tcfg.compile_backend, mode=alone)
+    # torch DDP splits the graph at its buckets itself
+    return torch.compile(model, backend=tcfg.compile_backend)
 
 
 def build(
@@ -345,6 +346,7 @@ def build(
     models: dict = MODELS,
     accum: int = 1,
     graphs: str | bool = "auto",
+    compile_backend: str = "inductor",
 ):
     factory, _, _, optim = models[name]
     torch.manual_seed(0)
@@ -363,6 +365,7 @@ def build(
         precision=precision,
         grad_clip=1.0,
         compile=use_compile,
+        compile_backend=compile_backend,
         compile_mode=spec.compile_mode,
         cuda_graphs=graphs if spec.graphs is None else spec.graphs,
         grad_accum_steps=accum,
@@ -464,7 +467,9 @@ def one_at_a_time(name, engines, rt, args, models, batch):
     for e in engines:
         before = memory_mark() if cuda else 0
         began = time.perf_counter()
-        model, trainer = build(name, e, rt, args.compile, models, args.accum, args.graphs)
+        model, trainer = build(
+            name, e, rt, args.compile, models, args.accum, args.graphs, args.compile_backend
+        )
         timed(trainer, batch, args.warmup)  # ends when the GPU is done
         samples.setup_s[e] += time.perf_counter() - began
         for _ in range(args.rounds):
@@ -512,7 +517,9 @@ def all_together(name, engines, rt, args, models, batch):
         # build and warm-up, above what the engines built before it keep (each built once).
         before = memory_mark() if cuda else 0
         began = time.perf_counter()
-        built[e] = build(name, e, rt, args.compile, models, args.accum, args.graphs)
+        built[e] = build(
+            name, e, rt, args.compile, models, args.accum, args.graphs, args.compile_backend
+        )
         timed(built[e][1], batch, args.warmup)  # ends when the GPU is done
         samples.setup_s[e] += time.perf_counter() - began
         memory[e] = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
@@ -695,7 +702,9 @@ def main() -> None:
         "--cpu-affinity", action="store_true", help="dist.cpu_affinity: each rank its own CPUs"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="tiny shapes, few steps, gloo on the CPU"
+        "--quick",
+        action="store_true",
+        help="tiny shapes, few steps, gloo on the CPU; --compile with the aot_eager backend",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -709,9 +718,14 @@ def main() -> None:
             check_dist_fits_trainer(ENGINES[e].dist, TrainerConfig(grad_accum_steps=args.accum))
         except ConfigError as err:
             parser.error(f"--engines {e} with --accum {args.accum}: {err}")
-    backend = "nccl"
+    backend, args.compile_backend = "nccl", "inductor"
     if args.quick:
         args.steps, args.rounds, args.warmup, backend = 2, 1, 1, "auto"
+        # --compile on the CPU through torch.compile's aot_eager backend (as vs_plain.py and
+        # fp8_layers.py --quick): dynamo and AOT autograd trace each engine's graphs as on a
+        # GPU, but inductor's C++ kernels are not generated; those took scaling.py --quick's
+        # compiled job ~100 s of CPU with a cold cache, against ~25 s here.
+        args.compile_backend = "aot_eager"
     set_math_modes(TrainerConfig(), torch.device("cuda"))  # train.py's defaults: TF32, autotuning
     with distributed(backend, timeout_s=600, cpu_affinity=args.cpu_affinity) as rt:
         rows = [row for name in args.models for row in bench_model(name, args.engines, rt, args)]
