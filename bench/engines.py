@@ -278,16 +278,24 @@ MODELS = {  # (factory, per-GPU batch, sample shape or seq len, optimizer)
     ),
     "resnet50": (lambda: ResNet(num_classes=1000), 128, (3, 224, 224), "sgd"),
 }
+# The stand-ins' vocabulary: GPT-2's 50304 made the head and embedding most of a CPU step
+# (~140 ms of gpt2_small's, against ~8 ms at 256), and no path here depends on its size.
+QUICK_VOCAB = 256
 QUICK = {  # CPU-sized stand-ins under the same names, to check the script (--quick)
     "gpt2_small": (
-        lambda: GPT(vocab_size=50304, block_size=32, n_layer=2, n_head=2, n_embd=32),
+        lambda: GPT(vocab_size=QUICK_VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32),
         4,
         32,
         "adamw",
     ),
     "gpt2_xl": (
         lambda: GPT(
-            vocab_size=50304, block_size=32, n_layer=3, n_head=5, n_embd=40, residual="autocast"
+            vocab_size=QUICK_VOCAB,
+            block_size=32,
+            n_layer=3,
+            n_head=5,
+            n_embd=40,
+            residual="autocast",
         ),
         4,
         32,
@@ -305,7 +313,8 @@ QUICK = {  # CPU-sized stand-ins under the same names, to check the script (--qu
 def make_batch(name: str, device: torch.device, models: dict):
     _, batch, shape, _ = models[name]
     if name.startswith("gpt"):
-        tokens = torch.randint(0, 50304, (batch, shape + 1), device=device)
+        vocab = QUICK_VOCAB if models is QUICK else 50304
+        tokens = torch.randint(0, vocab, (batch, shape + 1), device=device)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     images = torch.randn(batch, *shape, device=device).contiguous(memory_format=torch.channels_last)
     return images, torch.randint(0, 1000, (batch,), device=device)
@@ -564,7 +573,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
                 "peak_memory_gib": memory[e],
                 "exposed_comm_ms": statistics.median(exposed[e]) if exposed[e] else None,
                 "host_ahead_ms": statistics.median(ahead[e]),
-                "setup_s": round(samples.setup_s[e], 1),
+                "setup_s": round(samples.setup_s[e], 3),
                 "step_ms_by_rank": by_rank[engines.index(e)],
                 **({"kernels": kernels[e]} if e in kernels else {}),
                 **({"idle": idle[e]} if e in idle else {}),
