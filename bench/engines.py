@@ -280,16 +280,24 @@ MODELS = {  # (factory, per-GPU batch, sample shape or seq len, optimizer)
     ),
     "resnet50": (lambda: ResNet(num_classes=1000), 128, (3, 224, 224), "sgd"),
 }
+# The stand-ins' vocabulary: GPT-2's 50304 made the head and embedding most of a CPU step
+# (~140 ms of gpt2_small's, against ~8 ms at 256), and no path here depends on its size.
+QUICK_VOCAB = 256
 QUICK = {  # CPU-sized stand-ins under the same names, to check the script (--quick)
     "gpt2_small": (
-        lambda: GPT(vocab_size=50304, block_size=32, n_layer=2, n_head=2, n_embd=32),
+        lambda: GPT(vocab_size=QUICK_VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32),
         4,
         32,
         "adamw",
     ),
     "gpt2_xl": (
         lambda: GPT(
-            vocab_size=50304, block_size=32, n_layer=3, n_head=5, n_embd=40, residual="autocast"
+            vocab_size=QUICK_VOCAB,
+            block_size=32,
+            n_layer=3,
+            n_head=5,
+            n_embd=40,
+            residual="autocast",
         ),
         4,
         32,
@@ -307,7 +315,8 @@ QUICK = {  # CPU-sized stand-ins under the same names, to check the script (--qu
 def make_batch(name: str, device: torch.device, models: dict):
     _, batch, shape, _ = models[name]
     if name.startswith("gpt"):
-        tokens = torch.randint(0, 50304, (batch, shape + 1), device=device)
+        vocab = QUICK_VOCAB if models is QUICK else 50304
+        tokens = torch.randint(0, vocab, (batch, shape + 1), device=device)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     images = torch.randn(batch, *shape, device=device).contiguous(memory_format=torch.channels_last)
     return images, torch.randint(0, 1000, (batch,), device=device)
@@ -335,8 +344,9 @@ def compiled(model: nn.Module, spec: Lever, tcfg: TrainerConfig, rt) -> nn.Modul
             overlap=False,
             accum=tcfg.grad_accum_steps,
         )
-        return torch.compile(model, mode=alone)
-    return torch.compile(model)  # torch DDP splits the graph at its buckets itself
+        return torch.compile(model, backend=tcfg.compile_backend, mode=alone)
+    # torch DDP splits the graph at its buckets itself
+    return torch.compile(model, backend=tcfg.compile_backend)
 
 
 def build(
@@ -347,6 +357,7 @@ def build(
     models: dict = MODELS,
     accum: int = 1,
     graphs: str | bool = "auto",
+    compile_backend: str = "inductor",
 ):
     factory, _, _, optim = models[name]
     torch.manual_seed(0)
@@ -365,6 +376,7 @@ def build(
         precision=precision,
         grad_clip=1.0,
         compile=use_compile,
+        compile_backend=compile_backend,
         compile_mode=spec.compile_mode,
         cuda_graphs=graphs if spec.graphs is None else spec.graphs,
         grad_accum_steps=accum,
@@ -466,7 +478,9 @@ def one_at_a_time(name, engines, rt, args, models, batch):
     for e in engines:
         before = memory_mark() if cuda else 0
         began = time.perf_counter()
-        model, trainer = build(name, e, rt, args.compile, models, args.accum, args.graphs)
+        model, trainer = build(
+            name, e, rt, args.compile, models, args.accum, args.graphs, args.compile_backend
+        )
         timed(trainer, batch, warmup_of(e, args.warmup))  # ends when the GPU is done
         samples.setup_s[e] += time.perf_counter() - began
         for _ in range(args.rounds):
@@ -523,7 +537,9 @@ def all_together(name, engines, rt, args, models, batch):
         # build and warm-up, above what the engines built before it keep (each built once).
         before = memory_mark() if cuda else 0
         began = time.perf_counter()
-        built[e] = build(name, e, rt, args.compile, models, args.accum, args.graphs)
+        built[e] = build(
+            name, e, rt, args.compile, models, args.accum, args.graphs, args.compile_backend
+        )
         timed(built[e][1], batch, warmup_of(e, args.warmup))  # ends when the GPU is done
         samples.setup_s[e] += time.perf_counter() - began
         memory[e] = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
@@ -568,7 +584,7 @@ def bench_model(name, engines, rt, args) -> list[dict]:
                 "peak_memory_gib": memory[e],
                 "exposed_comm_ms": statistics.median(exposed[e]) if exposed[e] else None,
                 "host_ahead_ms": statistics.median(ahead[e]),
-                "setup_s": round(samples.setup_s[e], 1),
+                "setup_s": round(samples.setup_s[e], 3),
                 "step_ms_by_rank": by_rank[engines.index(e)],
                 **({"kernels": kernels[e]} if e in kernels else {}),
                 **({"idle": idle[e]} if e in idle else {}),
@@ -706,7 +722,9 @@ def main() -> None:
         "--cpu-affinity", action="store_true", help="dist.cpu_affinity: each rank its own CPUs"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="tiny shapes, few steps, gloo on the CPU"
+        "--quick",
+        action="store_true",
+        help="tiny shapes, few steps, gloo on the CPU; --compile with the aot_eager backend",
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -720,9 +738,14 @@ def main() -> None:
             check_dist_fits_trainer(ENGINES[e].dist, TrainerConfig(grad_accum_steps=args.accum))
         except ConfigError as err:
             parser.error(f"--engines {e} with --accum {args.accum}: {err}")
-    backend = "nccl"
+    backend, args.compile_backend = "nccl", "inductor"
     if args.quick:
         args.steps, args.rounds, args.warmup, backend = 2, 1, 1, "auto"
+        # --compile on the CPU through torch.compile's aot_eager backend (as vs_plain.py and
+        # fp8_layers.py --quick): dynamo and AOT autograd trace each engine's graphs as on a
+        # GPU, but inductor's C++ kernels are not generated; those took scaling.py --quick's
+        # compiled job ~100 s of CPU with a cold cache, against ~25 s here.
+        args.compile_backend = "aot_eager"
     set_math_modes(TrainerConfig(), torch.device("cuda"))  # train.py's defaults: TF32, autotuning
     with distributed(backend, timeout_s=600, cpu_affinity=args.cpu_affinity) as rt:
         rows = [row for name in args.models for row in bench_model(name, args.engines, rt, args)]

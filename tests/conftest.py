@@ -154,21 +154,29 @@ def pytest_configure(config) -> None:
         os.environ["MGPU_TEST_GPUS"] = ",".join(map(str, ids))
 
 
-# The files that take longest on 2 CPUs (a minute or more each), longest first. pytest-xdist
-# hands out whole files in collection order (pyproject: --dist loadfile,
-# --no-loadscope-reorder): these go first, so that no long file starts last and runs alone.
+# The files that take longest on 2 CPUs (a minute or more each), longest first, as a whole run
+# of the suite measured them (each file's tests summed). pytest-xdist hands out whole files in
+# collection order (pyproject: --dist loadfile, --no-loadscope-reorder): these go first, longest
+# first, so that no long file starts last and runs alone while the other workers sit idle.
 SLOW_FILES = [
-    "test_resume.py",
     "test_bench.py",
-    "test_real_images_gpus.py",
-    "test_two_nodes.py",
-    "test_launch.py",
-    "test_shard_resume.py",
-    "test_after_training.py",
-    "test_config.py",
+    "test_resume.py",
     "test_image_folder.py",
+    "test_two_nodes.py",
+    "test_config.py",
+    "test_launch.py",
+    "test_tokenizer.py",
     "test_nonfinite.py",
+    "test_after_training.py",
+    "test_progress.py",
+    "test_shard_resume.py",
+    "test_real_images_gpus.py",
     "test_hang_report.py",
+    "test_one_line.py",
+    "test_ckpt_faults.py",
+    "test_train.py",
+    "test_run_dir.py",
+    "test_eval_starts.py",
 ]
 
 
