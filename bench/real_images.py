@@ -265,13 +265,22 @@ def trace_args(args) -> list[str]:
 
 
 def traced_streams(run_dir: Path, steps: int) -> dict:
-    """bench/trace_streams.py's summary of the trace a traced run wrote (rank 0's)."""
+    """bench/trace_streams.py's summary of the trace a traced run wrote: rank 0's whole, and
+    each rank's step window, training stream and collectives under "ranks" (a rank whose
+    collectives take long waits for another; the one whose don't is the one waited for)."""
     from bench.trace_streams import stream_summary
 
-    found = sorted((run_dir / "profile" / "rank0").glob("*.pt.trace.json*"))
-    if not found:
+    ranks = {}
+    for rank_dir in sorted((run_dir / "profile").glob("rank*")):
+        found = sorted(rank_dir.glob("*.pt.trace.json*"))
+        if found:
+            ranks[rank_dir.name] = stream_summary(found[-1], steps)
+    if "rank0" not in ranks:
         return {"note": f"no trace under {run_dir / 'profile' / 'rank0'}"}
-    return stream_summary(found[-1], steps)
+    keep = ("window_ms_per_step", "main_busy_ms_per_step", "nccl_ms_per_step", "nccl_longest_ms")
+    summary = ranks["rank0"]
+    summary["ranks"] = {name: {k: s.get(k) for k in keep} for name, s in ranks.items()}
+    return summary
 
 
 def prepare_shards(folder: Path, dst: Path, max_side: int) -> float:

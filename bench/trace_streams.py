@@ -51,11 +51,16 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
             ],
         }
     side = sum(s["busy_ms_per_step"] for s in streams.values() if not s["main"])
+    # A collective's kernel runs from its launch until every rank has joined it: the longest
+    # of them a step is how far this rank ran ahead of the last rank to get there.
+    nccl = [e["dur"] / 1e3 for e in work if e["name"].startswith("ncclDevKernel")]
     return {
         "path": str(path),
         "window_ms_per_step": (end - start) / 1e3 / steps,
         "main_busy_ms_per_step": streams[main]["busy_ms_per_step"],
         "side_busy_ms_per_step": side,
+        "nccl_ms_per_step": sum(nccl) / steps,
+        "nccl_longest_ms": sorted(nccl, reverse=True)[: 2 * steps],
         "streams": streams,
     }
 
