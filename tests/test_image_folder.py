@@ -554,43 +554,6 @@ def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
     assert gpu.files[jpegs[0]] in str(caught.value) and gpu.files[jpegs[2]] in str(caught.value)
 
 
-def test_decode_step_first_grows_the_decoder_with_a_batch_of_the_largest_jpegs(tmp_path):
-    """decode=gpu's step, before its first batch, decodes a whole batch's worth of the largest
-    JPEGs of a sample of the data set (so that nvJPEG's buffers grow at start-up, not mid-run),
-    each of them alone first, leaving out one the decoder refuses; then only batches."""
-    from mgpu.data.encoded import collate_encoded
-    from mgpu.data.gpu_decode import BatchDecoder, largest_jpegs, resize_each
-
-    write_tree(tmp_path / "train", per_class=6, sizes=((150, 200), (90, 60), (40, 64)))
-    kwargs = {**folder(tmp_path / "train", eval_samples=2), "image_size": 32, "classes": CLASSES}
-    gpu = ImageFolder("train", **{**kwargs, "decode": "gpu"})
-    # fewer files than the sample: every one is looked at, and PNGs are not JPEGs
-    on_disk = sorted(
-        (Path(f).stat().st_size for f in gpu.files if f.endswith(".jpg")), reverse=True
-    )
-    reserve = largest_jpegs(gpu, keep=3)
-    assert [len(r) for r in reserve] == on_disk[:3]
-    refused = id(reserve[1])
-    calls = []
-
-    def decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
-        calls.append([id(d) for d in data])
-        if refused in calls[-1]:
-            raise RuntimeError("nvJPEG refuses it")
-        return pillow_jpegs(data)
-
-    step = BatchDecoder(gpu, torch.device("cpu"), decode, resize_each, reserve=reserve)
-    batch = collate_encoded([gpu[SampleKey(i, 1, 4)] for i in range(len(gpu))])
-    images, _ = step(batch)
-    big, third = id(reserve[0]), id(reserve[2])
-    whole = [big if k % 2 == 0 else third for k in range(len(gpu))]
-    assert calls[:4] == [[big], [refused], [third], whole]
-    assert len(calls) == 5 and len(calls[4]) == len(batch.jpegs)
-    calls.clear()
-    again, _ = step(batch)
-    assert len(calls) == 1 and torch.equal(images, again)
-
-
 @pytest.mark.gpu
 def test_batched_gpu_crops_match_the_per_image_reference():
     """decode=gpu's two batched kernels (gpu_resize.resize_into) against torch's antialiased

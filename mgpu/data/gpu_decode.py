@@ -11,7 +11,6 @@ import functools
 import io
 import logging
 import os
-import random
 from collections.abc import Callable
 from typing import Protocol
 
@@ -97,27 +96,6 @@ class DecodedSet(Protocol):
 
     def count_replaced(self, why: str) -> None: ...
 
-    def read_bytes(self, i: int) -> bytes: ...
-
-
-# Files read at start-up to find the largest JPEGs, and how many of the largest are kept.
-RESERVE_SAMPLE, RESERVE_KEEP = 128, 8
-
-
-def largest_jpegs(
-    dataset: DecodedSet, sample: int = RESERVE_SAMPLE, keep: int = RESERVE_KEEP
-) -> list[Tensor]:
-    """The `keep` largest JPEGs (by bytes) of `sample` files drawn from `dataset` (always the
-    same draw): what BatchDecoder grows nvJPEG's buffers with before the first batch."""
-    count = len(dataset.files)
-    found = []
-    for i in random.Random(0).sample(range(count), min(count, sample)):
-        data = dataset.read_bytes(i)
-        if data[:2] == b"\xff\xd8":  # a JPEG's start-of-image marker; PNGs stay on the CPU
-            found.append(data)
-    found.sort(key=len, reverse=True)
-    return [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in found[:keep]]
-
 
 JpegDecode = Callable[[list[Tensor]], list[Tensor]]  # JPEG bytes -> [3, H, W] uint8 images
 # (out, images, boxes, flips, slots): each image's box resized into out[slot] (gpu_resize)
@@ -166,7 +144,7 @@ def gpu_decoder(dataset: DecodedSet, device: torch.device | str) -> BatchDecoder
     except (RuntimeError, ImportError) as err:  # ImportError: Triton, for the batched crops
         why = f"JPEGs cannot be decoded and cropped on {device} ({err}); use data.decode=cpu"
         raise ConfigError("data.decode", "gpu", why) from None
-    return BatchDecoder(dataset, device, nvjpeg, resize_into, reserve=largest_jpegs(dataset))
+    return BatchDecoder(dataset, device, nvjpeg, resize_into)
 
 
 class BatchDecoder:
@@ -177,32 +155,16 @@ class BatchDecoder:
     the current stream (the loader's side stream) wait for it too; the crops below run on the
     side stream, so the batch's `ready` event covers all of it. The host wait is why
     mgpu.data.loader runs this step on its copy thread, where it overlaps the training loop.
-
-    Buffer rule: nvJPEG grows its pinned and device buffers when a call brings more or larger
-    JPEGs than any call before, and freeing the old ones waits for the whole GPU. Mid-run, that
-    wait holds every CUDA call of the process (the training thread's launches too) until all
-    the work queued ahead has drained: a traced 2-GPU run lost 70-80 ms so, about once in 10
-    steps per rank, and the other rank waited as long (bench/README.md). So the first call
-    first decodes a whole batch of `reserve` (the largest JPEGs of a sample of the data set,
-    largest_jpegs), which grows the buffers once, at start-up, to what the data set needs.
     """
 
     def __init__(
-        self,
-        dataset: DecodedSet,
-        device: torch.device,
-        decode: JpegDecode,
-        resize: Resize,
-        reserve: list[Tensor] = (),
+        self, dataset: DecodedSet, device: torch.device, decode: JpegDecode, resize: Resize
     ):
         self.dataset, self.device, self.size = dataset, device, dataset.image_size
         self._decode, self._resize = decode, resize
-        self._reserve = list(reserve)  # emptied by the first call (_grow)
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         """(images [B, 3, S, S] uint8, labels [B]) on the device."""
-        if self._reserve:
-            self._grow(len(batch.labels))
         size, device = self.size, self.device
         labels = batch.labels
         out = torch.empty(len(labels), 3, size, size, dtype=torch.uint8, device=device)
@@ -214,22 +176,6 @@ class BatchDecoder:
             # the images' sizes: the same filter as the workers' Pillow resize.
             self._resize(out, images, boxes, flips.tolist(), batch.jpeg_at.tolist())
         return out, labels.to(device, non_blocking=True)
-
-    def _grow(self, count: int) -> None:
-        """Once, before the first batch: decode `count` JPEGs (a whole batch's worth) taken in
-        turn from the reserve, after each of them alone (the one-by-one path of a failed batch
-        uses the buffers too). A JPEG nvJPEG refuses is left out: in training it is replaced or
-        named like any other (_decoded)."""
-        reserve, self._reserve = self._reserve, []
-        usable = []
-        for data in reserve:
-            try:
-                self._decode([data])
-            except RuntimeError:
-                continue
-            usable.append(data)
-        if usable:
-            self._decode([usable[k % len(usable)] for k in range(count)])
 
     def _decoded(self, batch: EncodedBatch):
         """The batch's JPEGs decoded, with their boxes, flips and the batch's labels. A batch
