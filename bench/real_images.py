@@ -277,7 +277,10 @@ def traced_streams(run_dir: Path, steps: int) -> dict:
             ranks[rank_dir.name] = stream_summary(found[-1], steps)
     if "rank0" not in ranks:
         return {"note": f"no trace under {run_dir / 'profile' / 'rank0'}"}
-    keep = ("window_ms_per_step", "main_busy_ms_per_step", "nccl_ms_per_step", "nccl_longest_ms")
+    keep = (
+        "window_ms_per_step", "main_busy_ms_per_step", "nccl_ms_per_step", "nccl_longest_ms",
+        "main_gaps_ms_per_step", "main_longest_gaps_ms", "host_stalls",
+    )  # fmt: skip
     summary = ranks["rank0"]
     summary["ranks"] = {name: {k: s.get(k) for k in keep} for name, s in ranks.items()}
     return summary

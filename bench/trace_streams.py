@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import itertools
 import json
 from pathlib import Path
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+STALL_MS = 1.0  # a CUDA runtime call this long held its thread (and maybe others): listed
+GAP_MS = 0.1  # an idle stretch of the training stream this long is counted as a gap
 
 
 def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
@@ -54,6 +57,21 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
     # A collective's kernel runs from its launch until every rank has joined it: the longest
     # of them a step is how far this rank ran ahead of the last rank to get there.
     nccl = [e["dur"] / 1e3 for e in work if e["name"].startswith("ncclDevKernel")]
+    # The training stream idle between two of its kernels; with the host's long CUDA calls
+    # beside it, this says whether the GPU waited on the host (a launch that was itself held:
+    # another thread in cudaHostAlloc holds every launch of the process) or on other streams.
+    ordered = sorted(by_stream[main], key=lambda e: e["ts"])
+    gaps = [(b["ts"] - a["ts"] - a["dur"]) / 1e3 for a, b in itertools.pairwise(ordered)]
+    gaps = sorted((g for g in gaps if g >= GAP_MS), reverse=True)
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
+    stalls = sorted(
+        (
+            {"name": e["name"], "thread": e.get("tid"), "at_ms": round((e["ts"] - start) / 1e3, 2),
+             "ms": round(e["dur"] / 1e3, 2)}
+            for e in calls if e.get("dur", 0) >= STALL_MS * 1e3
+        ),
+        key=lambda c: -c["ms"],
+    )  # fmt: skip
     return {
         "path": str(path),
         "window_ms_per_step": (end - start) / 1e3 / steps,
@@ -61,6 +79,9 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
         "side_busy_ms_per_step": side,
         "nccl_ms_per_step": sum(nccl) / steps,
         "nccl_longest_ms": sorted(nccl, reverse=True)[: 2 * steps],
+        "main_gaps_ms_per_step": sum(gaps) / steps,
+        "main_longest_gaps_ms": [round(g, 3) for g in gaps[: 2 * steps]],
+        "host_stalls": stalls[:20],
         "streams": streams,
     }
 

@@ -201,6 +201,9 @@ def test_trace_streams_sums_each_streams_kernels_per_step(tmp_path):
     events = [kernel("conv", 7, 0, 800), kernel("conv", 7, 900, 800), kernel("gemm", 7, 1700, 300)]
     events += [kernel("_resize_rows", 20, 100, 150), kernel("rgba2rgb", 33, 50, 10)]
     events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
+    host = {"ph": "X", "cat": "cuda_runtime", "tid": 9}
+    events += [{**host, "name": "cudaHostAlloc", "ts": 1000, "dur": 1500}]
+    events += [{**host, "name": "cudaLaunchKernel", "ts": 1100, "dur": 5}]
     path = tmp_path / "t.pt.trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     s = stream_summary(path, steps=2)
@@ -209,6 +212,10 @@ def test_trace_streams_sums_each_streams_kernels_per_step(tmp_path):
     assert s["side_busy_ms_per_step"] == (0.15 + 0.01) / 2
     assert s["streams"]["7"]["top"][0] == {"name": "conv", "count": 2, "ms_per_step": 0.8}
     assert s["window_ms_per_step"] == 2.0 / 2
+    # the training stream idle 0.1 ms between its two convs, not between conv and gemm
+    assert s["main_longest_gaps_ms"] == [0.1] and s["main_gaps_ms_per_step"] == 0.1 / 2
+    stall = {"name": "cudaHostAlloc", "thread": 9, "at_ms": 1.0, "ms": 1.5}
+    assert s["host_stalls"] == [stall]  # the short launch is not one
 
 
 def test_powersgd_engine_is_timed_only_over_its_compressed_steps():
