@@ -173,3 +173,31 @@ def test_workers_run_on_the_spare_cpus_under_keep_trainer_cores(keep):
     seen = {tuple(batch[0].tolist()) for batch in loader}
     assert seen == {tuple(spare_cpus(mine) if keep else mine)}
     assert sorted(os.sched_getaffinity(0)) == mine
+
+
+def test_a_worker_keeps_quiet_only_about_the_trainer_hanging_up_mid_batch(monkeypatch, capsys):
+    """A DataLoader worker's resource-sharer thread, whose hand-over of a batch's descriptor a
+    Ctrl-C of the training process cut off, prints no traceback (the trainer says one line);
+    the same error from elsewhere, and any other error from that thread, are printed."""
+    import multiprocessing
+    import sys
+
+    from mgpu.data.loader import quiet_when_the_trainer_hangs_up
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    quiet_when_the_trainer_hangs_up()  # what start_worker does first in every worker
+
+    def raised(error: BaseException, filename: str):
+        try:
+            exec(compile("raise error", filename, "exec"), {"error": error})
+        except BaseException as err:  # noqa: BLE001 - the triple sys.excepthook is given
+            return type(err), err, err.__traceback__
+
+    sharer = os.path.join(os.path.dirname(multiprocessing.__file__), "resource_sharer.py")
+    sys.excepthook(*raised(BrokenPipeError(32, "Broken pipe"), sharer))
+    assert capsys.readouterr().err == ""
+    sys.excepthook(*raised(BrokenPipeError(32, "Broken pipe"), "/elsewhere/mine.py"))
+    sys.excepthook(*raised(ValueError("a bad batch"), sharer))
+    printed = capsys.readouterr().err
+    assert printed.count("Traceback") == 2, printed
+    assert "BrokenPipeError" in printed and "ValueError: a bad batch" in printed

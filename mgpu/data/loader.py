@@ -201,16 +201,47 @@ def log_like_the_trainer(logs: tuple[int, tuple[LogTarget, ...]]) -> None:
         root.addHandler(handler)
 
 
+def quiet_when_the_trainer_hangs_up() -> None:
+    """In a DataLoader worker: no traceback when the training process hangs up mid-batch.
+
+    Why: a worker hands each tensor over with a file descriptor that a thread of its own
+    (multiprocessing's resource sharer) sends when the training process asks for it. A Ctrl-C
+    that interrupts the training process in the middle of that exchange closes its end, and the
+    sharer thread prints a BrokenPipe traceback beside the trainer's one-line report
+    (mgpu.run.interrupt). Only that error from that thread is kept quiet: the training process
+    is ending and says why itself; every other error is printed as before."""
+    printed = sys.excepthook
+
+    def hook(kind, value, tb) -> None:  # noqa: ANN001 - sys.excepthook's signature
+        if issubclass(kind, (ConnectionError, EOFError)) and _in_resource_sharer(tb):
+            return
+        printed(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _in_resource_sharer(tb) -> bool:  # noqa: ANN001 - a traceback
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(
+            os.path.join("multiprocessing", "resource_sharer.py")
+        ):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def start_worker(
     worker_id: int,
     keep_trainer_cores: bool = False,
     logs: tuple[int, tuple[LogTarget, ...]] = (logging.WARNING, ()),
 ) -> None:
     """Each DataLoader worker's first act: SIGTERM and SIGUSR1 left to the trainer, its log
-    lines sent where the trainer's go, and under `keep_trainer_cores` its CPUs narrowed to
-    spare_cpus (the training process keeps the whole set)."""
+    lines sent where the trainer's go, no traceback when the trainer hangs up mid-batch, and
+    under `keep_trainer_cores` its CPUs narrowed to spare_cpus (the training process keeps the
+    whole set)."""
     leave_preemption_to_the_trainer(worker_id)
     log_like_the_trainer(logs)
+    quiet_when_the_trainer_hangs_up()
     if keep_trainer_cores:
         os.sched_setaffinity(0, spare_cpus(sorted(os.sched_getaffinity(0))))
 
