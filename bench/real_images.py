@@ -151,10 +151,16 @@ def launcher(gpus: int) -> list[str]:
 
 
 def run_train(
-    args: list[str], cores: int, gpus: int, out: Path, timeout: float, quick: bool
+    args: list[str],
+    cores: int,
+    gpus: int,
+    out: Path,
+    timeout: float,
+    quick: bool,
+    environ: dict[str, str] | None = None,
 ) -> dict:
-    """One train.py run on `gpus` GPUs pinned to the first `cores` x `gpus` CPUs; its samples/s
-    and data wait."""
+    """One train.py run on `gpus` GPUs pinned to the first `cores` x `gpus` CPUs, with
+    `environ` added to its environment; its samples/s and data wait."""
     cpus = job_cpus(cores * gpus)
     pin = [] if quick else ["taskset", "-c", cpus]
     launch = launcher(gpus)
@@ -167,6 +173,7 @@ def run_train(
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(environ or {}),
     }
     start = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -332,7 +339,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
         help="also a folder run (decode=auto) with these train.py overrides, named NAME, e.g. "
-        "keep=data.keep_trainer_cores=true or unpinned=dist.cpu_affinity=false",
+        "keep=data.keep_trainer_cores=true or unpinned=dist.cpu_affinity=false; an item "
+        "env:VAR=VALUE sets an environment variable of its processes instead, e.g. "
+        "reserve=env:PYTORCH_CUDA_ALLOC_CONF=pinned_reserve_segment_size_mb:1024",
     )  # fmt: skip
     p.add_argument(
         "--trace", action="store_true",
@@ -450,14 +459,21 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
         source = Path(prepared["path"]) if kind == "shards" else folders.get(mix)
         cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
         traced = variant == "traced"
+        environ = {}
         if traced:
             cmd += trace_args(args)
         elif variant:
-            cmd += args.variants[variant].split(",")
+            for item in args.variants[variant].split(","):
+                if item.startswith("env:"):
+                    var, _, value = item.removeprefix("env:").partition("=")
+                    environ[var] = value
+                else:
+                    cmd.append(item)
         row = {"name": name, "gpus": gpus, "cores": cores, "batch": batch, "kind": kind}
         row.update(decode=decode, cpu_decode_share=share, variant=variant, mix=mix or "-")
+        row.update(env=environ)
         try:
-            raw = run_train(cmd, cores, gpus, work / name, args.timeout, args.quick)
+            raw = run_train(cmd, cores, gpus, work / name, args.timeout, args.quick, environ)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the call's other runs go on
             row["error"] = str(e)[-3000:]
             record["runs"].append(row)

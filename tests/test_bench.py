@@ -154,7 +154,8 @@ def test_real_images_quick_runs(tmp_path):
     alone. (Several GPUs and the plain image set: tests/test_real_images_gpus.py.)"""
     cmd = [sys.executable, "bench/real_images.py", "--quick", "--gpus", "1"]
     cmd += ["--cpu-shares", "auto", "0.5"]
-    cmd += ["--variant", "keep=data.keep_trainer_cores=true", "--shards", "24", "--trace"]
+    keep = "keep=data.keep_trainer_cores=true,env:MGPU_BENCH_VARIANT=keep"  # override, variable
+    cmd += ["--variant", keep, "--shards", "24", "--trace"]
     result = run(cmd, tmp_path)
     assert set(result["ratio"]) == {
         "resnet50_b8_1cores",
@@ -180,6 +181,8 @@ def test_real_images_quick_runs(tmp_path):
     assert "data.cpu_decode_share=auto" in runs["folder", "auto", ""]["cmd"]
     assert "data.keep_trainer_cores=true" in runs["folder", None, "keep"]["cmd"]
     assert "cpu_decode_share" not in runs["folder", None, "keep"]["cmd"]
+    assert runs["folder", None, "keep"]["env"] == {"MGPU_BENCH_VARIANT": "keep"}
+    assert "env:" not in runs["folder", None, "keep"]["cmd"] and not runs["shards", None, ""]["env"]
     if not torch.cuda.is_available():  # decode=auto decodes in the workers: no share, and why
         assert runs["folder", "auto", ""]["decode_split"] == "0 (nothing is decoded on the GPU)"
     assert "data=image_shards" in runs["shards", None, ""]["cmd"]
