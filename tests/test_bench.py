@@ -137,6 +137,18 @@ def test_optim_step_quick_runs(tmp_path):
     assert result["max_abs_diff"] < 1e-5, result["max_abs_diff"]
 
 
+def test_launch_stalls_quick_times_every_launch_beside_each_cases_thread(tmp_path):
+    """bench/probes/launch_stalls.py --quick on the CPU (nothing to measure there): the idle and
+    pin cases, each in a process of its own, every launch timed, the pin thread's batches
+    counted and none where the case has no thread."""
+    result = run([sys.executable, "bench/probes/launch_stalls.py", "--quick"], tmp_path)
+    rows = {r["case"]: r for r in result["rows"]}
+    assert set(rows) == {"idle", "pin"}, result["rows"]
+    assert all(r["launches"] > 0 and r["launches"] % 256 == 0 for r in rows.values()), rows
+    assert rows["pin"]["batches"] > 0 and rows["idle"]["batches"] == 0, rows
+    assert all(r["longest_ms"] >= r["p999_us"] / 1e3 for r in rows.values()), rows
+
+
 def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
     """Two CPU runs of trainer.deterministic=true (the setting end to end through train.py):
     CPU kernels repeat, so they must compare equal, weights and losses."""
