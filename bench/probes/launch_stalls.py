@@ -105,8 +105,29 @@ def decoding(device: torch.device, stop: threading.Event, done: list[int], fixed
         done[0] += 1
 
 
-def one_case(case: str, seconds: float, device: torch.device) -> dict:
-    """Times the main thread's launches while the case's thread works."""
+def one_case(case: str, seconds: float, device: torch.device, profile: bool = False) -> dict:
+    """Times the main thread's launches while the case's thread works; with `profile`, under
+    torch.profiler, and the host's CUDA calls of 1 ms or more (any thread) counted by name."""
+    if not profile:
+        return timed(case, seconds, device)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profiler(activities=activities) as prof:
+        row = timed(case, seconds, device)
+    calls: dict[str, list[float]] = {}
+    for e in prof.events():
+        ms = e.cpu_time_total / 1e3  # a runtime call: its host time
+        if e.name.startswith("cuda") and ms >= HELD_MS:
+            calls.setdefault(e.name, []).append(round(ms, 2))
+    row["profiled"] = True
+    row["slow_cuda_calls"] = {name: sorted(ms, reverse=True)[:10] for name, ms in calls.items()}
+    return row
+
+
+def timed(case: str, seconds: float, device: torch.device) -> dict:
+    """The main thread's launches, timed, while the case's thread works."""
     stop, done = threading.Event(), [0]
     work = {"pin": lambda: pinning(device, stop, done)}
     work["nvjpeg"] = lambda: decoding(device, stop, done, fixed=False)
@@ -156,13 +177,19 @@ def main() -> None:
     p.add_argument("--reserve", nargs="*", default=["pin", "nvjpeg"], choices=CASES)
     p.add_argument("--reserve-mb", type=int, default=1024)
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument(
+        "--profile", action="store_true",
+        help="each run under torch.profiler too: the host's CUDA calls of 1 ms or more by name "
+        "(cudaHostAlloc, cudaFreeHost, ...); its callbacks slow launches, so held launches "
+        "are best read from a run without it",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="CPU, the pin case only, briefly")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a case, in its own process
     args = p.parse_args()
     device = torch.device("cpu" if args.quick else "cuda")
     if args.one:
-        print(json.dumps(one_case(args.one, args.seconds, device)), flush=True)
+        print(json.dumps(one_case(args.one, args.seconds, device, args.profile)), flush=True)
         return
     cases = ["idle", "pin"] if args.quick else args.cases
     seconds = 1.0 if args.quick else args.seconds
@@ -176,6 +203,7 @@ def main() -> None:
             env["PYTORCH_CUDA_ALLOC_CONF"] = conf
         cmd = [sys.executable, __file__, "--one", case, "--seconds", str(seconds)]
         cmd += ["--quick"] if args.quick else []
+        cmd += ["--profile"] if args.profile else []
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             rows.append({"case": case, "env": conf, "error": done.stderr[-2000:]})
