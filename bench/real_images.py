@@ -341,7 +341,8 @@ def parse_args() -> argparse.Namespace:
         help="also a folder run (decode=auto) with these train.py overrides, named NAME, e.g. "
         "keep=data.keep_trainer_cores=true or unpinned=dist.cpu_affinity=false; an item "
         "env:VAR=VALUE sets an environment variable of its processes instead, e.g. "
-        "reserve=env:PYTORCH_CUDA_ALLOC_CONF=pinned_reserve_segment_size_mb:1024",
+        "reserve=env:PYTORCH_CUDA_ALLOC_CONF=pinned_reserve_segment_size_mb:1024 (items are "
+        "split at commas: a value cannot hold one)",
     )  # fmt: skip
     p.add_argument(
         "--trace", action="store_true",
@@ -363,6 +364,10 @@ def parse_args() -> argparse.Namespace:
         name, _, overrides = v.partition("=")
         if not name or "=" not in overrides or name in args.variants or name == "traced":
             p.error(f"--variant {v}: give NAME=KEY=VALUE[,KEY=VALUE], each NAME once (not traced)")
+        for item in overrides.split(","):
+            var, equals, _ = item.removeprefix("env:").partition("=")
+            if item.startswith("env:") and not (var and equals):
+                p.error(f"--variant {v}: {item!r}: give env:VAR=VALUE, VAR not empty")
         args.variants[name] = overrides
     if args.folder and args.mixes:
         p.error("--mixes writes image sets; --folder gives one: not both")

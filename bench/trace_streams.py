@@ -25,7 +25,10 @@ GAP_MS = 0.1  # an idle stretch of the training stream this long is counted as a
 
 def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
     """Per stream of the trace at `path`: ops, busy ms a step over `steps` traced steps, and the
-    `top` names by time. The busiest stream is taken as the training stream ("main")."""
+    `top` names by time. The stream busiest with other work than NCCL's is taken as the
+    training stream ("main"). Beside it: the training stream's idle gaps (each of GAP_MS or
+    more), the collectives' kernels, and the host's CUDA runtime calls of STALL_MS or more
+    (`at_ms` from the trace's first event)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -35,7 +38,9 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
     by_stream = collections.defaultdict(list)
     for e in work:
         by_stream[str(e.get("args", {}).get("stream"))].append(e)
-    main = max(by_stream, key=lambda s: sum(e["dur"] for e in by_stream[s]))
+    # A rank that waits long in collectives can have an NCCL stream busier than its training
+    # stream: NCCL's kernels do not count in choosing it.
+    main = max(by_stream, key=lambda s: sum(e["dur"] for e in by_stream[s] if not nccl_kernel(e)))
     start = min(e["ts"] for e in work)
     end = max(e["ts"] + e["dur"] for e in work)
     streams = {}
@@ -54,9 +59,10 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
             ],
         }
     side = sum(s["busy_ms_per_step"] for s in streams.values() if not s["main"])
-    # A collective's kernel runs from its launch until every rank has joined it: the longest
-    # of them a step is how far this rank ran ahead of the last rank to get there.
-    nccl = [e["dur"] / 1e3 for e in work if e["name"].startswith("ncclDevKernel")]
+    # A collective's kernel runs from its launch until every rank has joined it and the data has
+    # moved: the longest ones (2 a traced step) bound from above how far this rank ran ahead of
+    # the last rank to get there.
+    nccl = [e["dur"] / 1e3 for e in work if nccl_kernel(e)]
     # The training stream idle between two of its kernels; with the host's long CUDA calls
     # beside it, this says whether the GPU waited on the host (a launch that was itself held:
     # another thread in cudaHostAlloc holds every launch of the process) or on other streams.
@@ -64,9 +70,10 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
     gaps = [(b["ts"] - a["ts"] - a["dur"]) / 1e3 for a, b in itertools.pairwise(ordered)]
     gaps = sorted((g for g in gaps if g >= GAP_MS), reverse=True)
     calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
+    origin = min([start, *(e["ts"] for e in calls)])
     stalls = sorted(
         (
-            {"name": e["name"], "thread": e.get("tid"), "at_ms": round((e["ts"] - start) / 1e3, 2),
+            {"name": e["name"], "thread": e.get("tid"), "at_ms": round((e["ts"] - origin) / 1e3, 2),
              "ms": round(e["dur"] / 1e3, 2)}
             for e in calls if e.get("dur", 0) >= STALL_MS * 1e3
         ),
@@ -78,12 +85,16 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
         "main_busy_ms_per_step": streams[main]["busy_ms_per_step"],
         "side_busy_ms_per_step": side,
         "nccl_ms_per_step": sum(nccl) / steps,
-        "nccl_longest_ms": sorted(nccl, reverse=True)[: 2 * steps],
+        "nccl_longest_ms": [round(d, 3) for d in sorted(nccl, reverse=True)[: 2 * steps]],
         "main_gaps_ms_per_step": sum(gaps) / steps,
         "main_longest_gaps_ms": [round(g, 3) for g in gaps[: 2 * steps]],
         "host_stalls": stalls[:20],
         "streams": streams,
     }
+
+
+def nccl_kernel(event: dict) -> bool:
+    return event["name"].startswith("ncclDevKernel")
 
 
 def main() -> None:

@@ -139,14 +139,14 @@ def test_optim_step_quick_runs(tmp_path):
 
 def test_launch_stalls_quick_times_every_launch_beside_each_cases_thread(tmp_path):
     """bench/probes/launch_stalls.py --quick on the CPU (nothing to measure there): the idle and
-    pin cases, each in a process of its own, every launch timed, the pin thread's batches
-    counted and none where the case has no thread."""
+    pin cases, each in a process of its own, launches timed, the pin thread's batches counted,
+    the file named for the CPU it ran on."""
     result = run([sys.executable, "bench/probes/launch_stalls.py", "--quick"], tmp_path)
     rows = {r["case"]: r for r in result["rows"]}
     assert set(rows) == {"idle", "pin"}, result["rows"]
-    assert all(r["launches"] > 0 and r["launches"] % 256 == 0 for r in rows.values()), rows
-    assert rows["pin"]["batches"] > 0 and rows["idle"]["batches"] == 0, rows
-    assert all(r["longest_ms"] >= r["p999_us"] / 1e3 for r in rows.values()), rows
+    assert all(r["launches"] > 0 and r["median_us"] > 0 for r in rows.values()), rows
+    assert rows["pin"]["batches"] > 0, rows  # the thread beside the launches did its work
+    assert result["device"] == "cpu"
 
 
 def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
@@ -166,7 +166,9 @@ def test_real_images_quick_runs(tmp_path):
     alone. (Several GPUs and the plain image set: tests/test_real_images_gpus.py.)"""
     cmd = [sys.executable, "bench/real_images.py", "--quick", "--gpus", "1"]
     cmd += ["--cpu-shares", "auto", "0.5"]
-    keep = "keep=data.keep_trainer_cores=true,env:MGPU_BENCH_VARIANT=keep"  # override, variable
+    # an override, and a variable that the run's config reads: the run fails without it
+    keep = "keep=data.keep_trainer_cores=true,trainer.seed=${oc.env:MGPU_BENCH_SEED},"
+    keep += "env:MGPU_BENCH_SEED=3"
     cmd += ["--variant", keep, "--shards", "24", "--trace"]
     result = run(cmd, tmp_path)
     assert set(result["ratio"]) == {
@@ -193,8 +195,9 @@ def test_real_images_quick_runs(tmp_path):
     assert "data.cpu_decode_share=auto" in runs["folder", "auto", ""]["cmd"]
     assert "data.keep_trainer_cores=true" in runs["folder", None, "keep"]["cmd"]
     assert "cpu_decode_share" not in runs["folder", None, "keep"]["cmd"]
-    assert runs["folder", None, "keep"]["env"] == {"MGPU_BENCH_VARIANT": "keep"}
-    assert "env:" not in runs["folder", None, "keep"]["cmd"] and not runs["shards", None, ""]["env"]
+    assert runs["folder", None, "keep"]["env"] == {"MGPU_BENCH_SEED": "3"}
+    assert "MGPU_BENCH_SEED=3" not in runs["folder", None, "keep"]["cmd"]
+    assert not runs["shards", None, ""]["env"]
     if not torch.cuda.is_available():  # decode=auto decodes in the workers: no share, and why
         assert runs["folder", "auto", ""]["decode_split"] == "0 (nothing is decoded on the GPU)"
     assert "data=image_shards" in runs["shards", None, ""]["cmd"]
@@ -204,8 +207,9 @@ def test_real_images_quick_runs(tmp_path):
 
 
 def test_trace_streams_sums_each_streams_kernels_per_step(tmp_path):
-    """bench/trace_streams.py on a written trace: the busiest stream is the training one, the
-    rest is what ran beside it, per step."""
+    """bench/trace_streams.py on a written trace: the stream busiest with other work than NCCL's
+    is the training one, the rest is what ran beside it, per step; the training stream's gaps,
+    the collectives' longest kernels and the host's long CUDA calls are listed."""
     sys.path.insert(0, str(ROOT))
     from bench.trace_streams import stream_summary
 
@@ -215,22 +219,27 @@ def test_trace_streams_sums_each_streams_kernels_per_step(tmp_path):
 
     events = [kernel("conv", 7, 0, 800), kernel("conv", 7, 900, 800), kernel("gemm", 7, 1700, 300)]
     events += [kernel("_resize_rows", 20, 100, 150), kernel("rgba2rgb", 33, 50, 10)]
+    # a collective that waited 2.5 ms for the other rank: busier than the training stream
+    events += [kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 50, 0, 2500)]
     events += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
     host = {"ph": "X", "cat": "cuda_runtime", "tid": 9}
+    events += [{**host, "name": "cudaMalloc", "ts": -500, "dur": 20}]  # before any GPU work
     events += [{**host, "name": "cudaHostAlloc", "ts": 1000, "dur": 1500}]
     events += [{**host, "name": "cudaLaunchKernel", "ts": 1100, "dur": 5}]
     path = tmp_path / "t.pt.trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     s = stream_summary(path, steps=2)
-    assert s["streams"]["7"]["main"] and not s["streams"]["20"]["main"]
+    assert s["streams"]["7"]["main"] and not s["streams"]["50"]["main"]
+    assert not s["streams"]["20"]["main"]
     assert s["main_busy_ms_per_step"] == 1.9 / 2
-    assert s["side_busy_ms_per_step"] == (0.15 + 0.01) / 2
+    assert s["side_busy_ms_per_step"] == (0.15 + 0.01 + 2.5) / 2
     assert s["streams"]["7"]["top"][0] == {"name": "conv", "count": 2, "ms_per_step": 0.8}
-    assert s["window_ms_per_step"] == 2.0 / 2
+    assert s["window_ms_per_step"] == 2.5 / 2
+    assert s["nccl_longest_ms"] == [2.5] and s["nccl_ms_per_step"] == 2.5 / 2
     # the training stream idle 0.1 ms between its two convs, not between conv and gemm
     assert s["main_longest_gaps_ms"] == [0.1] and s["main_gaps_ms_per_step"] == 0.1 / 2
-    stall = {"name": "cudaHostAlloc", "thread": 9, "at_ms": 1.0, "ms": 1.5}
-    assert s["host_stalls"] == [stall]  # the short launch is not one
+    stall = {"name": "cudaHostAlloc", "thread": 9, "at_ms": 1.5, "ms": 1.5}
+    assert s["host_stalls"] == [stall]  # the short calls are not ones; times from the first
 
 
 def test_powersgd_engine_is_timed_only_over_its_compressed_steps():

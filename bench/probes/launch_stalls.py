@@ -134,6 +134,10 @@ def timed(case: str, seconds: float, device: torch.device) -> dict:
     work["nvjpeg_fixed"] = lambda: decoding(device, stop, done, fixed=True)
     x = torch.zeros(1024, device=device)
     cuda = device.type == "cuda"
+    for _ in range(GROUP):  # the kernel loaded and the first launches' set-up paid, untimed
+        x.add_(1.0)
+    if cuda:
+        torch.cuda.synchronize(device)
     thread = threading.Thread(target=work[case], daemon=True) if case != "idle" else None
     if thread is not None:
         thread.start()
@@ -176,7 +180,7 @@ def main() -> None:
     p.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
     p.add_argument("--reserve", nargs="*", default=["pin", "nvjpeg"], choices=CASES)
     p.add_argument("--reserve-mb", type=int, default=1024)
-    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seconds", type=float, default=20.0, help="timed seconds a run (> 0)")
     p.add_argument(
         "--profile", action="store_true",
         help="each run under torch.profiler too: the host's CUDA calls of 1 ms or more by name "
@@ -187,6 +191,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a case, in its own process
     args = p.parse_args()
+    if args.seconds <= 0:
+        p.error(f"--seconds {args.seconds}: give a time above 0, e.g. --seconds 20")
     device = torch.device("cpu" if args.quick else "cuda")
     if args.one:
         print(json.dumps(one_case(args.one, args.seconds, device, args.profile)), flush=True)
@@ -197,30 +203,39 @@ def main() -> None:
     reserve = f"pinned_reserve_segment_size_mb:{args.reserve_mb}"
     plan += [(case, reserve) for case in args.reserve if case in cases and not args.quick]
     rows = []
+    limit = 3 * seconds + 120  # its start-up, its thread's set-up, the timed seconds
     for case, conf in plan:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         if conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = conf
         cmd = [sys.executable, __file__, "--one", case, "--seconds", str(seconds)]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--profile"] if args.profile else []
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            rows.append({"case": case, "env": conf, "error": done.stderr[-2000:]})
-        else:
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append(run_case(cmd, env, limit, {"case": case, "env": conf}))
         print(json.dumps(rows[-1]), flush=True)
-    write(args, rows)
+    write(args, rows, "cpu" if args.quick else torch.cuda.get_device_name())
 
 
-def write(args, rows: list[dict]) -> None:  # noqa: ANN001
+def run_case(cmd: list[str], env: dict, limit: float, which: dict) -> dict:
+    """One case's process: its row, or `which` with the error (a case that hangs, nvJPEG stuck,
+    is recorded so, and the others still run)."""
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {**which, "error": f"no result within {limit:.0f} s"}
+    if done.returncode != 0:
+        return {**which, "error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write(args, rows: list[dict], name: str) -> None:  # noqa: ANN001
     commit = (
         os.environ.get("MGPU_COMMIT")
         or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip()
     )
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     record = {"device": name, "torch": torch.__version__, "git_commit": commit, "argv": sys.argv}
     record["rows"] = rows
     args.out.mkdir(parents=True, exist_ok=True)

@@ -208,7 +208,8 @@ def quiet_when_the_trainer_hangs_up() -> None:
     (multiprocessing's resource sharer) sends when the training process asks for it. A Ctrl-C
     that interrupts the training process in the middle of that exchange closes its end, and the
     sharer thread prints a BrokenPipe traceback beside the trainer's one-line report
-    (mgpu.run.interrupt). Only that error from that thread is kept quiet: the training process
+    (mgpu.run.interrupt). Only a closed connection (ConnectionError, EOFError) raised through
+    the sharer's code (resource_sharer.py in the traceback) is kept quiet: the training process
     is ending and says why itself; every other error is printed as before."""
     printed = sys.excepthook
 
