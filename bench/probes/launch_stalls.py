@@ -17,6 +17,14 @@ those waits are not counted). Beside it one thread does a case's work:
   nvjpeg        torchvision's GPU decode (nvJPEG) of a batch of JPEGs, as many a call as
                 decode=gpu's split gives (a draw around 101 of 128)
   nvjpeg_fixed  the same, every call of 101 JPEGs
+  nvimgcodec    the same varying count decoded by nvImageCodec (planar RGB, its default
+                backends: the hardware decoder for baseline JPEGs where the GPU has one)
+  nvimgcodec_cuda  the same on its CUDA decoder only (Backend(GPU_ONLY))
+nvImageCodec's cases need the nvidia-nvimgcodec-cu13 and nvidia-nvjpeg wheels importable.
+--queue step launches bf16 2048x2048 matmuls instead of tiny kernels, so that the GPU has
+10-20 ms of work queued as in a training step: a lock that waits for the device to drain
+(cudaFree's) then holds launches for as long as the queue, where tiny kernels show only the
+lock itself.
 Each case runs in a process of its own, and those named in --reserve once more with torch's
 pinned reserve (PYTORCH_CUDA_ALLOC_CONF=pinned_reserve_segment_size_mb:--reserve-mb, which
 serves pinned blocks from one segment page-locked at the first allocation). Per run: launches,
@@ -44,7 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-CASES = ["idle", "pin", "nvjpeg", "nvjpeg_fixed"]
+CASES = ["idle", "pin", "nvjpeg", "nvjpeg_fixed", "nvimgcodec", "nvimgcodec_cuda"]
 HELD_MS = 1.0  # a launch this long was held by something else
 GROUP = 256  # launches between run-ahead marks
 BATCH, JPEG_SHARE, SIDE = 128, 0.79, 224  # decode=gpu's split of a B=128 batch
@@ -105,17 +113,44 @@ def decoding(device: torch.device, stop: threading.Event, done: list[int], fixed
         done[0] += 1
 
 
-def one_case(case: str, seconds: float, device: torch.device, profile: bool = False) -> dict:
+def nvimgcodec_decoding(
+    device: torch.device, stop: threading.Event, done: list[int], cuda_only: bool
+) -> None:
+    """The same decode by nvImageCodec: planar RGB ([3, H, W], as torchvision gives) on a side
+    stream, a few batches held as in flight."""
+    from nvidia import nvimgcodec
+
+    files = [bytes(t.numpy()) for t in jpegs(64)]
+    backends = [nvimgcodec.Backend(nvimgcodec.GPU_ONLY)] if cuda_only else None
+    decoder = nvimgcodec.Decoder(device_id=device.index or 0, backends=backends)
+    params = nvimgcodec.DecodeParams(sample_format=nvimgcodec.P_RGB)
+    rng = torch.Generator().manual_seed(0)
+    stream = torch.cuda.Stream(device)
+    held: collections.deque = collections.deque(maxlen=3)
+    while not stop.is_set():
+        count = int(
+            torch.binomial(torch.tensor(float(BATCH)), torch.tensor(JPEG_SHARE), generator=rng)
+        )
+        sources = [nvimgcodec.CodeStream(files[k % len(files)]) for k in range(count)]
+        images = decoder.decode(sources, params=params, cuda_stream=stream.cuda_stream)
+        with torch.cuda.stream(stream):
+            held.append([torch.as_tensor(image.cuda(), device=device) for image in images])
+        done[0] += 1
+
+
+def one_case(
+    case: str, seconds: float, device: torch.device, queue: str, profile: bool = False
+) -> dict:
     """Times the main thread's launches while the case's thread works; with `profile`, under
     torch.profiler, and the host's CUDA calls of 1 ms or more (any thread) counted by name."""
     if not profile:
-        return timed(case, seconds, device)
+        return timed(case, seconds, device, queue)
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profiler(activities=activities) as prof:
-        row = timed(case, seconds, device)
+        row = timed(case, seconds, device, queue)
     calls: dict[str, list[float]] = {}
     for e in prof.events():
         ms = e.cpu_time_total / 1e3  # a runtime call: its host time
@@ -126,16 +161,30 @@ def one_case(case: str, seconds: float, device: torch.device, profile: bool = Fa
     return row
 
 
-def timed(case: str, seconds: float, device: torch.device) -> dict:
+def timed(case: str, seconds: float, device: torch.device, queue: str) -> dict:
     """The main thread's launches, timed, while the case's thread works."""
     stop, done = threading.Event(), [0]
     work = {"pin": lambda: pinning(device, stop, done)}
     work["nvjpeg"] = lambda: decoding(device, stop, done, fixed=False)
     work["nvjpeg_fixed"] = lambda: decoding(device, stop, done, fixed=True)
-    x = torch.zeros(1024, device=device)
+    work["nvimgcodec"] = lambda: nvimgcodec_decoding(device, stop, done, cuda_only=False)
+    work["nvimgcodec_cuda"] = lambda: nvimgcodec_decoding(device, stop, done, cuda_only=True)
+    if queue == "step":  # ~30-40 us a matmul on an H100: a group is ~10 ms of GPU work
+        x = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+
+        def launch() -> None:
+            torch.mm(x, x, out=y)
+
+        y = torch.empty_like(x)
+    else:
+        x = torch.zeros(1024, device=device)
+
+        def launch() -> None:
+            x.add_(1.0)
+
     cuda = device.type == "cuda"
     for _ in range(GROUP):  # the kernel loaded and the first launches' set-up paid, untimed
-        x.add_(1.0)
+        launch()
     if cuda:
         torch.cuda.synchronize(device)
     thread = threading.Thread(target=work[case], daemon=True) if case != "idle" else None
@@ -149,7 +198,7 @@ def timed(case: str, seconds: float, device: torch.device) -> dict:
     while time.perf_counter() < end:
         for _ in range(GROUP):
             began = time.perf_counter()
-            x.add_(1.0)
+            launch()
             launches.append((time.perf_counter() - began) * 1e3)
         if cuda:  # bounded run-ahead, as a training loop's: not a launch, not counted
             mark = torch.cuda.Event()
@@ -164,6 +213,7 @@ def timed(case: str, seconds: float, device: torch.device) -> dict:
     ordered = sorted(launches)
     return {
         "case": case,
+        "queue": queue,
         "env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "launches": len(launches),
         "median_us": statistics.median(launches) * 1e3,
@@ -187,6 +237,11 @@ def main() -> None:
         "(cudaHostAlloc, cudaFreeHost, ...); its callbacks slow launches, so held launches "
         "are best read from a run without it",
     )  # fmt: skip
+    p.add_argument(
+        "--queue", nargs="+", default=["small"], choices=["small", "step"],
+        help="the main thread's kernels: tiny ones, or matmuls that queue a step's worth of "
+        "GPU work (each value runs every case)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="CPU, the pin case only, briefly")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     p.add_argument("--one", help=argparse.SUPPRESS)  # a case, in its own process
@@ -195,24 +250,30 @@ def main() -> None:
         p.error(f"--seconds {args.seconds}: give a time above 0, e.g. --seconds 20")
     device = torch.device("cpu" if args.quick else "cuda")
     if args.one:
-        print(json.dumps(one_case(args.one, args.seconds, device, args.profile)), flush=True)
+        print(
+            json.dumps(one_case(args.one, args.seconds, device, args.queue[0], args.profile)),
+            flush=True,
+        )
         return
     cases = ["idle", "pin"] if args.quick else args.cases
     seconds = 1.0 if args.quick else args.seconds
-    plan = [(case, "") for case in cases]
     reserve = f"pinned_reserve_segment_size_mb:{args.reserve_mb}"
-    plan += [(case, reserve) for case in args.reserve if case in cases and not args.quick]
+    plan = []
+    for queue in ["small"] if args.quick else args.queue:
+        plan += [(case, "", queue) for case in cases]
+        plan += [(c, reserve, queue) for c in args.reserve if c in cases and not args.quick]
     rows = []
     limit = 3 * seconds + 120  # its start-up, its thread's set-up, the timed seconds
-    for case, conf in plan:
+    for case, conf, queue in plan:
         env = {**os.environ}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         if conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = conf
         cmd = [sys.executable, __file__, "--one", case, "--seconds", str(seconds)]
+        cmd += ["--queue", queue]
         cmd += ["--quick"] if args.quick else []
         cmd += ["--profile"] if args.profile else []
-        rows.append(run_case(cmd, env, limit, {"case": case, "env": conf}))
+        rows.append(run_case(cmd, env, limit, {"case": case, "queue": queue, "env": conf}))
         print(json.dumps(rows[-1]), flush=True)
     write(args, rows, "cpu" if args.quick else torch.cuda.get_device_name())
 
