@@ -90,11 +90,12 @@ def pinning(device: torch.device, stop: threading.Event, done: list[int]) -> Non
         done[0] += 1
 
 
-def decoding(device: torch.device, stop: threading.Event, done: list[int], fixed: bool) -> None:
+def decoding(
+    device: torch.device, stop: threading.Event, done: list[int], fixed: bool, files: list
+) -> None:
     """The prefetcher's copy thread under decode=gpu: nvJPEG through torchvision."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    files = jpegs(64)
     rng = torch.Generator().manual_seed(0)
     stream = torch.cuda.Stream(device)
     mean = round(BATCH * JPEG_SHARE)
@@ -114,13 +115,13 @@ def decoding(device: torch.device, stop: threading.Event, done: list[int], fixed
 
 
 def nvimgcodec_decoding(
-    device: torch.device, stop: threading.Event, done: list[int], cuda_only: bool
+    device: torch.device, stop: threading.Event, done: list[int], cuda_only: bool, files: list
 ) -> None:
     """The same decode by nvImageCodec: planar RGB ([3, H, W], as torchvision gives) on a side
     stream, a few batches held as in flight."""
     from nvidia import nvimgcodec
 
-    files = [bytes(t.numpy()) for t in jpegs(64)]
+    files = [bytes(t.numpy()) for t in files]
     backends = [nvimgcodec.Backend(nvimgcodec.GPU_ONLY)] if cuda_only else None
     decoder = nvimgcodec.Decoder(device_id=device.index or 0, backends=backends)
     params = nvimgcodec.DecodeParams(sample_format=nvimgcodec.P_RGB)
@@ -164,11 +165,19 @@ def one_case(
 def timed(case: str, seconds: float, device: torch.device, queue: str) -> dict:
     """The main thread's launches, timed, while the case's thread works."""
     stop, done = threading.Event(), [0]
+    # The JPEGs are made, and torchvision imported, here in the main thread before any timing,
+    # as mgpu does (gpu_decoder decodes a first JPEG while it builds the step). The nvjpeg
+    # cases held launches 2.7-5.5 s of 6-8 with the files made in this thread and torchvision
+    # imported in the decoding one, where a 40-line script that imports it first held none
+    # (bench/README.md, 2026-11-28); moving the import here is not yet measured.
+    files = jpegs(64) if case.startswith("nv") else []
+    if case.startswith("nvjpeg"):
+        import torchvision.io  # noqa: F401
     work = {"pin": lambda: pinning(device, stop, done)}
-    work["nvjpeg"] = lambda: decoding(device, stop, done, fixed=False)
-    work["nvjpeg_fixed"] = lambda: decoding(device, stop, done, fixed=True)
-    work["nvimgcodec"] = lambda: nvimgcodec_decoding(device, stop, done, cuda_only=False)
-    work["nvimgcodec_cuda"] = lambda: nvimgcodec_decoding(device, stop, done, cuda_only=True)
+    work["nvjpeg"] = lambda: decoding(device, stop, done, False, files)
+    work["nvjpeg_fixed"] = lambda: decoding(device, stop, done, True, files)
+    work["nvimgcodec"] = lambda: nvimgcodec_decoding(device, stop, done, False, files)
+    work["nvimgcodec_cuda"] = lambda: nvimgcodec_decoding(device, stop, done, True, files)
     if queue == "step":  # ~30-40 us a matmul on an H100: a group is ~10 ms of GPU work
         x = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
 

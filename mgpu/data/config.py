@@ -18,13 +18,7 @@ from mgpu.config.checks import (
     _positive,
     _require,
 )
-from mgpu.data.gpu_decode import (
-    NVIMGCODEC_FIX,
-    gpu_decode_unavailable,
-    nvimgcodec_unavailable,
-    resolve_decode,
-    resolve_jpeg_decoder,
-)
+from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_folder import (
     FolderError,
     auto_eval_samples,
@@ -42,12 +36,6 @@ class Decode(Enum):
     auto = "auto"
     cpu = "cpu"
     gpu = "gpu"
-
-
-class JpegDecoder(Enum):
-    auto = "auto"
-    nvimgcodec = "nvimgcodec"
-    torchvision = "torchvision"
 
 
 class BadFiles(Enum):
@@ -162,11 +150,6 @@ class ImageFolderDataConfig(DataConfig):
     # Where JPEGs are decoded: cpu (Pillow, in the DataLoader workers), gpu (torchvision's
     # nvJPEG, in the prefetcher; PNGs stay on the CPU), auto (mgpu.data.gpu_decode says which).
     decode: Decode = Decode.auto
-    # Under data.decode=gpu, the library that decodes JPEGs: nvimgcodec (NVIDIA's nvImageCodec:
-    # pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg), torchvision (its nvJPEG decode_jpeg),
-    # auto: nvimgcodec where installed, else torchvision; the log says which. torchvision's
-    # stalls the step's launches on several GPUs (docs/data.md).
-    jpeg_decoder: JpegDecoder = JpegDecoder.auto
     # An unreadable image: error stops the run naming the file; skip replaces it by the next
     # readable one, names it in the rank's log and counts it (data/bad_files_replaced).
     bad_files: BadFiles = BadFiles.error
@@ -200,7 +183,6 @@ class ImageFolderDataConfig(DataConfig):
         super().__post_init__()
         # Built in code (tests, benchmarks) these may come as the names users type.
         self.decode = Decode(getattr(self.decode, "value", self.decode))
-        self.jpeg_decoder = JpegDecoder(getattr(self.jpeg_decoder, "value", self.jpeg_decoder))
         self.bad_files = BadFiles(getattr(self.bad_files, "value", self.bad_files))
         _positive("data.image_size", self.image_size, "224")
         _auto_or_positive_int("data.eval_samples", self.eval_samples, "a share of data.path")
@@ -218,9 +200,6 @@ class ImageFolderDataConfig(DataConfig):
         if self.decode is Decode.gpu:
             why = gpu_decode_unavailable()
             _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
-        if self.jpeg_decoder is JpegDecoder.nvimgcodec and self.decode is not Decode.cpu:
-            why = nvimgcodec_unavailable()
-            _require(why is None, "data.jpeg_decoder", "nvimgcodec", f"{why}; {NVIMGCODEC_FIX}")
         self._check_folders()
 
     def _check_folders(self) -> None:
@@ -262,8 +241,6 @@ class ImageFolderDataConfig(DataConfig):
     def dataset_kwargs(self) -> dict[str, Any]:
         kwargs = super().dataset_kwargs()
         kwargs["decode"] = resolve_decode(self.decode.value)
-        if kwargs["decode"] == "gpu":
-            kwargs["jpeg_decoder"] = resolve_jpeg_decoder(self.jpeg_decoder.value)
         share = self.cpu_decode_share
         if share and kwargs["decode"] == "cpu" and share != "auto":
             log.warning(

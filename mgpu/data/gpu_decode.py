@@ -7,9 +7,7 @@ torchvision is imported here only, lazily: it is optional, and CPU hosts do with
 
 from __future__ import annotations
 
-import collections
 import functools
-import importlib.util
 import io
 import logging
 import os
@@ -74,46 +72,6 @@ def resolve_decode(mode: str) -> str:
     return "cpu"
 
 
-def nvimgcodec_unavailable() -> str | None:
-    """Why nvImageCodec cannot be tried here, or None if it is installed. Imports nothing of
-    it (an import without nvJPEG's library prints errors; gpu_decoder's first decode says)."""
-    try:
-        found = importlib.util.find_spec("nvidia.nvimgcodec") is not None
-    except ImportError:  # no `nvidia` package at all
-        found = False
-    return None if found else "nvImageCodec is not installed"
-
-
-def resolve_jpeg_decoder(choice: str) -> str:
-    """data.jpeg_decoder under data.decode=gpu: nvimgcodec and torchvision as they are; auto is
-    nvimgcodec wherever it is installed, else torchvision, and the log says which.
-
-    Why nvImageCodec first: torchvision's decode_jpeg holds every other thread's CUDA calls of
-    the process for much of each call, the training thread's launches included, and each such
-    stall of one rank holds every rank at the next collective; nvImageCodec held them ~17x less
-    (bench/probes/launch_stalls.py on an H100: 0.33 s of 12 against 5.77 s, bench/README.md).
-    """
-    if choice not in ("auto", "nvimgcodec", "torchvision"):
-        raise ValueError(f"jpeg_decoder={choice!r}: use auto, nvimgcodec or torchvision")
-    if choice != "auto":
-        return choice
-    why = nvimgcodec_unavailable()
-    _say_jpeg_decoder(why)
-    return "torchvision" if why else "nvimgcodec"
-
-
-@functools.cache  # once a process: the train and eval datasets both resolve theirs
-def _say_jpeg_decoder(why: str | None) -> None:
-    if why is None:
-        log.info("data.jpeg_decoder=auto: JPEGs decoded on the GPU by nvImageCodec")
-        return
-    log.info(
-        "data.jpeg_decoder=auto: JPEGs decoded on the GPU by torchvision (nvJPEG), since %s; "
-        "nvImageCodec stalls the step's launches far less on several GPUs (%s)", why,
-        NVIMGCODEC_FIX.removesuffix(", or set data.jpeg_decoder=torchvision"),
-    )  # fmt: skip
-
-
 @functools.cache  # once a process and value: the train and eval datasets both resolve theirs
 def _warn_crowded_queues(value: str | None) -> None:
     crowded = cuda_connections_warning({} if value is None else {CUDA_CONNECTIONS: value})
@@ -167,94 +125,36 @@ def resize_each(
         out[slot] = (crop + 0.5).floor_().clamp_(0, 255).to(torch.uint8)
 
 
-def gpu_decoder(
-    dataset: DecodedSet, device: torch.device | str, library: str = "torchvision"
-) -> BatchDecoder:
-    """data.decode=gpu's step for `device`, its JPEGs decoded by `library` (resolve_jpeg_decoder:
-    nvimgcodec or torchvision), tried once on a tiny JPEG: a GPU decode that cannot work stops
-    the run before training, naming the key."""
+def gpu_decoder(dataset: DecodedSet, device: torch.device | str) -> BatchDecoder:
+    """data.decode=gpu's step for `device`, with torchvision's nvJPEG, tried once on a tiny
+    JPEG: a GPU decode that cannot work stops the run before training, naming the key."""
     why = gpu_decode_unavailable()
     if why is not None:
         raise ConfigError("data.decode", "gpu", f"{why}; use data.decode=cpu")
-    if library not in ("nvimgcodec", "torchvision"):
-        raise ValueError(f"library={library!r}: use nvimgcodec or torchvision")
-    device = torch.device(device)
-    try:
-        decode = nvimgcodec_decode(device) if library == "nvimgcodec" else nvjpeg_decode(device)
-        decode([_probe_jpeg()])
-        from mgpu.data.gpu_resize import resize_into
-    except (RuntimeError, ImportError) as err:  # ImportError: Triton, for the batched crops
-        if library == "nvimgcodec" and not isinstance(err, ImportError):
-            why = f"nvImageCodec cannot decode a JPEG on {device} ({err}); {NVIMGCODEC_FIX}"
-            raise ConfigError("data.jpeg_decoder", library, why) from None
-        why = f"JPEGs cannot be decoded and cropped on {device} ({err}); use data.decode=cpu"
-        raise ConfigError("data.decode", "gpu", why) from None
-    return BatchDecoder(dataset, device, decode, resize_into)
-
-
-def nvjpeg_decode(device: torch.device) -> JpegDecode:
-    """torchvision's decode_jpeg (nvJPEG). It holds every other thread's CUDA calls of the
-    process for much of each call (bench/probes/launch_stalls.py: 5.8 s of 12 beside one
-    decoding thread on an H100), which on several GPUs stalls the step's launches."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    def decode(data: list[Tensor]) -> list[Tensor]:
+    device = torch.device(device)
+
+    def nvjpeg(data: list[Tensor]) -> list[Tensor]:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
-    return decode
-
-
-# nvImageCodec's own CPU threads (header parsing; Huffman decoding where a GPU has no hardware
-# JPEG decoder): a few, since the rank's other cores are its DataLoader workers'.
-NVIMGCODEC_THREADS = 4
-NVIMGCODEC_FIX = (
-    "install nvImageCodec and nvJPEG for your CUDA (pip install nvidia-nvimgcodec-cu13 "
-    "nvidia-nvjpeg; -cu12 for CUDA 12), or set data.jpeg_decoder=torchvision"
-)
-
-
-def nvimgcodec_decode(device: torch.device) -> JpegDecode:
-    """nvImageCodec's batched decode into planar RGB ([3, H, W], as torchvision's), on the
-    current stream: torch.from_dlpack hands that stream to the image, which orders its decode
-    before the stream's later work (the crops), so the host does not wait for it."""
-    from nvidia import nvimgcodec
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    threads = min(NVIMGCODEC_THREADS, len(os.sched_getaffinity(0)))
-    decoder = nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=threads)
-    # EXIF orientation left as stored: the CPU path (Pillow) and torchvision's leave it too.
-    params = nvimgcodec.DecodeParams(
-        apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
-        sample_format=nvimgcodec.SampleFormat.P_RGB,
-    )  # fmt: skip
-
-    def decode(data: list[Tensor]) -> list[Tensor]:
-        stream = torch.cuda.current_stream(device).cuda_stream
-        sources = [nvimgcodec.CodeStream(t.numpy()) for t in data]
-        images = decoder.decode(sources, params=params, cuda_stream=stream)
-        out = []
-        for image in images:
-            if image is None:  # BatchDecoder then decodes file by file, to name the bad one
-                raise RuntimeError("nvImageCodec could not decode a JPEG of the batch")
-            tensor = torch.from_dlpack(image)
-            out.append(tensor if tensor.is_contiguous() else tensor.contiguous())
-        return out
-
-    return decode
+    try:
+        nvjpeg([_probe_jpeg()])
+        from mgpu.data.gpu_resize import resize_into
+    except (RuntimeError, ImportError) as err:  # ImportError: Triton, for the batched crops
+        why = f"JPEGs cannot be decoded and cropped on {device} ({err}); use data.decode=cpu"
+        raise ConfigError("data.decode", "gpu", why) from None
+    return BatchDecoder(dataset, device, nvjpeg, resize_into)
 
 
 class BatchDecoder:
-    """Decodes and crops an EncodedBatch on `device` with `decode` (gpu_decoder's library);
+    """Decodes and crops an EncodedBatch on `device` with `decode` (nvJPEG, gpu_decoder);
     DeviceLoader calls it on its side stream.
 
-    Stream rules: torchvision decodes on a stream of its own, waits for it on the host, and makes
-    the current stream (the loader's side stream) wait for it too; nvImageCodec decodes in the
-    side stream's order without a host wait. The crops below run on the side stream, so the
-    batch's `ready` event covers all of it. torchvision's host wait is why mgpu.data.loader runs
-    this step on its copy thread, where it overlaps the training loop.
-    Lifetime rule: nvImageCodec's images are its own memory, not torch's caching allocator's
-    (which would order their reuse after the side stream's work), so each batch's decoded images
-    are held until an event after its crops has passed (a query, not a wait).
+    Stream rule: torchvision decodes on a stream of its own, waits for it on the host, and makes
+    the current stream (the loader's side stream) wait for it too; the crops below run on the
+    side stream, so the batch's `ready` event covers all of it. The host wait is why
+    mgpu.data.loader runs this step on its copy thread, where it overlaps the training loop.
     """
 
     def __init__(
@@ -262,7 +162,6 @@ class BatchDecoder:
     ):
         self.dataset, self.device, self.size = dataset, device, dataset.image_size
         self._decode, self._resize = decode, resize
-        self._held: collections.deque[tuple[torch.cuda.Event, list[Tensor]]] = collections.deque()
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         """(images [B, 3, S, S] uint8, labels [B]) on the device."""
@@ -276,17 +175,7 @@ class BatchDecoder:
             # Every crop of the batch in at most 6 launches (gpu_resize.resize_into), whatever
             # the images' sizes: the same filter as the workers' Pillow resize.
             self._resize(out, images, boxes, flips.tolist(), batch.jpeg_at.tolist())
-            self._hold(images)
         return out, labels.to(device, non_blocking=True)
-
-    def _hold(self, images: list[Tensor]) -> None:
-        """Keeps `images` until the side stream is past their crops; lets go of those that are."""
-        while self._held and self._held[0][0].query():
-            self._held.popleft()
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._held.append((done, images))
 
     def _decoded(self, batch: EncodedBatch):
         """The batch's JPEGs decoded, with their boxes, flips and the batch's labels. A batch

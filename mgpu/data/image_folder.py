@@ -188,7 +188,6 @@ class ImageFolder(Dataset):
         classes: list[str] | tuple[str, ...] = (),
         image_size: int = 224,
         decode: str = "cpu",
-        jpeg_decoder: str = "torchvision",
         bad_files: str = "error",
         eval_samples: int | str = "auto",
         scale: tuple[float, float] = (0.08, 1.0),
@@ -201,14 +200,11 @@ class ImageFolder(Dataset):
             raise ValueError(f"split={split!r} is not a known split; use 'train' or 'eval'")
         if decode not in ("cpu", "gpu"):
             raise ValueError(f"decode={decode!r}: use 'cpu' or 'gpu' (config resolves auto)")
-        if jpeg_decoder not in ("nvimgcodec", "torchvision"):
-            raise ValueError(f"jpeg_decoder={jpeg_decoder!r}: use 'nvimgcodec' or 'torchvision'")
         if bad_files not in ("error", "skip"):
             raise ValueError(f"bad_files={bad_files!r}: use 'error' or 'skip'")
         self.classes = list(classes) or class_folders(path)
         self.split, self.train = split, split == "train"
         self.image_size, self.decode, self.bad_files = image_size, decode, bad_files
-        self.jpeg_decoder = jpeg_decoder
         self.scale, self.ratio, self.eval_crop = tuple(scale), tuple(ratio), eval_crop
         self.reduced_decode = reduced_decode
         self.set_cpu_decode_share(cpu_decode_share)
@@ -225,9 +221,7 @@ class ImageFolder(Dataset):
             split,
             len(self.files),
             self.num_classes,
-            f"GPU ({jpeg_decoder}; PNGs on the CPU)"
-            if decode == "gpu"
-            else "CPU (Pillow, in the workers)",
+            "GPU (nvJPEG; PNGs on the CPU)" if decode == "gpu" else "CPU (Pillow, in the workers)",
         )
 
     def _split_files(self, path: str, eval_path: str, eval_samples: int | str):
@@ -384,4 +378,4 @@ class ImageFolder(Dataset):
         """decode=gpu: the prefetcher's step that decodes and crops a batch on `device`."""
         if self.decode != "gpu":
             return None
-        return gpu_decoder(self, device, self.jpeg_decoder)
+        return gpu_decoder(self, device)
