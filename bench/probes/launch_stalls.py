@@ -17,10 +17,6 @@ those waits are not counted). Beside it one thread does a case's work:
   nvjpeg        torchvision's GPU decode (nvJPEG) of a batch of JPEGs, as many a call as
                 decode=gpu's split gives (a draw around 101 of 128)
   nvjpeg_fixed  the same, every call of 101 JPEGs
-  nvimgcodec    the same varying count decoded by nvImageCodec (planar RGB, its default
-                backends: the hardware decoder for baseline JPEGs where the GPU has one)
-  nvimgcodec_cuda  the same on its CUDA decoder only (Backend(GPU_ONLY))
-nvImageCodec's cases need the nvidia-nvimgcodec-cu13 and nvidia-nvjpeg wheels importable.
 --queue step launches bf16 2048x2048 matmuls instead of tiny kernels, so that the GPU has
 10-20 ms of work queued as in a training step: a lock that waits for the device to drain
 (cudaFree's) then holds launches for as long as the queue, where tiny kernels show only the
@@ -45,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-CASES = ["idle", "pin", "nvjpeg", "nvjpeg_fixed", "nvimgcodec", "nvimgcodec_cuda"]
+CASES = ["idle", "pin", "nvjpeg", "nvjpeg_fixed"]
 HELD_MS = 1.0  # a launch this long was held by something else
 GROUP = 256  # launches between run-ahead marks
 BATCH, JPEG_SHARE, SIDE = 128, 0.79, 224  # decode=gpu's split of a B=128 batch
@@ -114,31 +111,6 @@ def decoding(
         done[0] += 1
 
 
-def nvimgcodec_decoding(
-    device: torch.device, stop: threading.Event, done: list[int], cuda_only: bool, files: list
-) -> None:
-    """The same decode by nvImageCodec: planar RGB ([3, H, W], as torchvision gives) on a side
-    stream, a few batches held as in flight."""
-    from nvidia import nvimgcodec
-
-    files = [bytes(t.numpy()) for t in files]
-    backends = [nvimgcodec.Backend(nvimgcodec.GPU_ONLY)] if cuda_only else None
-    decoder = nvimgcodec.Decoder(device_id=device.index or 0, backends=backends)
-    params = nvimgcodec.DecodeParams(sample_format=nvimgcodec.P_RGB)
-    rng = torch.Generator().manual_seed(0)
-    stream = torch.cuda.Stream(device)
-    held: collections.deque = collections.deque(maxlen=3)
-    while not stop.is_set():
-        count = int(
-            torch.binomial(torch.tensor(float(BATCH)), torch.tensor(JPEG_SHARE), generator=rng)
-        )
-        sources = [nvimgcodec.CodeStream(files[k % len(files)]) for k in range(count)]
-        images = decoder.decode(sources, params=params, cuda_stream=stream.cuda_stream)
-        with torch.cuda.stream(stream):
-            held.append([torch.as_tensor(image.cuda(), device=device) for image in images])
-        done[0] += 1
-
-
 def one_case(
     case: str, seconds: float, device: torch.device, queue: str, profile: bool = False
 ) -> dict:
@@ -165,26 +137,38 @@ def one_case(
 def timed(case: str, seconds: float, device: torch.device, queue: str) -> dict:
     """The main thread's launches, timed, while the case's thread works."""
     stop, done = threading.Event(), [0]
-    # The JPEGs are made, and torchvision imported, here in the main thread before any timing,
-    # as mgpu does (gpu_decoder decodes a first JPEG while it builds the step). The nvjpeg
-    # cases held launches 2.7-5.5 s of 6-8 with the files made in this thread and torchvision
-    # imported in the decoding one, where a 40-line script that imports it first held none
-    # (bench/README.md, 2026-11-28); moving the import here is not yet measured.
-    files = jpegs(64) if case.startswith("nv") else []
-    if case.startswith("nvjpeg"):
-        import torchvision.io  # noqa: F401
+    # The JPEGs are made, and nvJPEG first used, here in the main thread before any timing, as
+    # mgpu does (gpu_decoder decodes a first JPEG while it builds the step). Made and first used
+    # in the decoding thread (7b733fc, 4b6ec1b), the nvjpeg cases held launches 2.7-7.1 s of
+    # 6-15, where bench/probes/nvjpeg_thread.py (since removed; bench/README.md, 2026-11-28)
+    # held none on the same H200; this order is not yet measured here.
+    files = jpegs(64) if case.startswith("nvjpeg") else []
+    if files:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        decode_jpeg(files[:1], mode=ImageReadMode.RGB, device=device)
+        torch.cuda.synchronize(device)
+    failed: list[BaseException] = []
+
+    def guarded(work: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:  # a thread's error is the row's, not a line on a discarded stderr
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - recorded in the row, then the run ends
+                failed.append(err)
+
+        return run
+
     work = {"pin": lambda: pinning(device, stop, done)}
     work["nvjpeg"] = lambda: decoding(device, stop, done, False, files)
     work["nvjpeg_fixed"] = lambda: decoding(device, stop, done, True, files)
-    work["nvimgcodec"] = lambda: nvimgcodec_decoding(device, stop, done, False, files)
-    work["nvimgcodec_cuda"] = lambda: nvimgcodec_decoding(device, stop, done, True, files)
     if queue == "step":  # ~30-40 us a matmul on an H100: a group is ~10 ms of GPU work
         x = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+        y = torch.empty_like(x)
 
         def launch() -> None:
             torch.mm(x, x, out=y)
 
-        y = torch.empty_like(x)
     else:
         x = torch.zeros(1024, device=device)
 
@@ -196,7 +180,9 @@ def timed(case: str, seconds: float, device: torch.device, queue: str) -> dict:
         launch()
     if cuda:
         torch.cuda.synchronize(device)
-    thread = threading.Thread(target=work[case], daemon=True) if case != "idle" else None
+    thread = None
+    if case != "idle":
+        thread = threading.Thread(target=guarded(work[case]), daemon=True)
     if thread is not None:
         thread.start()
         time.sleep(1.0)  # its first batches (nvJPEG's set-up, the pinned pool's first blocks)
@@ -220,7 +206,15 @@ def timed(case: str, seconds: float, device: torch.device, queue: str) -> dict:
         thread.join(timeout=30)
     held = [t for t in launches if t > HELD_MS]
     ordered = sorted(launches)
+    why = None
+    if failed:
+        why = f"the case's thread failed: {type(failed[0]).__name__}: {failed[0]}"
+    elif thread is not None and thread.is_alive():
+        why = "the case's thread did not end within 30 s of the stop"
+    elif thread is not None and done[0] == first:
+        why = "the case's thread got through no batch in the timed seconds"
     return {
+        **({"error": why} if why else {}),
         "case": case,
         "queue": queue,
         "env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
@@ -247,7 +241,7 @@ def main() -> None:
         "are best read from a run without it",
     )  # fmt: skip
     p.add_argument(
-        "--queue", nargs="+", default=["small"], choices=["small", "step"],
+        "--queue", nargs="+", default=["small"], choices=["small", "step"], metavar="QUEUE",
         help="the main thread's kernels: tiny ones, or matmuls that queue a step's worth of "
         "GPU work (each value runs every case)",
     )  # fmt: skip
@@ -257,6 +251,10 @@ def main() -> None:
     args = p.parse_args()
     if args.seconds <= 0:
         p.error(f"--seconds {args.seconds}: give a time above 0, e.g. --seconds 20")
+    if args.quick and args.queue != ["small"]:
+        p.error("--quick runs the small queue only (the CPU has no queue to fill); drop --queue")
+    if args.one and len(args.queue) != 1:
+        p.error("--one runs one queue: give --queue small or --queue step")
     device = torch.device("cpu" if args.quick else "cuda")
     if args.one:
         print(
