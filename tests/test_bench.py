@@ -146,7 +146,13 @@ def test_launch_stalls_quick_times_every_launch_beside_each_cases_thread(tmp_pat
     assert set(rows) == {"idle", "pin"}, result["rows"]
     assert all(r["launches"] > 0 and r["median_us"] > 0 for r in rows.values()), rows
     assert rows["pin"]["batches"] > 0, rows  # the thread beside the launches did its work
+    assert all("error" not in r and r["queue"] == "small" for r in rows.values()), rows
     assert result["device"] == "cpu"
+    refused = subprocess.run(
+        [sys.executable, "bench/probes/launch_stalls.py", "--quick", "--queue", "step"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "drop --queue" in refused.stderr, refused.stderr
 
 
 def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):

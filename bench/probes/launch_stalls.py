@@ -18,9 +18,8 @@ those waits are not counted). Beside it one thread does a case's work:
                 decode=gpu's split gives (a draw around 101 of 128)
   nvjpeg_fixed  the same, every call of 101 JPEGs
 --queue step launches bf16 2048x2048 matmuls instead of tiny kernels, so that the GPU has
-10-20 ms of work queued as in a training step: a lock that waits for the device to drain
-(cudaFree's) then holds launches for as long as the queue, where tiny kernels show only the
-lock itself.
+10-20 ms of work queued as in a training step: it shows whether a case's hold grows with the
+queue (a lock held while the device drains would), where tiny kernels show the lock alone.
 Each case runs in a process of its own, and those named in --reserve once more with torch's
 pinned reserve (PYTORCH_CUDA_ALLOC_CONF=pinned_reserve_segment_size_mb:--reserve-mb, which
 serves pinned blocks from one segment page-locked at the first allocation). Per run: launches,
@@ -41,7 +40,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -149,16 +147,6 @@ def timed(case: str, seconds: float, device: torch.device, queue: str) -> dict:
         decode_jpeg(files[:1], mode=ImageReadMode.RGB, device=device)
         torch.cuda.synchronize(device)
     failed: list[BaseException] = []
-
-    def guarded(work: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:  # a thread's error is the row's, not a line on a discarded stderr
-            try:
-                work()
-            except BaseException as err:  # noqa: BLE001 - recorded in the row, then the run ends
-                failed.append(err)
-
-        return run
-
     work = {"pin": lambda: pinning(device, stop, done)}
     work["nvjpeg"] = lambda: decoding(device, stop, done, False, files)
     work["nvjpeg_fixed"] = lambda: decoding(device, stop, done, True, files)
@@ -180,9 +168,14 @@ def timed(case: str, seconds: float, device: torch.device, queue: str) -> dict:
         launch()
     if cuda:
         torch.cuda.synchronize(device)
-    thread = None
-    if case != "idle":
-        thread = threading.Thread(target=guarded(work[case]), daemon=True)
+
+    def guarded() -> None:  # a thread's error is the row's, not a line on a discarded stderr
+        try:
+            work[case]()
+        except BaseException as err:  # noqa: BLE001 - recorded in the row, then the run ends
+            failed.append(err)
+
+    thread = threading.Thread(target=guarded, daemon=True) if case != "idle" else None
     if thread is not None:
         thread.start()
         time.sleep(1.0)  # its first batches (nvJPEG's set-up, the pinned pool's first blocks)
@@ -266,7 +259,7 @@ def main() -> None:
     seconds = 1.0 if args.quick else args.seconds
     reserve = f"pinned_reserve_segment_size_mb:{args.reserve_mb}"
     plan = []
-    for queue in ["small"] if args.quick else args.queue:
+    for queue in args.queue:  # --quick: small alone (refused above otherwise)
         plan += [(case, "", queue) for case in cases]
         plan += [(c, reserve, queue) for c in args.reserve if c in cases and not args.quick]
     rows = []
