@@ -48,14 +48,18 @@ and resnet50_b<B>_<N>cores_<G>gpu on G (img/s through train.py with data.decode=
 default data.cpu_decode_share=auto over the reference's on as many GPUs); the plain set adds
 _plain, the shards _shards, a fixed share _cpu<share>, a variant _<name>. Each folder run records
 the share auto chose and the rates it measured (decode_split); the file records the host's CPUs
-and NUMA nodes (which CPUs a job's first G x N are).
+and NUMA nodes (which CPUs a job's first G x N are). A traced run's summary names the training
+stream's late launches (bench/trace_streams.py), and each rank's trace is kept gzipped under
+bench/results/traces-<time>/.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -271,22 +275,31 @@ def trace_args(args) -> list[str]:
     ]
 
 
-def traced_streams(run_dir: Path, steps: int) -> dict:
+def traced_streams(run_dir: Path, steps: int, keep_in: Path) -> dict:
     """bench/trace_streams.py's summary of the trace a traced run wrote: rank 0's whole, and
     each rank's step window, training stream and collectives under "ranks" (a rank whose
-    collectives take long waits for another; the one whose don't is the one waited for)."""
+    collectives take long waits for another; the one whose don't is the one waited for). Each
+    rank's trace is kept, gzipped, as `keep_in`/<run>-<rank>.json.gz (the run's own folder is
+    temporary)."""
     from bench.trace_streams import stream_summary
 
     ranks = {}
+    keep_in.mkdir(parents=True, exist_ok=True)
     for rank_dir in sorted((run_dir / "profile").glob("rank*")):
         found = sorted(rank_dir.glob("*.pt.trace.json*"))
         if found:
             ranks[rank_dir.name] = stream_summary(found[-1], steps)
+            kept = keep_in / f"{run_dir.name}-{rank_dir.name}.json.gz"
+            opener = gzip.open if found[-1].suffix == ".gz" else open
+            with opener(found[-1], "rb") as src, gzip.open(kept, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            ranks[rank_dir.name]["kept"] = str(kept)
     if "rank0" not in ranks:
         return {"note": f"no trace under {run_dir / 'profile' / 'rank0'}"}
     keep = (
         "window_ms_per_step", "main_busy_ms_per_step", "nccl_ms_per_step", "nccl_longest_ms",
-        "main_gaps_ms_per_step", "main_longest_gaps_ms", "host_stalls",
+        "main_gaps_ms_per_step", "main_longest_gaps_ms", "host_stalls", "late_launches",
+        "host_phases_ms_per_step", "kept",
     )  # fmt: skip
     summary = ranks["rank0"]
     summary["ranks"] = {name: {k: s.get(k) for k in keep} for name, s in ranks.items()}
@@ -489,7 +502,8 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
         row.update(wall_s=raw["wall_s"])
         row.update(decode_split=raw["split"][0].split("auto: ", 1)[1] if raw["split"] else "")
         if traced:  # its rates carry the profiler's cost: not a ratio
-            row["trace"] = traced_streams(work / name, args.trace_steps)
+            kept = args.out / f"traces-{stamp}"
+            row["trace"] = traced_streams(work / name, args.trace_steps, kept)
         else:
             results[kind, decode, suffix] = row
         record["runs"].append(row)

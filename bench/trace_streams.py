@@ -21,6 +21,8 @@ from pathlib import Path
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 STALL_MS = 1.0  # a CUDA runtime call this long held its thread (and maybe others): listed
 GAP_MS = 0.1  # an idle stretch of the training stream this long is counted as a gap
+LATE_GAP_MS = 1.0  # a gap this long is explained: whose launch ended it, and how late it came
+PHASE = "mgpu/"  # the trainer's annotations of a step's phases (mgpu.telemetry.profiling)
 
 
 def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
@@ -28,7 +30,9 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
     `top` names by time. The stream busiest with other work than NCCL's is taken as the
     training stream ("main"). Beside it: the training stream's idle gaps (each of GAP_MS or
     more), the collectives' kernels, and the host's CUDA runtime calls of STALL_MS or more
-    (`at_ms` from the trace's first event)."""
+    (`at_ms` from the trace's first event). `late_launches` says, for each of the training
+    stream's gaps of LATE_GAP_MS or more, what ended it; `host_phases_ms_per_step` is the host
+    time of each of the trainer's phases, the room a step leaves its launches."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -89,12 +93,60 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
         "main_gaps_ms_per_step": sum(gaps) / steps,
         "main_longest_gaps_ms": [round(g, 3) for g in gaps[: 2 * steps]],
         "host_stalls": stalls[:20],
+        "late_launches": late_launches(events, ordered, origin, 2 * steps),
+        "host_phases_ms_per_step": host_phases(events, steps),
         "streams": streams,
     }
 
 
+def late_launches(events: list, ordered: list, origin: float, top: int) -> list[dict]:
+    """The training stream's `top` longest gaps of LATE_GAP_MS or more, each with the op that
+    ended it: the host thread whose CUDA call launched it, `late_ms` from the gap's start to
+    that call's return (the op is queued then; over 0: the GPU waited for the host, whose call
+    may itself have been held, `call_ms`; 0 or under: the op was queued before the gap began,
+    so it waited on another stream, e.g. a collective's kernel ending within the gap,
+    `after_nccl_ms` before it started), and the trainer's phase at the call."""
+    runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
+    calls = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    phases = [e for e in events if host_phase(e)]
+    nccl_ends = [e["ts"] + e["dur"] for e in events if e.get("ph") == "X" and nccl_kernel(e)]
+    gaps = [(b["ts"] - a["ts"] - a["dur"], a, b) for a, b in itertools.pairwise(ordered)]
+    gaps = sorted((g for g in gaps if g[0] >= LATE_GAP_MS * 1e3), key=lambda g: -g[0])[:top]
+    rows = []
+    for gap, a, b in gaps:
+        start = a["ts"] + a["dur"]
+        row = {"gap_ms": round(gap / 1e3, 3), "at_ms": round((start - origin) / 1e3, 2)}
+        row["op"] = b["name"][:60]
+        call = calls.get(b.get("args", {}).get("correlation"))
+        if call is not None:
+            row.update(thread=call.get("tid"), call=call["name"])
+            row["call_ms"] = round(call["dur"] / 1e3, 3)
+            row["late_ms"] = round((call["ts"] + call["dur"] - start) / 1e3, 3)
+            covering = [p for p in phases if p["ts"] <= call["ts"] <= p["ts"] + p["dur"]]
+            row["phase"] = min(covering, key=lambda p: p["dur"])["name"] if covering else None
+        ended = [t for t in nccl_ends if start < t <= b["ts"]]
+        if ended:
+            row["after_nccl_ms"] = round((b["ts"] - max(ended)) / 1e3, 3)
+        rows.append(row)
+    return rows
+
+
+def host_phases(events: list, steps: int) -> dict[str, float]:
+    """Each trainer phase's host time, ms a traced step (its annotations summed over the trace)."""
+    total = collections.defaultdict(float)
+    for e in filter(host_phase, events):
+        total[e["name"]] += e["dur"] / 1e3 / steps
+    return {name: round(ms, 3) for name, ms in sorted(total.items())}
+
+
+def host_phase(event: dict) -> bool:
+    """A trainer's phase as the host ran it (the trace also holds each one's GPU span)."""
+    name, cat = event.get("name", ""), event.get("cat")
+    return event.get("ph") == "X" and cat == "user_annotation" and name.startswith(PHASE)
+
+
 def nccl_kernel(event: dict) -> bool:
-    return event["name"].startswith("ncclDevKernel")
+    return event.get("name", "").startswith("ncclDevKernel")
 
 
 def main() -> None:
