@@ -3,6 +3,7 @@ what it wrote."""
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -95,6 +96,25 @@ def together(*runs: Callable[[], subprocess.CompletedProcess]) -> list:
     start-up and compiling. Their results in the order given."""
     with ThreadPoolExecutor(len(runs)) as pool:
         return [f.result() for f in [pool.submit(run) for run in runs]]
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], Path]) -> Path:
+    """What `make(folder)` returns, made once for the whole test run however many pytest-xdist
+    workers ask for it (a reference run that several files compare with): the first to ask makes
+    it, holding a lock; the others wait for it and get the same path."""
+    from filelock import FileLock  # torch's own dependency
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder that holds every worker's own
+    made = root / f"{name}.made"
+    with FileLock(root / f"{name}.lock"):
+        if not made.exists():  # not yet, or the one that tried failed (and said why)
+            folder = root / name
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            made.write_text(str(make(folder)))
+    return Path(made.read_text())
 
 
 def said_lines(proc) -> list[str]:

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, gloo_runtime, read_scalars, run_train, said_lines, spawn
+from conftest import (
+    free_port,
+    gloo_runtime,
+    made_once,
+    read_scalars,
+    run_train,
+    said_lines,
+    spawn,
+)
 from faults import first_sample_of_step, recorded
 from test_checkpoint import Shell, bitflip, no_space, reseal
 from torch.utils.data import DataLoader, TensorDataset
@@ -127,10 +135,16 @@ def uninterrupted_run(tmp: Path, args: list[str]) -> Path:
     return run_dir
 
 
+def shared_reference(tmp_path_factory) -> Path:
+    """The uninterrupted run of RUN: 2 processes, 20 steps, checkpoints at 5, 10, 15, 20. Made
+    once for the whole test run (this file and test_two_nodes.py compare with the same run),
+    and only read: the tests that change its checkpoints change copies."""
+    return made_once(tmp_path_factory, "reference", lambda tmp: uninterrupted_run(tmp, RUN))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run: 2 processes, 20 steps, checkpoints at 5, 10, 15, 20."""
-    return uninterrupted_run(tmp_path_factory.mktemp("reference"), RUN)
+    return shared_reference(tmp_path_factory)
 
 
 @pytest.mark.parametrize("launch", LAUNCHES)

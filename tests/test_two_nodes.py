@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import ROOT, free_port, read_scalars
 from faults import first_sample_of_step, recorded
-from test_resume import BATCH, RUN, assert_same_run, faulty, loss_record, uninterrupted_run
+from test_resume import BATCH, RUN, assert_same_run, faulty, loss_record, shared_reference
 
 from mgpu.ckpt.checkpoint import find_latest_valid, step_dir
 from mgpu.data.sampler import epoch_order
@@ -107,8 +107,8 @@ def lost_node_stopped_the_other(out: str, code: int, lost: str, run_dir: Path, r
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run (2 processes of one node: the same 2 ranks)."""
-    return uninterrupted_run(tmp_path_factory.mktemp("reference"), RUN)
+    """The uninterrupted run (2 processes of one node: the same 2 ranks), test_resume.py's."""
+    return shared_reference(tmp_path_factory)
 
 
 def test_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes_bit_for_bit(
