@@ -259,28 +259,47 @@ def pickled(path):
     reseal(path.parent)
 
 
-@pytest.mark.parametrize(
-    "damage, check",
-    [(bitflip, "checksum mismatch"), (pickled, "refused by torch.load(weights_only=True)")],
-    ids=["bitflip", "pickled"],
-)
-def test_a_corrupt_newest_checkpoint_is_skipped_loudly(tmp_path, reference, damage, check):
-    run_dir = tmp_path / "run"
+# Two damages, each to one of the reference's two newest checkpoints: step 20's state.pt
+# bit-flipped (its manifest's checksum fails) and step 15's a forged pickle with a matching
+# manifest (it verifies; torch.load(weights_only=True) refuses it). One resume meets both: it
+# skips step 20, fails to load step 15, and falls back to step 10.
+DAMAGES = {
+    20: (bitflip, "checksum mismatch"),
+    15: (pickled, "refused by torch.load(weights_only=True)"),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed_over_corrupt(tmp_path_factory, reference):
+    """The reference's run directory, DAMAGES done, run again with the same command: the run
+    directory, each damaged file and its bytes, and the run's output."""
+    tmp = tmp_path_factory.mktemp("corrupt")
+    run_dir = tmp / "run"
     shutil.copytree(reference, run_dir)
-    bad = step_dir(run_dir / "checkpoints", 20) / "state.pt"
-    damage(bad)
-    damaged = bad.read_bytes()
-    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
-    proc = run_train([*RUN, *never, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    damaged = {}
+    for step, (damage, _) in DAMAGES.items():
+        bad = step_dir(run_dir / "checkpoints", step) / "state.pt"
+        damage(bad)
+        damaged[step] = (bad, bad.read_bytes())
+    never = faulty("kill", rank=-1, step=1, marker=tmp / "unused")
+    proc = run_train([*RUN, *never, f"hydra.run.dir={run_dir}"], cwd=tmp, nproc=2)
+    return run_dir, damaged, proc
+
+
+@pytest.mark.parametrize("step", DAMAGES, ids=lambda step: DAMAGES[step][0].__name__)
+def test_a_corrupt_newest_checkpoint_is_skipped_loudly(resumed_over_corrupt, reference, step):
+    run_dir, damaged, proc = resumed_over_corrupt
+    bad, damaged = damaged[step]
+    check = DAMAGES[step][1]
     assert proc.returncode == 0, output(proc)[-3000:]
     assert f"skipping invalid checkpoint: {bad}: {check}" in output(proc)
     assert "weights_only=False" not in output(proc) and "set to `False`" not in output(proc)
     assert "resuming from an OLDER checkpoint" in output(proc)
-    assert "step 15, epoch 0" in output(proc)
-    assert_same_run(run_dir, reference)  # step 20 again, this time intact
+    assert "step 10, epoch 0" in output(proc)
+    assert_same_run(run_dir, reference)  # steps 15 and 20 again, this time intact
     # Invalid, whether its manifest shows it or not: kept out of the way as evidence, not
-    # deleted when step 20 was saved again.
-    (evidence,) = (run_dir / "checkpoints").glob("step-00000020.invalid-*")
+    # deleted when its step was saved again.
+    (evidence,) = (run_dir / "checkpoints").glob(f"step-{step:08d}.invalid-*")
     assert (evidence / "state.pt").read_bytes() == damaged
 
 
