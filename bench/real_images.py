@@ -49,8 +49,8 @@ default data.cpu_decode_share=auto over the reference's on as many GPUs); the pl
 _plain, the shards _shards, a fixed share _cpu<share>, a variant _<name>. Each folder run records
 the share auto chose and the rates it measured (decode_split); the file records the host's CPUs
 and NUMA nodes (which CPUs a job's first G x N are). A traced run's summary names the training
-stream's late launches (bench/trace_streams.py), and each rank's trace is kept gzipped under
-bench/results/traces-<time>/.
+stream's late launches (bench/trace_streams.py), and each rank's trace is kept gzipped in
+traces-<time>/ beside the results file (--out).
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def traced_streams(run_dir: Path, steps: int, keep_in: Path) -> dict:
     collectives take long waits for another; the one whose don't is the one waited for). Each
     rank's trace is kept, gzipped, as `keep_in`/<run>-<rank>.json.gz (the run's own folder is
     temporary)."""
-    from bench.trace_streams import stream_summary
+    from bench.trace_streams import open_trace, stream_summary
 
     ranks = {}
     keep_in.mkdir(parents=True, exist_ok=True)
@@ -290,8 +290,7 @@ def traced_streams(run_dir: Path, steps: int, keep_in: Path) -> dict:
         if found:
             ranks[rank_dir.name] = stream_summary(found[-1], steps)
             kept = keep_in / f"{run_dir.name}-{rank_dir.name}.json.gz"
-            opener = gzip.open if found[-1].suffix == ".gz" else open
-            with opener(found[-1], "rb") as src, gzip.open(kept, "wb") as dst:
+            with open_trace(found[-1], "rb") as src, gzip.open(kept, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             ranks[rank_dir.name]["kept"] = str(kept)
     if "rank0" not in ranks:

@@ -33,8 +33,7 @@ def stream_summary(path: Path, steps: int, top: int = 8) -> dict:
     (`at_ms` from the trace's first event). `late_launches` says, for each of the training
     stream's gaps of LATE_GAP_MS or more, what ended it; `host_phases_ms_per_step` is the host
     time of each of the trainer's phases, the room a step leaves its launches."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
+    with open_trace(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     work = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_WORK and "dur" in e]
     if not work:
@@ -137,6 +136,11 @@ def host_phases(events: list, steps: int) -> dict[str, float]:
     for e in filter(host_phase, events):
         total[e["name"]] += e["dur"] / 1e3 / steps
     return {name: round(ms, 3) for name, ms in sorted(total.items())}
+
+
+def open_trace(path: Path, mode: str):
+    """A chrome trace as torch.profiler writes it (.json) or gzipped (.json.gz)."""
+    return (gzip.open if str(path).endswith(".gz") else open)(path, mode)
 
 
 def host_phase(event: dict) -> bool:
