@@ -18,6 +18,7 @@ from mgpu.run.config import to_config
 from mgpu.runtime.dist import Runtime
 from mgpu.train.graphs import ModelLoss, reduction_in_graphs, unreplayed_hooks, use_graphs
 from mgpu.train.numerics import set_math_modes
+from mgpu.train.replay_checks import Signature, difference
 from mgpu.train.trainer import Trainer
 
 CPU = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
@@ -231,6 +232,38 @@ def test_hooks_a_replay_would_not_run_are_named():
         assert unreplayed_hooks(model) == ["global module forward pre hooks"]
     finally:
         handle.remove()
+
+
+def test_the_per_step_signature_sees_every_change_a_fresh_walk_sees():
+    """A replay's per-step check lists the module tree once; after each change a replay must not
+    miss, it equals the signature of a fresh walk of the tree (the reference) and differs from
+    the captured one, naming what changed."""
+    model = net()
+    x, y = torch.randn(4, 8), torch.randint(0, 5, (4,))
+    cached = Signature(model)
+    captured = cached(x, y)
+    assert captured == Signature(model)(x, y)
+    changes = {
+        "a module's train/eval mode": lambda: model[1].eval(),
+        "which parameters take gradients": lambda: model[0].bias.requires_grad_(False),
+        "the storage of a parameter or buffer": lambda: setattr(
+            model[2].weight, "data", model[2].weight.data.clone()
+        ),
+        "a submodule replaced": lambda: model.__setitem__(2, nn.Linear(32, 5)),
+        "load_state_dict(assign=True)": lambda: model.load_state_dict(
+            {k: v.clone() for k, v in model.state_dict().items()}, assign=True
+        ),
+        "a buffer registered": lambda: model[0].register_buffer("seen", torch.zeros(3)),
+    }
+    for what, change in changes.items():
+        before = cached(x, y)
+        change()
+        now = cached(x, y)
+        assert now == Signature(model)(x, y), what
+        assert now != before, what
+        assert difference(before, now), what
+    batch = cached(torch.randn(5, 8), y)
+    assert difference(now, batch).startswith("batch shapes"), difference(now, batch)
 
 
 def test_a_trainer_on_the_cpu_refuses_cuda_graphs_and_runs_eager_under_auto():

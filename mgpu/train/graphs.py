@@ -32,7 +32,7 @@ from torch import nn
 from mgpu.comm.engine import MgpuDataParallel
 from mgpu.config.checks import ConfigError
 from mgpu.runtime.dist import RunStopped, release_before_leaving
-from mgpu.train.replay_checks import difference, signature, unreplayed_hooks
+from mgpu.train.replay_checks import Signature, difference, unreplayed_hooks
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,8 @@ class GraphedLoss:
         self.eager = ModelLoss(model, loss_fn)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.captured: tuple = ()
+        # What the capture assumed, taken again at every step (replay_checks.Signature)
+        self.signature = Signature(model)
         self.off = False  # auto, and the model has hooks a replay would not run
         self.warned = False
         self.released = False  # release(): the process left its process group
@@ -217,7 +219,7 @@ class GraphedLoss:
         if not self.captured:
             if not self._capture(inputs, targets):
                 return self.eager(inputs, targets)
-        now = signature(self.model, inputs, targets)
+        now = self.signature(inputs, targets)
         if now != self.captured:
             # A graph replays fixed shapes, one train/eval mode, one set of parameters with
             # gradients, at fixed addresses. Training batches all have one shape (the loader
@@ -276,7 +278,7 @@ class GraphedLoss:
                 "device). Set trainer.cuda_graphs=false to train it uncaptured."
             ) from err
         torch.cuda.set_rng_state(rng, inputs.device)
-        self.captured = signature(self.model, inputs, targets)
+        self.captured = self.signature(inputs, targets)
         log.info(
             "trainer.cuda_graphs: %s and its loss captured as CUDA graphs for batches of %s",
             type(self.model).__name__,
