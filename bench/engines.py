@@ -115,6 +115,20 @@ def mgpu_high_priority_stream(model: nn.Module, cfg: DistConfig, rt) -> nn.Modul
     return MgpuDataParallel(model, rt, cfg, group=group)
 
 
+def mgpu_fixed_ctas(ctas: int) -> Callable:
+    """The reducer in a group of its own whose NCCL kernels run on exactly `ctas` CTAs (minimum
+    and maximum): more than NCCL picks for the all-reduce that a model compiled whole leaves
+    exposed after backward, where nothing else wants the SMs."""
+
+    def wrap(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options.config.min_ctas = options.config.max_ctas = ctas
+        group = torch.distributed.new_group(backend="nccl", pg_options=options)
+        return MgpuDataParallel(model, rt, cfg, group=group)
+
+    return wrap
+
+
 class ReducingByBlocks(MgpuDataParallel):
     """The micro-batch whose backward reduces runs the model's own forward, its blocks compiled
     one by one (Lever.reducing_by_blocks), so that buckets are reduced while backward runs; the
@@ -188,6 +202,8 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     "mgpu_one_bucket": Lever(
         DistConfig(engine=Engine.mgpu, bucket_cap_mb=100_000, first_bucket_mb=100_000)
     ),
+    # the all-reduce left exposed after a backward compiled whole, on 64 CTAs (NCCL picks fewer)
+    "mgpu_ctas64": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_fixed_ctas(64)),
     "mgpu_ctas2": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=2)),
     "mgpu_ctas4": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=4)),
     "mgpu_ctas8": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=8)),
