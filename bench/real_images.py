@@ -367,6 +367,12 @@ def parse_args() -> argparse.Namespace:
         help="also train from the folder prepared once as data=image_shards, images shrunk to "
         "this shorter side (python -m mgpu.data.prepare_images; its time is recorded)",
     )  # fmt: skip
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="run each pair's plan this many times in turn (reference, folder, ..., reference, "
+        "...): each ratio is the median of its rounds' ratios, each to its own round's "
+        "reference (ratio_rounds lists them); single runs on 2 GPUs spread by up to 0.09",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -381,6 +387,8 @@ def parse_args() -> argparse.Namespace:
             if item.startswith("env:") and not (var and equals):
                 p.error(f"--variant {v}: {item!r}: give env:VAR=VALUE, VAR not empty")
         args.variants[name] = overrides
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give 1 or more")
     if args.folder and args.mixes:
         p.error("--mixes writes image sets; --folder gives one: not both")
     if args.folder:
@@ -424,6 +432,30 @@ def plan_of(args, prepared: dict | None) -> list[tuple[str, str, str | None, str
     return plan + twins * args.trace
 
 
+def rounds_of(plan: list[tuple], rounds: int) -> list[tuple]:
+    """The plan `rounds` times in turn, each run led by its round; the traced twins in the first
+    round only (their rates carry the profiler's cost: no ratio is taken of them)."""
+    return [(r, *run) for r in range(rounds) for run in plan if not (r and run[3] == "traced")]
+
+
+def round_ratios(results: dict) -> dict[tuple, list[float]]:
+    """Each run's ratio to the reference of its own round (set on its row as `ratio`), listed by
+    (kind, decode, suffix); `results` maps those to {round: row}, the reference's under
+    ("reference", "-", "")."""
+    references = results.get(("reference", "-", ""), {})
+    ratios: dict[tuple, list[float]] = {}
+    for run, rounds in results.items():
+        if run[0] == "reference":
+            continue
+        ratios[run] = []
+        for rnd, row in rounds.items():
+            reference = references.get(rnd, {}).get("img_per_s")
+            if reference and row["img_per_s"]:
+                row["ratio"] = row["img_per_s"] / reference
+                ratios[run].append(row["ratio"])
+    return ratios
+
+
 def main() -> None:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="real_images-"))
@@ -451,7 +483,8 @@ def main() -> None:
         print(json.dumps(prepared), flush=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     record = {
-        "ratio": {}, "probes": probes, "runs": [], "shards": prepared, "gpus": args.gpus,
+        "ratio": {}, "ratio_rounds": {}, "probes": probes, "runs": [], "shards": prepared,
+        "gpus": args.gpus,
         "folder": made.get(args.mixes[0], str(folder)), "folders": made, "host_cpus": host_cpus(),
     }  # fmt: skip
     for gpus in args.gpus:
@@ -468,12 +501,13 @@ def main() -> None:
 def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stamp) -> None:
     """The reference and the folder runs of one (GPUs, cores per GPU, batch per GPU), into
     `record` (its runs and ratios), saved after every run."""
-    results = {}
+    results: dict = {}  # (kind, decode, suffix) -> {round: its row}
     scale = "" if gpus == 1 else f"_{gpus}gpu"  # one GPU keeps the keys of earlier files
-    for kind, decode, share, variant, mix in plan_of(args, prepared):
+    for rnd, kind, decode, share, variant, mix in rounds_of(plan_of(args, prepared), args.rounds):
         suffix = MIX_KEY.get(mix, "") + ("" if share in (None, "auto") else f"_cpu{share}")
         suffix += f"_{variant}" if variant else ""
         name = f"b{batch}_{cores}cores{scale}_{kind}_{decode}{suffix}"
+        name += f"_round{rnd}" if rnd else ""  # the first round keeps earlier files' names
         source = Path(prepared["path"]) if kind == "shards" else folders.get(mix)
         cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
         traced = variant == "traced"
@@ -489,7 +523,7 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
                     cmd.append(item)
         row = {"name": name, "gpus": gpus, "cores": cores, "batch": batch, "kind": kind}
         row.update(decode=decode, cpu_decode_share=share, variant=variant, mix=mix or "-")
-        row.update(env=environ)
+        row.update(env=environ, round=rnd)
         try:
             raw = run_train(cmd, cores, gpus, work / name, args.timeout, args.quick, environ)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the call's other runs go on
@@ -505,17 +539,16 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
             kept = args.out / f"traces-{stamp}"
             row["trace"] = traced_streams(work / name, args.trace_steps, kept)
         else:
-            results[kind, decode, suffix] = row
+            results.setdefault((kind, decode, suffix), {})[rnd] = row
         record["runs"].append(row)
         print(json.dumps(row), flush=True)
         save(args.out, record, stamp)
-    reference = results.get(("reference", "-", ""), {}).get("img_per_s")
-    for (kind, decode, suffix), row in results.items():
-        if kind != "reference" and reference and row["img_per_s"]:
-            row["ratio"] = row["img_per_s"] / reference
+    for (kind, decode, suffix), ratios in round_ratios(results).items():
+        if ratios:
             key = f"resnet50_b{batch}_{cores}cores{scale}" + ("_shards" if kind == "shards" else "")
             key = key if decode == "auto" else f"{key}_{decode}"
-            record["ratio"][key + suffix] = row["ratio"]
+            record["ratio"][key + suffix] = statistics.median(ratios)
+            record["ratio_rounds"][key + suffix] = ratios
     save(args.out, record, stamp)
 
 

@@ -48,3 +48,29 @@ def test_job_cpus_are_the_first_allowed(monkeypatch):
     assert real_images.job_cpus(3) == "0-2"
     assert real_images.job_cpus(6) == "0-3,8-9"
     assert real_images.job_cpus(8) == "0-3,8-10,40"
+
+
+def test_rounds_take_each_ratio_to_its_own_rounds_reference(monkeypatch):
+    """--rounds N: the plan N times in turn, the traced twins once; each run's ratio is to the
+    reference of its own round, and a ratio key gets every round's ratio."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import real_images
+
+    plan = [
+        ("reference", "-", None, "", ""),
+        ("folder", "auto", "auto", "", "plain"),
+        ("reference", "-", None, "traced", ""),
+    ]
+    rounds = real_images.rounds_of(plan, 3)
+    assert [r[0] for r in rounds] == [0, 0, 0, 1, 1, 2, 2]
+    assert all(r[4] != "traced" for r in rounds[3:]) and rounds[2][4] == "traced"
+    results = {
+        ("reference", "-", ""): {0: {"img_per_s": 100.0}, 1: {"img_per_s": 200.0}},
+        ("folder", "auto", "_plain"): {0: {"img_per_s": 90.0}, 1: {"img_per_s": 190.0}},
+        ("shards", "auto", "_plain"): {1: {"img_per_s": 0.0}, 2: {"img_per_s": 50.0}},
+    }
+    ratios = real_images.round_ratios(results)
+    assert ratios == {("folder", "auto", "_plain"): [0.9, 0.95], ("shards", "auto", "_plain"): []}
+    assert results["folder", "auto", "_plain"][1]["ratio"] == 0.95
+    assert "ratio" not in results["reference", "-", ""][0]
