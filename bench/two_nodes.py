@@ -289,8 +289,8 @@ def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
     once per --loss-wires setting, from the same seed and data order; each setting's held-out
     loss after the last step against its reference's (LOSS_REFERENCE; #43: a compressed wire
     within 0.5 % of the fp32 wire's after 300 steps)."""
-    # bench/vs_plain.py's real text (no download) and its reading of a run's TensorBoard
-    from vs_plain import python_text, tensorboard_scalars
+    # vs_plain.py's real text (no download) and its reading of a run's TensorBoard
+    from real_text import python_text, tensorboard_scalars
 
     text, tokens = tmp / "python.txt", tmp / "python.bin"
     python_text(text, limit=2**20 if args.quick else None)

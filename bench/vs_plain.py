@@ -31,7 +31,6 @@ import json
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.engines import versions  # noqa: E402
 from bench.profile_tables import table_of  # noqa: E402
+from bench.real_text import python_text, tensorboard_scalars  # noqa: E402
 from mgpu.config.schema import Precision  # noqa: E402
 from mgpu.data.loader import build_dataset, worker_count  # noqa: E402
 from mgpu.models import build_model, repeated_blocks  # noqa: E402
@@ -294,14 +294,6 @@ def resident_batch(cfg: Config, plain: PlainLoop, device: torch.device):
     return x, y, data
 
 
-def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # board.py writes here
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def mgpu_run(cfg_overrides: list[str], rt, steps: int, rounds: int) -> dict:
     """train.py's path for (rounds + 1) log intervals of `steps` steps; the first is warm-up."""
     overrides = [
@@ -336,27 +328,6 @@ def mgpu_run(cfg_overrides: list[str], rt, steps: int, rounds: int) -> dict:
         "eval_loss": scalars.get("eval/loss", []),
         "tokens_per_s": timed("throughput/tokens_per_sec"),
     }
-
-
-def python_text(dst: Path, limit: int | None = None) -> int:
-    """Python's own standard library sources, one after another, into dst: real text (code and
-    prose) on any machine with Python, no download; ~30 MB, or the files up to `limit` bytes.
-    Returns the bytes written."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    written = 0
-    with open(dst, "wb") as out:
-        for path in sorted(stdlib.rglob("*.py")):
-            if "site-packages" in path.parts:
-                continue
-            data = path.read_bytes()
-            try:
-                data.decode("utf-8")
-            except UnicodeDecodeError:  # a few test files are in other encodings on purpose
-                continue
-            written += out.write(data + b"\n")
-            if limit and written >= limit:
-                break
-    return written
 
 
 def loss_run(entry: str) -> tuple[str, list[str]]:

@@ -168,10 +168,11 @@ def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
 def test_real_images_quick_runs(tmp_path):
     """train.py on one GPU (one process) on a written realistic folder against the synthetic
     reference, tiny shapes: the default share (auto) and a fixed one, a named variant, the
-    prepared shards and the traced twins; runs without a share of their own leave the default
-    alone. (Several GPUs and the plain image set: tests/test_real_images_gpus.py.)"""
+    prepared shards and the traced twins, and the plain image set written beside the realistic
+    one (its default run only); runs without a share of their own leave the default alone.
+    (Several GPUs: tests/test_real_images_gpus.py.)"""
     cmd = [sys.executable, "bench/real_images.py", "--quick", "--gpus", "1"]
-    cmd += ["--cpu-shares", "auto", "0.5"]
+    cmd += ["--mixes", "realistic", "plain", "--cpu-shares", "auto", "0.5"]
     # an override, and a variable that the run's config reads: the run fails without it
     keep = "keep=data.keep_trainer_cores=true,trainer.seed=${oc.env:MGPU_BENCH_SEED},"
     keep += "env:MGPU_BENCH_SEED=3"
@@ -182,13 +183,19 @@ def test_real_images_quick_runs(tmp_path):
         "resnet50_b8_1cores_cpu0.5",
         "resnet50_b8_1cores_keep",
         "resnet50_b8_1cores_shards",
+        "resnet50_b8_1cores_plain",
     }
     assert result["folder"]["kinds"]["png"] > 0 and result["folder"]["kinds"]["cmyk"] > 0
+    plain = result["folders"]["plain"]  # only 500x375 RGB JPEGs
+    assert plain["kinds"]["jpeg"] == plain["images"] and set(result["folders"]) == {
+        "realistic", "plain"
+    }  # fmt: skip
     assert result["shards"]["max_side"] == 24 and result["shards"]["prepare_s"] > 0
     runs = {(r["kind"], r["cpu_decode_share"], r["variant"]): r for r in result["runs"]}
     assert all(r["gpus"] == 1 and r["cmd"].startswith("python ") for r in runs.values()), runs
     assert set(runs) == {
         ("reference", None, ""),
+        ("folder", None, ""),  # the plain set: the default path only
         ("folder", "auto", ""),
         ("folder", "0.5", ""),
         ("folder", None, "keep"),
@@ -207,6 +214,12 @@ def test_real_images_quick_runs(tmp_path):
     if not torch.cuda.is_available():  # decode=auto decodes in the workers: no share, and why
         assert runs["folder", "auto", ""]["decode_split"] == "0 (nothing is decoded on the GPU)"
     assert "data=image_shards" in runs["shards", None, ""]["cmd"]
+    assert runs["folder", None, ""]["mix"] == "plain" and "images_plain" in runs[
+        "folder", None, ""]["cmd"]  # fmt: skip
+    # every other folder run (variants, shares, shards, traces) trains from the first set
+    others = [r for r in runs.values() if r["kind"] != "reference" and r["mix"] != "plain"]
+    assert all(r["mix"] == "realistic" for r in others) and len(others) == 5, runs
+    assert all("images_plain" not in r["cmd"] for r in others), runs
     for kind in ("reference", "folder"):  # a CPU trace holds no GPU work, but was found
         trace = runs[kind, None, "traced"]["trace"]
         assert trace["path"].endswith(".pt.trace.json") and trace["streams"] == {}, trace
