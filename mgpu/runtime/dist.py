@@ -52,7 +52,6 @@ from mgpu.runtime.stops import (  # noqa: F401 - re-exported: mgpu.runtime.dist 
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class Runtime:
     """What the rest of mgpu needs to know about this process's place in the run."""
