@@ -107,22 +107,16 @@ def mgpu_without_collectives(model: nn.Module, cfg: DistConfig, rt) -> nn.Module
     return MgpuDataParallel(model, rt, cfg, communicate=False)
 
 
-def mgpu_high_priority_stream(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
-    """The reducer in a group of its own whose NCCL kernels run on a high-priority stream.
+def mgpu_own_group(high_priority: bool = False, ctas: int = 0) -> Callable:
+    """The reducer in an NCCL group of its own: its kernels on a high-priority stream, or on
+    exactly `ctas` CTAs (minimum and maximum; more than NCCL picks for the all-reduce that a
+    model compiled whole leaves exposed after backward, where nothing else wants the SMs).
     Creating a group is a collective: every rank builds its engines in one order."""
-    options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    group = torch.distributed.new_group(backend="nccl", pg_options=options)
-    return MgpuDataParallel(model, rt, cfg, group=group)
-
-
-def mgpu_fixed_ctas(ctas: int) -> Callable:
-    """The reducer in a group of its own whose NCCL kernels run on exactly `ctas` CTAs (minimum
-    and maximum): more than NCCL picks for the all-reduce that a model compiled whole leaves
-    exposed after backward, where nothing else wants the SMs."""
 
     def wrap(model: nn.Module, cfg: DistConfig, rt) -> nn.Module:
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options.config.min_ctas = options.config.max_ctas = ctas
+        options = torch.distributed.ProcessGroupNCCL.Options(is_high_priority_stream=high_priority)
+        if ctas:
+            options.config.min_ctas = options.config.max_ctas = ctas
         group = torch.distributed.new_group(backend="nccl", pg_options=options)
         return MgpuDataParallel(model, rt, cfg, group=group)
 
@@ -189,7 +183,7 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
         DistConfig(engine=Engine.mgpu, bucket_cap_mb=0.01, first_bucket_mb=0.01), graphs=True
     ),
     "mgpu_graphs_hipri": Lever(
-        DistConfig(engine=Engine.mgpu), wrap=mgpu_high_priority_stream, graphs=True
+        DistConfig(engine=Engine.mgpu), wrap=mgpu_own_group(high_priority=True), graphs=True
     ),
     # ZeRO-1 in the reducer: reduce-scatter, each rank steps 1/N, all-gather (mgpu.comm.shard)
     "mgpu_sharded": Lever(DistConfig(engine=Engine.mgpu, shard_optimizer=True)),
@@ -203,7 +197,7 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
         DistConfig(engine=Engine.mgpu, bucket_cap_mb=100_000, first_bucket_mb=100_000)
     ),
     # the all-reduce left exposed after a backward compiled whole, on 64 CTAs (NCCL picks fewer)
-    "mgpu_ctas64": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_fixed_ctas(64)),
+    "mgpu_ctas64": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_own_group(ctas=64)),
     "mgpu_ctas2": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=2)),
     "mgpu_ctas4": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=4)),
     "mgpu_ctas8": Lever(DistConfig(engine=Engine.mgpu, nccl_max_ctas=8)),
@@ -229,7 +223,7 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # the reduction's NCCL kernels on a high-priority stream (ProcessGroupNCCL's
     # is_high_priority_stream): the GPU's block scheduler serves them before backward's queued
     # kernels, instead of after
-    "mgpu_hipri": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_high_priority_stream),
+    "mgpu_hipri": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_own_group(high_priority=True)),
     # diagnostic: every bucket packed into a flat buffer, a bucket of one parameter included
     # (mgpu's default reduces such a bucket in the parameter's own .grad, with no copy)
     "mgpu_packed": Lever(DistConfig(engine=Engine.mgpu), wrap=mgpu_packed_buckets),

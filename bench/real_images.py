@@ -425,7 +425,7 @@ def plan_of(args, prepared: dict | None) -> list[tuple[str, str, str | None, str
     plan += [("folder", d, x, "", first) for d, x in fixed]
     plan += [("folder", "auto", None, "", mix) for mix in others]
     plan += [("folder", "auto", None, name, first) for name in args.variants]  # default share
-    # shards at every --decodes: images shrunk once are cheap enough for the workers alone
+    # shards at every --decodes (decode=cpu: the workers alone decode the shrunk images)
     plan += [("shards", d, None, "", first) for d in args.decodes] if prepared else []
     # traced twins of the reference and the folder run: where each one's GPU time went
     twins = [("reference", "-", None, "traced", ""), ("folder", "auto", None, "traced", first)]
