@@ -344,6 +344,14 @@ def parse_args() -> argparse.Namespace:
         help="data.cpu_decode_share values to run each decode with: auto (the default path's: "
         "measured at start-up) or a share, e.g. 0 0.3",
     )  # fmt: skip
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        metavar="KIND:DECODE[:SHARE]",
+        help="runs of the plan left out, e.g. folder:cpu (the full-sized JPEGs on the workers "
+        "alone, far below the others wherever the GPU decodes faster) or shards:auto:0.3",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=60, help="steps left out of the medians")
     p.add_argument("--every", type=int, default=20, help="steps per log interval")
@@ -425,11 +433,15 @@ def plan_of(args, prepared: dict | None) -> list[tuple[str, str, str | None, str
     plan += [("folder", d, x, "", first) for d, x in fixed]
     plan += [("folder", "auto", None, "", mix) for mix in others]
     plan += [("folder", "auto", None, name, first) for name in args.variants]  # default share
-    # shards at every --decodes (decode=cpu: the workers alone decode the shrunk images)
-    plan += [("shards", d, None, "", first) for d in args.decodes] if prepared else []
+    # shards at every --decodes and share (decode=cpu: the workers alone decode the shrunk images)
+    plan += [("shards", d, x, "", first) for d, x in fixed] if prepared else []
     # traced twins of the reference and the folder run: where each one's GPU time went
     twins = [("reference", "-", None, "traced", ""), ("folder", "auto", None, "traced", first)]
-    return plan + twins * args.trace
+    skip = {tuple(s.split(":")) for s in args.skip}
+    return [
+        run for run in plan + twins * args.trace
+        if (run[0], run[1]) not in skip and (run[0], run[1], run[2]) not in skip
+    ]  # fmt: skip
 
 
 def rounds_of(plan: list[tuple], rounds: int) -> list[tuple]:

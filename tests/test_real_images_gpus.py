@@ -73,3 +73,32 @@ def test_rounds_take_each_ratio_to_its_own_rounds_reference(monkeypatch):
     assert ratios == {("folder", "auto", "_plain"): [0.9, 0.95], ("shards", "auto", "_plain"): []}
     assert results["folder", "auto", "_plain"][1]["ratio"] == 0.95
     assert "ratio" not in results["reference", "-", ""][0]
+
+
+def test_plan_runs_shards_at_each_share_and_leaves_out_what_skip_names(monkeypatch):
+    """Shards run at every decode and CPU share the folder runs (a share is meaningless under
+    decode=cpu, which runs once); --skip drops a kind at a decode, or at one share of it."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    from argparse import Namespace
+
+    from bench import real_images
+
+    args = Namespace(
+        mixes=["plain"], decodes=["auto", "cpu"], cpu_shares=["auto", "0.3"], variants={},
+        trace=False, skip=[],
+    )  # fmt: skip
+    full = real_images.plan_of(args, {"path": "shards"})
+    runs = [(kind, decode, share) for kind, decode, share, _, _ in full]
+    expected = [("auto", "auto"), ("auto", "0.3"), ("cpu", "auto")]
+    assert runs == [("reference", "-", None)] + [
+        (kind, d, x) for kind in ("folder", "shards") for d, x in expected
+    ]
+    args.skip = ["folder:cpu", "shards:auto:0.3"]
+    kept = [(k, d, x) for k, d, x, _, _ in real_images.plan_of(args, {"path": "shards"})]
+    assert kept == [
+        r for r in runs if r not in {("folder", "cpu", "auto"), ("shards", "auto", "0.3")}
+    ]
+    assert real_images.plan_of(args, None) == [
+        r for r in full if r[0] != "shards" and r[1:3] != ("cpu", "auto")
+    ]
