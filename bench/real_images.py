@@ -47,8 +47,9 @@ script exits 1 at the end), with a top-level "ratio" object: resnet50_b<B>_<N>co
 and resnet50_b<B>_<N>cores_<G>gpu on G (img/s through train.py with data.decode=auto and the
 default data.cpu_decode_share=auto over the reference's on as many GPUs); the plain set adds
 _plain, the shards _shards, a fixed share _cpu<share>, a variant _<name>. Each folder run records
-the share auto chose and the rates it measured (decode_split); the file records the host's CPUs
-and NUMA nodes (which CPUs a job's first G x N are). A traced run's summary names the training
+the share auto chose and the rates it measured (decode_split), and whether the workers then took
+every JPEG (decode_move); the file records the host's CPUs and NUMA nodes (which CPUs a job's
+first G x N are). A traced run's summary names the training
 stream's late launches (bench/trace_streams.py), and each rank's trace is kept gzipped in
 traces-<time>/ beside the results file (--out).
 """
@@ -185,9 +186,10 @@ def run_train(
         tail = (done.stdout + done.stderr)[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{tail}")
     scalars = read_scalars(out)
-    # data.cpu_decode_share=auto's line: the share it chose and the rates it measured
+    # data.cpu_decode_share=auto's lines: the share it chose and the rates it measured, then
+    # whether the workers took every JPEG once the step's pace was known (decode_switch)
     said = done.stdout + done.stderr
-    split = [line for line in said.splitlines() if "data.cpu_decode_share=auto:" in line][:1]
+    split = [line for line in said.splitlines() if "data.cpu_decode_share=auto:" in line][:2]
     wall = time.perf_counter() - start
     typed = ["python"] if gpus == 1 else ["torchrun", *launch[3:]]
     line = " ".join([*typed, *cmd[len(pin) + len(launch) :]])
@@ -546,7 +548,8 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
             continue
         row.update(summarise(raw, args.warmup), cmd=raw["cmd"], cpus=raw["cpus"])
         row.update(wall_s=raw["wall_s"])
-        row.update(decode_split=raw["split"][0].split("auto: ", 1)[1] if raw["split"] else "")
+        said = [line.split("auto: ", 1)[1] for line in raw["split"]]
+        row.update(decode_split=said[0] if said else "", decode_move=" ".join(said[1:2]))
         if traced:  # its rates carry the profiler's cost: not a ratio
             kept = args.out / f"traces-{stamp}"
             row["trace"] = traced_streams(work / name, args.trace_steps, kept)

@@ -114,8 +114,9 @@ def test_the_measured_share_grows_when_the_gpu_decodes_slower(tmp_path, caplog):
         assert kind.core > 0 and kind.gpu > 0 and 0 < kind.fraction < 1
     assert rates.full.fraction + rates.scaled.fraction == pytest.approx(1)
     with caplog.at_level(logging.INFO, logger="mgpu.data.decode_split"):
-        fast_shares = decode_split.resolve_share(dataset, fast, 2, ONE)
-        slow_shares = decode_split.resolve_share(dataset, slow, 2, ONE)
+        fast_shares, fast_rate = decode_split.resolve_share(dataset, fast, 2, ONE)
+        slow_shares, slow_rate = decode_split.resolve_share(dataset, slow, 2, ONE)
+    assert fast_rate > 0 and slow_rate > 0  # the workers' rate on every JPEG, measured too
     # the share of all JPEGs (each kind's share by its fraction; which kind goes first may
     # differ between the two measurements, so each kind's share alone need not grow)
     fractions = (rates.full.fraction, rates.scaled.fraction)
@@ -145,8 +146,8 @@ def test_the_measured_share_grows_when_the_gpu_decodes_slower(tmp_path, caplog):
 def test_no_workers_or_no_gpu_decode_means_no_share(tmp_path):
     dataset = gpu_mode_set(tmp_path / "train")
     step = BatchDecoder(dataset, torch.device("cpu"), pillow_jpegs, resize_each)
-    assert decode_split.resolve_share(dataset, step, 0, ONE) == (0.0, 0.0)
-    assert decode_split.resolve_share(dataset, None, 4, ONE) == (0.0, 0.0)
+    assert decode_split.resolve_share(dataset, step, 0, ONE) == ((0.0, 0.0), None)
+    assert decode_split.resolve_share(dataset, None, 4, ONE) == ((0.0, 0.0), None)
 
 
 class CpuDecoded(ImageFolder):
@@ -172,7 +173,7 @@ def test_a_resumed_run_takes_its_checkpoints_share_without_measuring(tmp_path, c
     with caplog.at_level(logging.INFO, logger="mgpu.data.decode_split"):
         decode_split.resolve_auto("auto", 3, [train, evaluation], ONE, saved)
     for dataset in (train, evaluation):
-        assert dataset.checkpoint_state() == saved
+        assert dataset.checkpoint_state() == {**saved, "workers_from": None}
     assert "0.370 (0.900 of the DCT-scaled JPEGs), the shares the checkpoint's run" in caplog.text
     # a checkpoint from before the two kinds had one share for both
     decode_split.resolve_auto("auto", 3, [train], ONE, {"cpu_decode_share": 0.2, "decode": "gpu"})

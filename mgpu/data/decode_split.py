@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from mgpu.data.encoded import BadImageFile, Encoded, EncodedBatch, collate_encoded
-from mgpu.data.image_folder import SCALED_KEY, STATE_KEY  # a checkpoint's "dataset" state
+from mgpu.data.image_folder import SCALED_KEY, STATE_KEY, WORKERS_KEY  # a checkpoint's state
 from mgpu.data.loader import worker_count
 from mgpu.runtime.dist import Runtime, all_reduce_min_
 from mgpu.runtime.stops import waiting
@@ -108,6 +108,13 @@ def split_shares(workers: int, rates: Rates) -> tuple[float, float]:
         cpu_time += x * kind.fraction / (kind.core * cores)
         gpu_time -= x * kind.fraction / kind.gpu
     return shares[0], (shares[1] if rates.scaled is not None else shares[0])
+
+
+def workers_rate(workers: int, rates: Rates) -> float:
+    """Images a second the workers decode and crop when they take every JPEG of the stream (its
+    kinds in their measured fractions), counted as split_shares counts them."""
+    per_image = sum(k.fraction / k.core for k in (rates.full, rates.scaled) if k is not None)
+    return workers * WORKER_EFFICIENCY / per_image if per_image > 0 else 0.0
 
 
 def probe_jpegs(dataset: SplitSet, count: int) -> tuple[list[int], list[int]]:
@@ -252,11 +259,14 @@ def resolve_share(
     workers: int,
     rt: Runtime,
     saved: tuple[float, float] | None = None,
-) -> tuple[float, float]:
+) -> tuple[tuple[float, float], float | None]:
     """data.cpu_decode_share=auto's shares for this run (of the full-size JPEGs, of the
     DCT-scaled ones), logged with why: the checkpoint's when resuming (`saved`), else measured
     here and agreed over ranks. 0 where nothing is decoded on the GPU (`decode` None) or no
-    worker runs. Every rank calls it (a collective)."""
+    worker runs. Every rank calls it (a collective). With them, this rank's workers' counted
+    rate on every JPEG (workers_rate; 0 where it could not be measured) where the move to the
+    workers (mgpu.data.decode_switch) is for the run to decide, else None: the same on every
+    rank, as it follows from the settings and the checkpoint alone."""
     if saved is not None:
         log.info(
             "data.cpu_decode_share=auto: %.3f (%.3f of the DCT-scaled JPEGs), the shares the "
@@ -267,7 +277,7 @@ def resolve_share(
                 "data.cpu_decode_share=auto: data.num_workers=0, so the training process "
                 "decodes those JPEGs itself, between steps"
             )  # fmt: skip
-        return saved
+        return saved, None
     rates, failed = None, ""
     if decode is not None and workers > 0:
         try:
@@ -286,7 +296,9 @@ def resolve_share(
         log.info("data.cpu_decode_share=auto: 0 (too few readable JPEGs to measure)")
     else:
         log.info("data.cpu_decode_share=auto: %s", _said(shares, rates, workers, counted, rt))
-    return shares
+    if decode is None or workers == 0:
+        return shares, None
+    return shares, workers_rate(counted, rates) if rates is not None else 0.0
 
 
 def _said(shares: tuple[float, float], rates: Rates, workers: int, counted: int, rt) -> str:
@@ -326,13 +338,15 @@ def resolve_auto(
     datasets: Sequence[object],
     rt: Runtime,
     saved_state: dict | None,
-) -> None:
+) -> float | None:
     """data.cpu_decode_share=auto: the shares resolved once for the run (training's data set
     measured) and given to every data set (training and evaluation), before their workers
-    start. `saved_state`: the checkpoint's "dataset" state when resuming. Anything but auto:
-    nothing to do (the data sets took the number)."""
+    start; a checkpoint's move of every JPEG to the workers given to the training set.
+    `saved_state`: the checkpoint's "dataset" state when resuming. Anything but auto: nothing
+    to do (the data sets took the number). Returns what resolve_share does of the rate: the
+    training loader's WorkerSwitch is built where it is not None."""
     if share_setting != "auto" or not datasets:
-        return
+        return None
     train = datasets[0]
     saved_state = saved_state or {}
     saved = None
@@ -346,4 +360,13 @@ def resolve_auto(
         make_decoder = getattr(train, "device_decoder", None)
         decode = make_decoder(rt.device) if make_decoder is not None else None
     workers = worker_count(num_workers, rt.cpu_share)
-    shared_split(datasets, resolve_share(train, decode, workers, rt, saved))
+    shares, rate = resolve_share(train, decode, workers, rt, saved)
+    shared_split(datasets, shares)
+    moved = saved_state.get(WORKERS_KEY) if saved is not None else None
+    if moved is not None:  # the checkpoint's run moved every JPEG to the workers from there on
+        train.workers_decode_from(int(moved))
+        log.info(
+            "data.cpu_decode_share=auto: the workers decode every JPEG from sample %d of the "
+            "training order on, as the checkpoint's run did", int(moved),
+        )  # fmt: skip
+    return rate

@@ -44,8 +44,9 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # compared lower-cased
 # Pillow's errors for a file that is not a readable image: unidentified (OSError), truncated
 # (OSError), broken headers (SyntaxError, ValueError), absurd sizes (DecompressionBombError).
 UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
-# checkpoint_state's keys for the decode shares (mgpu.data.decode_split reads them back)
-STATE_KEY, SCALED_KEY = "cpu_decode_share", "cpu_decode_share_scaled"
+# checkpoint_state's keys: the decode shares, and workers_from (mgpu.data.decode_split's)
+STATE_KEY, SCALED_KEY, WORKERS_KEY = "cpu_decode_share", "cpu_decode_share_scaled", "workers_from"
+NEVER = 2**62  # workers_from while the shares hold for the whole run: past any position
 # Slots of the shared replaced-files counter: slot 0 for the main process (the GPU decode), one
 # per DataLoader worker after it, so that no two processes add to the same number.
 COUNTER_SLOTS = 257
@@ -207,6 +208,8 @@ class ImageFolder(Dataset):
         self.image_size, self.decode, self.bad_files = image_size, decode, bad_files
         self.scale, self.ratio, self.eval_crop = tuple(scale), tuple(ratio), eval_crop
         self.reduced_decode = reduced_decode
+        # workers_from, in memory shared with the DataLoader workers: set while they run
+        self._workers_from = torch.full((1,), NEVER, dtype=torch.int64).share_memory_()
         self.set_cpu_decode_share(cpu_decode_share)
         self.num_classes = len(self.classes)
         self.tokens_per_sample = None
@@ -241,13 +244,13 @@ class ImageFolder(Dataset):
     def __getitem__(self, key: SampleKey | int) -> tuple[Tensor, Tensor] | Encoded:
         """Sample `key.index` as drawn for (key.seed, key.epoch); a plain index is epoch 0 of
         seed 0. bad_files=skip: an unreadable file is replaced by the next readable one."""
-        index, epoch, seed = key if isinstance(key, SampleKey) else (int(key), 0, 0)
+        index, epoch, seed, position = key if isinstance(key, SampleKey) else (int(key), 0, 0, 0)
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} out of range for {self.split} split of {len(self)}")
         for offset in range(len(self)):
             i = (index + offset) % len(self)
             try:
-                return self._sample(i, epoch, seed)
+                return self._sample(i, epoch, seed, position=position)
             except BadImageFile as err:
                 if self.bad_files == "error":
                     raise BadImageFile(f"{err}; {REMOVE_OR_SKIP}") from None
@@ -280,9 +283,9 @@ class ImageFolder(Dataset):
         box = random_resized_crop(width, height, rng, self.scale, self.ratio)
         return box, bool(rng.random() < 0.5)
 
-    def _sample(self, i: int, epoch: int, seed: int, cpu: bool | None = None):
+    def _sample(self, i: int, epoch: int, seed: int, cpu: bool | None = None, position: int = 0):
         """`cpu`: decode a JPEG the GPU could take on this CPU (True) or not (False); None:
-        as on_cpu draws it."""
+        as on_cpu draws it for a sample at `position` in the training order."""
         path, label = self.files[i], self.labels[i]
         try:
             data = self.read_bytes(i)
@@ -290,7 +293,7 @@ class ImageFolder(Dataset):
             box, flip = self.crop(i, *image.size, epoch, seed)
             gpu = self.decode == "gpu" and image.format == "JPEG" and image.mode in ("RGB", "L")
             if cpu is None and gpu:
-                cpu = self.on_cpu(i, epoch, seed, scaled=self.decodes_scaled(box))
+                cpu = self.on_cpu(i, epoch, seed, self.decodes_scaled(box), position)
             if gpu and not cpu:
                 # nvJPEG's baseline and progressive YCbCr/gray JPEGs: the GPU decodes these.
                 # Only the header was read here; a file broken further in fails on the GPU.
@@ -327,8 +330,21 @@ class ImageFolder(Dataset):
         return {
             STATE_KEY: self.cpu_decode_share,
             SCALED_KEY: self.cpu_decode_share_scaled,
+            WORKERS_KEY: self.workers_from(),
             "decode": self.decode,
         }
+
+    def workers_from(self) -> int | None:
+        """The place in the training order (SampleKey.position) from which the workers decode
+        every JPEG (mgpu.data.decode_switch), or None while the shares hold for the whole run."""
+        at = int(self._workers_from[0])
+        return None if at == NEVER else at
+
+    def workers_decode_from(self, position: int) -> None:
+        """Under decode=gpu, the workers decode every JPEG of the samples at `position` and
+        later in the training order: a place no worker has been handed a sample of yet, so each
+        sample is decoded where its position says (a resumed run's checkpoint says it again)."""
+        self._workers_from[0] = position
 
     def decodes_scaled(self, box: tuple) -> bool:
         """Whether a JPEG with this crop box is decoded DCT-scaled on the CPU (reduced_decode,
@@ -341,10 +357,13 @@ class ImageFolder(Dataset):
         as bytes: what mgpu.data.decode_split times. None under decode=cpu."""
         return self._sample(i, 0, 0, cpu=cpu) if self.decode == "gpu" else None
 
-    def on_cpu(self, i: int, epoch: int, seed: int, scaled: bool = False) -> bool:
+    def on_cpu(self, i: int, epoch: int, seed: int, scaled=False, position: int = 0) -> bool:
         """Whether this worker decodes sample i's JPEG under decode=gpu (cpu_decode_share, or
         its scaled share for a JPEG decoded DCT-scaled): a hash of (seed, epoch, i), the same
-        in every process and on every resume."""
+        in every process and on every resume; every one from the run's workers_from on (its
+        `position` in the training order, SampleKey's)."""
+        if position >= self._workers_from[0] and self.decode == "gpu":
+            return True
         below = self._cpu_below_scaled if scaled else self._cpu_below
         if not below:
             return False

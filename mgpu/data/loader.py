@@ -34,6 +34,7 @@ from mgpu.data.batches import (  # noqa: F401 - re-exported: mgpu.data.loader wa
     transform_inputs,
 )
 from mgpu.data.config import DataConfig
+from mgpu.data.decode_switch import WorkerSwitch
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.sampler import ShardedSampler, epochs  # noqa: F401 - epochs re-exported
 from mgpu.runtime.dist import Runtime
@@ -263,14 +264,28 @@ def build_loader(
     seed: int,
     train: bool,
     layout: torch.memory_format | None = None,
+    workers_rate: float | None = None,
 ) -> DeviceLoader:
     """This rank's batches on its device: the DataLoader behind a side-stream prefetcher.
-    `layout`: the memory format 4-D inputs leave in (the model's, e.g. channels_last)."""
+    `layout`: the memory format 4-D inputs leave in (the model's, e.g. channels_last).
+    `workers_rate`: a training set's under data.cpu_decode_share=auto (decode_split's
+    resolve_auto): the loader then decides, once, whether its workers take every JPEG
+    (mgpu.data.decode_switch)."""
     loader = build_dataloader(cfg, dataset, rt, seed=seed, train=train)
     transform = device_transform(cfg, dataset)
     # A dataset that decodes on the device (image_folder's decode=gpu) makes the decode step.
     make_decoder = getattr(dataset, "device_decoder", None)
     decode = make_decoder(rt.device) if make_decoder is not None else None
+    switch = None
+    if train and workers_rate is not None and loader.num_workers > 0:
+        # Batches the workers can be asked for beyond those handed over: the DataLoader's
+        # prefetch_factor a worker, and the DeviceLoader's depth, the batch it fetches and the
+        # one it hands over; two more for good measure.
+        in_flight = loader.prefetch_factor * loader.num_workers + cfg.prefetch_depth + 4
+        switch = WorkerSwitch(
+            dataset, loader.sampler, rt, batch_size=cfg.batch_size, workers_rate=workers_rate,
+            in_flight=in_flight,
+        )  # fmt: skip
     return DeviceLoader(
         loader,
         rt.device,
@@ -281,6 +296,7 @@ def build_loader(
         # A decode step waits on the host for its GPU work (torchvision's nvJPEG does): on the
         # copy thread that wait overlaps the training loop's launches instead of delaying them.
         copy_thread=decode is not None,
+        after_batch=switch.after_batch if switch is not None else None,
     )
 
 

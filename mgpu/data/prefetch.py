@@ -80,6 +80,8 @@ class DeviceLoader:
 
     `decode`, if given, turns a host batch into a device batch (mgpu.data.gpu_decode) on the
     side stream, before `transform`; it replaces the copy for the batches it returns.
+    `after_batch`, if given, is called with the batches handed over so far in the iteration,
+    after each one (mgpu.data.decode_switch).
 
     `wait` (metrics.DataWait) gathers the time the consumer waited for data, without a sync.
     close() (or `with`) ends the running epoch and stops the DataLoader's workers.
@@ -100,6 +102,7 @@ class DeviceLoader:
         memory_format: torch.memory_format | None = None,
         copy_thread: bool = False,
         decode: Callable[[Any], Any] | None = None,
+        after_batch: Callable[[int], None] | None = None,
     ):
         if depth < 1:
             raise ValueError(f"depth={depth}: prefetch at least one batch ahead, e.g. depth=2")
@@ -111,6 +114,9 @@ class DeviceLoader:
             device = torch.device("cuda", torch.cuda.current_device())
         self.loader, self.device, self.depth = loader, device, depth
         self.transform, self.copy_thread, self.decode = transform, copy_thread, decode
+        # Called with the count of batches handed over in the iteration, after each (the
+        # training set's mgpu.data.decode_switch), in the consumer's thread.
+        self.after_batch, self._handed = after_batch, 0
         # The layout 4-D inputs leave in (channels_last for models that want it, as
         # build_run and the Trainer's own prefetcher ask), converted on the side stream too.
         self.memory_format = memory_format
@@ -149,6 +155,7 @@ class DeviceLoader:
     def __iter__(self) -> Iterator[Any]:
         # One epoch at a time: a persistent DataLoader has one pool of workers to feed it.
         self._end_running()
+        self._handed = 0
         if self.copy_thread:
             epoch = self._thread_epoch()
         elif self.cuda:
@@ -237,8 +244,10 @@ class DeviceLoader:
     def _hand_over(self, item: _InFlight, request: tuple[float, torch.cuda.Event | None]) -> Any:
         """Make the consumer's stream wait for `item`, then give it out."""
         start, requested = request
+        self._handed += 1
         if not self.cuda:
             self.wait.add(time.perf_counter() - start, None)
+            self._after_batch()
             return item.batch
         consumer = torch.cuda.current_stream(self.device)
         # The consumer's stream, not the host, waits for this batch's copy, and only from here:
@@ -253,7 +262,13 @@ class DeviceLoader:
             t.record_stream(consumer)
         self._retire(item)
         self.wait.add(time.perf_counter() - start, (requested, ready))
+        self._after_batch()
         return item.batch
+
+    def _after_batch(self) -> None:
+        # After the data wait is counted: what after_batch takes is not the data's time.
+        if self.after_batch is not None:
+            self.after_batch(self._handed)
 
     def _retire(self, *items: _InFlight) -> None:
         """Hold the host batches of `items` until their copies are done (the pinned-buffer rule;

@@ -16,11 +16,14 @@ from torch.utils.data import Sampler
 class SampleKey(NamedTuple):
     """What a keyed training sampler hands the dataset instead of a bare index: the sample, and
     the epoch and seed its random augmentation is drawn from (a dataset in a DataLoader worker
-    cannot see the sampler's epoch otherwise)."""
+    cannot see the sampler's epoch otherwise), and its place in the training order,
+    `epoch * num_samples + entry` (its entry in the epoch's permutation): the same for a sample
+    whatever the number of ranks, and larger for every sample trained later (stream_position)."""
 
     index: int
     epoch: int
     seed: int
+    position: int = 0
 
 
 class ShardedSampler(Sampler[int]):
@@ -111,8 +114,10 @@ class ShardedSampler(Sampler[int]):
         indices = self._indices(epoch, consumed)
         if not self.keyed:
             return indices
-        seed = self.seed
-        return (SampleKey(i, epoch, seed) for i in indices)
+        # rank r takes entries consumed + r, + world, ... of the epoch's order (_indices)
+        seed, world = self.seed, self.world_size
+        first = epoch * self.num_samples + consumed + self.rank
+        return (SampleKey(i, epoch, seed, first + j * world) for j, i in enumerate(indices))
 
     def _indices(self, epoch: int, consumed: int) -> Iterator[int]:
         if not self.even:
@@ -186,6 +191,14 @@ def advance(cursor: DataCursor, batches: int, *, batch_size: int, world_size: in
         if batches == 0:
             return DataCursor(cursor.seed, epoch, consumed, n)
         epoch, consumed = epoch + 1, 0
+
+
+def stream_position(start: DataCursor, batches: int, *, batch_size: int, world_size: int) -> int:
+    """The place in the training order (SampleKey.position) of the first sample of the batch
+    `batches` batches after `start`, on every rank: each sample of it and of every later batch
+    has a position at least this, each of an earlier one less."""
+    at = advance(start, batches, batch_size=batch_size, world_size=world_size)
+    return at.epoch * at.num_samples + at.consumed
 
 
 def epochs(loader: Any, start: DataCursor | None = None) -> Iterator[Any]:

@@ -312,13 +312,16 @@ def build_run(
     train_set = build_dataset(cfg.data, "train")
     eval_set = build_dataset(cfg.data, "eval")
     seed = cfg.trainer.seed
-    train_loader = build_loader(cfg.data, train_set, rt, seed=seed, train=True, layout=layout)
-    eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
-    # data.cpu_decode_share=auto: measured (or the checkpoint's) before any worker starts
-    decode_split.resolve_auto(
+    # data.cpu_decode_share=auto: measured (or the checkpoint's) before any worker starts; the
+    # training loader may move every JPEG to its workers once the step's pace is known.
+    workers_rate = decode_split.resolve_auto(
         getattr(cfg.data, "cpu_decode_share", None), cfg.data.num_workers, [train_set, eval_set],
         rt, loaded.shared.get("dataset") if loaded is not None else None,
     )  # fmt: skip
+    train_loader = build_loader(
+        cfg.data, train_set, rt, seed=seed, train=True, layout=layout, workers_rate=workers_rate
+    )
+    eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
     if loaded is not None:
         check_same_data(loaded, train_loader.sampler)
         residual = cfg.model.residual if gpt else None

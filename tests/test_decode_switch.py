@@ -1,0 +1,146 @@
+"""data.cpu_decode_share=auto's move of every JPEG to the workers (mgpu.data.decode_switch): the
+training order's positions that say where it starts (against each epoch's permutation, the
+reference), the workers' rate it compares with the step's pace, two gloo ranks deciding
+together (one rank short keeps the split on both), the samples from the move on decoded by the
+workers and those before it as the split drew them, and a resumed run taking the move from its
+checkpoint."""
+
+import pytest
+import torch
+from conftest import free_port, gloo_runtime, spawn
+from test_decode_split import ONE, NoDecoder, gpu_mode_set
+from test_image_folder import CLASSES, folder, write_tree
+
+from mgpu.data import decode_split
+from mgpu.data.decode_switch import WINDOW, WorkerSwitch
+from mgpu.data.image_folder import ImageFolder
+from mgpu.data.prefetch import DeviceLoader
+from mgpu.data.sampler import DataCursor, ShardedSampler, epoch_order, stream_position
+
+
+def over_tree(root):
+    """gpu_mode_set's data set over its tree, written already."""
+    kwargs = {**folder(root, eval_samples=2), "image_size": 12, "classes": CLASSES}
+    return ImageFolder("train", **{**kwargs, "decode": "gpu"})
+
+
+def stream_keys(n, world, batch, seed, epoch, consumed, batches):
+    """Each rank's first `batches` batches of keys from (epoch, consumed), as its training
+    sampler streams them."""
+    out = []
+    for rank in range(world):
+        sampler = ShardedSampler(
+            n, rank, world, shuffle=True, seed=seed, even=True, keyed=True, stream_batch=batch
+        )
+        sampler.set_epoch(epoch, consumed)
+        keys, it = [], iter(sampler)
+        for _ in range(batches * batch):
+            keys.append(next(it))
+        out.append([keys[b * batch : (b + 1) * batch] for b in range(batches)])
+    return out
+
+
+@pytest.mark.parametrize("world,consumed", [(1, 0), (2, 0), (3, 7)])
+def test_positions_follow_the_training_order_and_mark_where_a_batch_starts(world, consumed):
+    """A key's position is epoch * n + its entry in the epoch's permutation (the reference:
+    epoch_order), whatever the ranks; stream_position(start, b) is at most every position of
+    batch b and later ones, and above every earlier one, across epoch ends and a resumed
+    prefix."""
+    n, batch, seed, epoch = 29, 3, 11, 2
+    ranks = stream_keys(n, world, batch, seed, epoch, consumed, batches=12)
+    for keys in ranks:
+        for keys_b in keys:
+            for key in keys_b:
+                entry = key.position - key.epoch * n
+                order = epoch_order(n, seed, key.epoch).tolist()
+                assert order[entry] == key.index
+    start = DataCursor(seed, epoch, consumed, n)
+    for b in range(12):
+        at = stream_position(start, b, batch_size=batch, world_size=world)
+        assert all(k.position >= at for keys in ranks for later in keys[b:] for k in later)
+        assert all(k.position < at for keys in ranks for earlier in keys[:b] for k in earlier)
+    positions = [k.position for keys in ranks for keys_b in keys for k in keys_b]
+    assert len(set(positions)) == len(positions)
+
+
+def test_the_workers_rate_counts_each_kind_by_its_share_of_the_jpegs():
+    full = decode_split.KindRates(core=100.0, gpu=5000.0, fraction=0.75, images=64)
+    scaled = decode_split.KindRates(core=300.0, gpu=3000.0, fraction=0.25, images=16)
+    cores = 8 * decode_split.WORKER_EFFICIENCY
+    expected = cores / (0.75 / 100 + 0.25 / 300)  # images a second of the stream's mix
+    assert decode_split.workers_rate(8, decode_split.Rates(full, scaled)) == pytest.approx(expected)
+    one = decode_split.Rates(decode_split.KindRates(100.0, 5000.0, 1.0, 64), None)
+    assert decode_split.workers_rate(8, one) == pytest.approx(cores * 100)
+
+
+def _decide(rank, port, root, rates, out):
+    """Two gloo ranks, each with its own workers' rate, over their own samplers."""
+    with gloo_runtime(rank, port) as rt:
+        dataset = over_tree(root)
+        sampler = ShardedSampler(
+            len(dataset), rank, 2, shuffle=True, seed=5, even=True, keyed=True, stream_batch=2
+        )
+        sampler.set_epoch(1, 4)  # a resumed run's start
+        switch = WorkerSwitch(
+            dataset, sampler, rt, batch_size=2, workers_rate=rates[rank], in_flight=6
+        )
+        for taken in range(1, WINDOW[1] + 5):
+            switch.after_batch(taken)
+        torch.save(dataset.workers_from(), out / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("rates,moves", [((1e12, 1e12), True), ((1e12, 0.0), False)])
+def test_ranks_move_every_jpeg_to_the_workers_together_from_one_place(tmp_path, rates, moves):
+    """Workers far faster than any step on both ranks: both move, from the same place, the
+    first sample of the batch `in_flight` after the deciding one; one rank's workers short (a
+    rate of 0): neither moves."""
+    write_tree(tmp_path / "train", per_class=16, sizes=((60, 80), (44, 36), (16, 20), (44, 36)))
+    spawn(_decide, free_port(), tmp_path / "train", rates, tmp_path)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    n = len(over_tree(tmp_path / "train"))
+    at = stream_position(DataCursor(5, 1, 4, n), WINDOW[1] + 6, batch_size=2, world_size=2)
+    assert got == ([at, at] if moves else [None, None])
+
+
+def test_from_the_move_the_workers_decode_every_jpeg_and_before_it_as_drawn(tmp_path):
+    """Samples before the place are decoded where the split's draw put them (some JPEGs left
+    to the GPU); from it on, every JPEG by the workers; the same draw without a move is the
+    reference for the earlier ones."""
+    dataset = gpu_mode_set(tmp_path / "train")
+    reference = over_tree(tmp_path / "train")
+    for d in (dataset, reference):
+        decode_split.shared_split([d], (0.5, 0.5))
+    keys = [k for rank in stream_keys(len(dataset), 1, 4, 3, 0, 0, 30) for b in rank for k in b]
+    place = keys[len(keys) // 2].position
+    dataset.workers_decode_from(place)
+    before = [dataset[k].data is None for k in keys if k.position < place]
+    drawn = [reference[k].data is None for k in keys if k.position < place]
+    after = [dataset[k].data is None for k in keys if k.position >= place]
+    assert before == drawn and not all(before)  # some JPEGs stayed the GPU's
+    assert after and all(after)
+    assert dataset.checkpoint_state()["workers_from"] == place
+
+
+def test_a_resumed_run_takes_the_move_from_its_checkpoint(tmp_path):
+    """A checkpoint of a run that moved: the resumed training set moves from the same place
+    before its workers start, and no switch is left to decide (resolve_auto returns None)."""
+    write_tree(tmp_path / "train", per_class=12, sizes=((60, 80), (44, 36)))
+    kwargs = {**folder(tmp_path / "train"), "decode": "gpu"}
+    train, evaluation = NoDecoder("train", **kwargs), NoDecoder("eval", **kwargs)
+    saved = {"cpu_decode_share": 0.3, "cpu_decode_share_scaled": 0.6, "decode": "gpu"}
+    rate = decode_split.resolve_auto(
+        "auto", 3, [train, evaluation], ONE, {**saved, "workers_from": 812}
+    )
+    assert rate is None
+    assert train.workers_from() == 812 and evaluation.workers_from() is None
+    assert train.checkpoint_state() == {**saved, "workers_from": 812}
+
+
+def test_the_loader_counts_the_batches_it_hands_over_each_iteration():
+    """after_batch gets 1, 2, ... in each iteration, after the batch's data wait is counted."""
+    seen = []
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=2)
+    device_loader = DeviceLoader(loader, "cpu", after_batch=seen.append)
+    assert len(list(device_loader)) == 5 and seen == [1, 2, 3, 4, 5]
+    next(iter(device_loader))
+    assert seen[-1] == 1
