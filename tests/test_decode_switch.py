@@ -144,3 +144,37 @@ def test_the_loader_counts_the_batches_it_hands_over_each_iteration():
     assert len(list(device_loader)) == 5 and seen == [1, 2, 3, 4, 5]
     next(iter(device_loader))
     assert seen[-1] == 1
+
+
+def test_running_workers_see_the_move_and_decode_as_positions_say(tmp_path):
+    """The move set while a persistent DataLoader's workers (forkserver, as mgpu starts them)
+    run: every batch from the place on comes with no JPEG left for the GPU, and every batch
+    before it with the JPEGs the split's draw left (the reference: the same keys drawn in this
+    process without a move)."""
+    from mgpu.data.encoded import collate_encoded
+    from mgpu.data.loader import worker_context
+
+    dataset = gpu_mode_set(tmp_path / "train")
+    reference = over_tree(tmp_path / "train")
+    for d in (dataset, reference):
+        decode_split.shared_split([d], (0.5, 0.5))
+    batch, workers, prefetch = 4, 2, 2
+    sampler = ShardedSampler(
+        len(dataset), 0, 1, shuffle=True, seed=3, even=True, keyed=True, stream_batch=batch
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=batch, sampler=sampler, num_workers=workers, prefetch_factor=prefetch,
+        persistent_workers=True, collate_fn=collate_encoded,
+        multiprocessing_context=worker_context(dataset),
+    )  # fmt: skip
+    keys = stream_keys(len(dataset), 1, batch, 3, 0, 0, 40)[0]
+    taken, moved_at = 5, 5 + prefetch * workers + 1  # past every batch asked for so far
+    it = iter(loader)
+    got = [next(it) for _ in range(taken)]
+    dataset.workers_decode_from(stream_position(DataCursor(3, 0, 0, len(dataset)), moved_at,
+                                                batch_size=batch, world_size=1))  # fmt: skip
+    got += [next(it) for _ in range(len(keys) - taken)]
+    left = [len(b.lengths) for b in got]  # JPEGs each batch left to the GPU
+    drawn = [sum(reference[k].data is not None for k in ks) for ks in keys]
+    assert left[:moved_at] == drawn[:moved_at] and sum(drawn[:moved_at]) > 0
+    assert left[moved_at:] == [0] * (len(keys) - moved_at) and sum(drawn[moved_at:]) > 0
