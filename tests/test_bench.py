@@ -168,8 +168,9 @@ def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
 def test_real_images_quick_runs(tmp_path):
     """train.py on one GPU (one process) on a written realistic folder against the synthetic
     reference, tiny shapes: the default share (auto) and a fixed one, a named variant, the
-    prepared shards and the traced twins, and the plain image set written beside the realistic
-    one (its default run only); runs without a share of their own leave the default alone.
+    prepared shards (at auto; --skip leaves out the fixed share's) and the traced twins, and
+    the plain image set written beside the realistic one (its default run only); runs without a
+    share of their own leave the default alone.
     (Several GPUs: tests/test_real_images_gpus.py.)"""
     cmd = [sys.executable, "bench/real_images.py", "--quick", "--gpus", "1"]
     cmd += ["--mixes", "realistic", "plain", "--cpu-shares", "auto", "0.5"]
@@ -177,6 +178,7 @@ def test_real_images_quick_runs(tmp_path):
     keep = "keep=data.keep_trainer_cores=true,trainer.seed=${oc.env:MGPU_BENCH_SEED},"
     keep += "env:MGPU_BENCH_SEED=3"
     cmd += ["--variant", keep, "--shards", "24", "--trace"]
+    cmd += ["--skip", "shards:auto:0.5"]  # the shards run at every share the folder runs at
     result = run(cmd, tmp_path)
     assert set(result["ratio"]) == {
         "resnet50_b8_1cores",
@@ -199,7 +201,7 @@ def test_real_images_quick_runs(tmp_path):
         ("folder", "auto", ""),
         ("folder", "0.5", ""),
         ("folder", None, "keep"),
-        ("shards", None, ""),
+        ("shards", "auto", ""),
         ("reference", None, "traced"),
         ("folder", None, "traced"),
     }, runs
@@ -210,10 +212,10 @@ def test_real_images_quick_runs(tmp_path):
     assert "cpu_decode_share" not in runs["folder", None, "keep"]["cmd"]
     assert runs["folder", None, "keep"]["env"] == {"MGPU_BENCH_SEED": "3"}
     assert "MGPU_BENCH_SEED=3" not in runs["folder", None, "keep"]["cmd"]
-    assert not runs["shards", None, ""]["env"]
+    assert not runs["shards", "auto", ""]["env"]
     if not torch.cuda.is_available():  # decode=auto decodes in the workers: no share, and why
         assert runs["folder", "auto", ""]["decode_split"] == "0 (nothing is decoded on the GPU)"
-    assert "data=image_shards" in runs["shards", None, ""]["cmd"]
+    assert "data=image_shards" in runs["shards", "auto", ""]["cmd"]
     assert runs["folder", None, ""]["mix"] == "plain" and "images_plain" in runs[
         "folder", None, ""]["cmd"]  # fmt: skip
     # every other folder run (variants, shares, shards, traces) trains from the first set
