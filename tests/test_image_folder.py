@@ -459,6 +459,7 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # decode=cpu's share, 0 and never measured: the resumed run does not take it as measured
     saved = {"cpu_decode_share": 0.0, "cpu_decode_share_scaled": 0.0, "decode": "cpu"}
+    saved["workers_from"] = None  # nothing moved to the workers (mgpu.data.decode_switch)
     assert load(start, rank=0).shared["dataset"] == saved
     for run in (whole, resumed):
         assert "auto: 0 (nothing is decoded on the GPU)" in run.stdout + run.stderr
