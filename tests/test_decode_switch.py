@@ -178,3 +178,22 @@ def test_running_workers_see_the_move_and_decode_as_positions_say(tmp_path):
     drawn = [sum(reference[k].data is not None for k in ks) for ks in keys]
     assert left[:moved_at] == drawn[:moved_at] and sum(drawn[:moved_at]) > 0
     assert left[moved_at:] == [0] * (len(keys) - moved_at) and sum(drawn[moved_at:]) > 0
+
+
+@pytest.mark.parametrize("rate,moves", [(0.9, False), (1.1, True)])
+def test_the_pace_is_the_steps_own_with_an_evaluation_in_the_window(tmp_path, rate, moves):
+    """A batch every 10 ms but one 5 s pause (an evaluation) within the window: the pace is a
+    batch per 10 ms, so workers a tenth slower than that keep the split and a tenth faster
+    move (a clock stands in for time: nothing here is timed)."""
+    dataset = gpu_mode_set(tmp_path / "train")
+    sampler = ShardedSampler(
+        len(dataset), 0, 1, shuffle=True, seed=5, even=True, keyed=True, stream_batch=4
+    )
+    now = iter([0.01 * k + (5.0 if k > 30 else 0.0) for k in range(100)])
+    switch = WorkerSwitch(
+        dataset, sampler, ONE, batch_size=4, workers_rate=rate * 4 / 0.01, in_flight=3,
+        clock=lambda: next(now),
+    )  # fmt: skip
+    for taken in range(1, WINDOW[1] + 1):
+        switch.after_batch(taken)
+    assert (dataset.workers_from() is not None) == moves
