@@ -89,6 +89,11 @@ def gpu_mode_set(root, size=12):
     """JPEGs of two kinds at image size 12: 60x80 ones, mostly cropped to boxes twice that or
     more (decoded DCT-scaled on the CPU), and 16x20 ones, never; PNGs between them."""
     write_tree(root, per_class=16, sizes=((60, 80), (44, 36), (16, 20), (44, 36)))
+    return gpu_mode_over(root, size)
+
+
+def gpu_mode_over(root, size=12):
+    """gpu_mode_set's data set over its tree, written already."""
     kwargs = {**folder(root, eval_samples=2), "image_size": size, "classes": CLASSES}
     return ImageFolder("train", **{**kwargs, "decode": "gpu"})
 

@@ -8,20 +8,13 @@ checkpoint."""
 import pytest
 import torch
 from conftest import free_port, gloo_runtime, spawn
-from test_decode_split import ONE, NoDecoder, gpu_mode_set
-from test_image_folder import CLASSES, folder, write_tree
+from test_decode_split import ONE, NoDecoder, gpu_mode_over, gpu_mode_set
+from test_image_folder import folder, write_tree
 
 from mgpu.data import decode_split
 from mgpu.data.decode_switch import WINDOW, WorkerSwitch
-from mgpu.data.image_folder import ImageFolder
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.sampler import DataCursor, ShardedSampler, epoch_order, stream_position
-
-
-def over_tree(root):
-    """gpu_mode_set's data set over its tree, written already."""
-    kwargs = {**folder(root, eval_samples=2), "image_size": 12, "classes": CLASSES}
-    return ImageFolder("train", **{**kwargs, "decode": "gpu"})
 
 
 def stream_keys(n, world, batch, seed, epoch, consumed, batches):
@@ -76,7 +69,7 @@ def test_the_workers_rate_counts_each_kind_by_its_share_of_the_jpegs():
 def _decide(rank, port, root, rates, out):
     """Two gloo ranks, each with its own workers' rate, over their own samplers."""
     with gloo_runtime(rank, port) as rt:
-        dataset = over_tree(root)
+        dataset = gpu_mode_over(root)
         sampler = ShardedSampler(
             len(dataset), rank, 2, shuffle=True, seed=5, even=True, keyed=True, stream_batch=2
         )
@@ -97,7 +90,7 @@ def test_ranks_move_every_jpeg_to_the_workers_together_from_one_place(tmp_path, 
     write_tree(tmp_path / "train", per_class=16, sizes=((60, 80), (44, 36), (16, 20), (44, 36)))
     spawn(_decide, free_port(), tmp_path / "train", rates, tmp_path)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    n = len(over_tree(tmp_path / "train"))
+    n = len(gpu_mode_over(tmp_path / "train"))
     at = stream_position(DataCursor(5, 1, 4, n), WINDOW[1] + 6, batch_size=2, world_size=2)
     assert got == ([at, at] if moves else [None, None])
 
@@ -107,7 +100,7 @@ def test_from_the_move_the_workers_decode_every_jpeg_and_before_it_as_drawn(tmp_
     to the GPU); from it on, every JPEG by the workers; the same draw without a move is the
     reference for the earlier ones."""
     dataset = gpu_mode_set(tmp_path / "train")
-    reference = over_tree(tmp_path / "train")
+    reference = gpu_mode_over(tmp_path / "train")
     for d in (dataset, reference):
         decode_split.shared_split([d], (0.5, 0.5))
     keys = [k for rank in stream_keys(len(dataset), 1, 4, 3, 0, 0, 30) for b in rank for k in b]
@@ -155,7 +148,7 @@ def test_running_workers_see_the_move_and_decode_as_positions_say(tmp_path):
     from mgpu.data.loader import worker_context
 
     dataset = gpu_mode_set(tmp_path / "train")
-    reference = over_tree(tmp_path / "train")
+    reference = gpu_mode_over(tmp_path / "train")
     for d in (dataset, reference):
         decode_split.shared_split([d], (0.5, 0.5))
     batch, workers, prefetch = 4, 2, 2

@@ -91,7 +91,7 @@ class WorkerSwitch:
         if self.decided or taken < WINDOW[0]:
             return
         self._times.append(self.clock())
-        if taken < WINDOW[1] or len(self._times) < 2:
+        if taken < WINDOW[1]:
             return
         self.decided = True
         between = [b - a for a, b in zip(self._times, self._times[1:], strict=False)]
