@@ -175,6 +175,40 @@ def test_workers_run_on_the_spare_cpus_under_keep_trainer_cores(keep):
     assert sorted(os.sched_getaffinity(0)) == mine
 
 
+class _Niceness(torch.utils.data.Dataset):
+    """Each sample: the niceness of the thread that loads it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.tensor(os.getpriority(os.PRIO_PROCESS, 0))
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_workers_run_nicer_than_the_trainer_by_worker_nice(nice):
+    """Real worker processes from build_dataloader run data.worker_nice nicer than the training
+    process, which keeps its own priority."""
+    from mgpu.data.config import DataConfig
+    from mgpu.data.loader import build_dataloader
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    cfg = DataConfig(_target_="unused", batch_size=1, num_workers=2, worker_nice=nice)
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    loader = build_dataloader(cfg, _Niceness(), rt, seed=0, train=False)
+    seen = {int(batch[0]) for batch in loader}
+    assert seen == {min(mine + nice, 19)}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+
+
+@pytest.mark.parametrize("bad", [-1, 20, True, "high"])
+def test_worker_nice_out_of_range_says_how_to_fix(bad):
+    from mgpu.data.config import DataConfig
+
+    with pytest.raises(ValueError, match=r"data\.worker_nice.*from 0 .* to 19"):
+        DataConfig(_target_="unused", worker_nice=bad)
+
+
 def test_a_worker_keeps_quiet_only_about_the_trainer_hanging_up_mid_batch(monkeypatch, capsys):
     """A DataLoader worker's resource-sharer thread, whose hand-over of a batch's descriptor a
     Ctrl-C of the training process cut off, prints no traceback (the trainer says one line);

@@ -60,6 +60,12 @@ class DataConfig:
     # it the scheduler lets busy workers take them (mgpu.data.loader.spare_cpus). Off until
     # measured: bench/real_images.py --variant keep=data.keep_trainer_cores=true.
     keep_trainer_cores: bool = False
+    # DataLoader workers run this much nicer than the training process (os.nice, 0-19): where
+    # the workers keep every core busy, a training thread that wakes (the launching thread, the
+    # prefetcher's copy thread, NCCL's proxy) is then run before them instead of waiting for a
+    # worker's time slice; on several GPUs one rank late by a slice holds up every rank's
+    # all-reduce. 0: the trainer's own priority.
+    worker_nice: int = 0
 
     def __post_init__(self) -> None:
         _positive("data.batch_size", self.batch_size, "32")
@@ -68,6 +74,14 @@ class DataConfig:
             why = "must be auto or a number of worker processes >= 0, e.g. data.num_workers=8"
             _require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
         _positive("data.prefetch_factor", self.prefetch_factor, "2")
+        nice_ok = isinstance(self.worker_nice, int) and not isinstance(self.worker_nice, bool)
+        _require(
+            nice_ok and 0 <= self.worker_nice <= 19,
+            "data.worker_nice",
+            self.worker_nice,
+            "must be a niceness from 0 (the trainer's priority) to 19 (the lowest), "
+            "e.g. data.worker_nice=10",
+        )
         _positive("data.prefetch_depth", self.prefetch_depth, "2")
         _require(
             self.device_transform in ("auto", "none"),

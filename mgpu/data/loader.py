@@ -87,7 +87,10 @@ def build_dataloader(
         persistent_workers=train and workers > 0,
         generator=torch.Generator().manual_seed(seed + rt.rank),
         worker_init_fn=functools.partial(
-            start_worker, keep_trainer_cores=cfg.keep_trainer_cores, logs=log_targets()
+            start_worker,
+            keep_trainer_cores=cfg.keep_trainer_cores,
+            nice=cfg.worker_nice,
+            logs=log_targets(),
         ),
         collate_fn=getattr(dataset, "collate", None),  # a dataset's own batch type, if any
         multiprocessing_context=worker_context(dataset) if workers > 0 else None,
@@ -235,17 +238,22 @@ def _in_resource_sharer(tb) -> bool:  # noqa: ANN001 - a traceback
 def start_worker(
     worker_id: int,
     keep_trainer_cores: bool = False,
+    nice: int = 0,
     logs: tuple[int, tuple[LogTarget, ...]] = (logging.WARNING, ()),
 ) -> None:
     """Each DataLoader worker's first act: SIGTERM and SIGUSR1 left to the trainer, its log
-    lines sent where the trainer's go, no traceback when the trainer hangs up mid-batch, and
-    under `keep_trainer_cores` its CPUs narrowed to spare_cpus (the training process keeps the
-    whole set)."""
+    lines sent where the trainer's go, no traceback when the trainer hangs up mid-batch, under
+    `keep_trainer_cores` its CPUs narrowed to spare_cpus (the training process keeps the whole
+    set), and its priority lowered by `nice` (data.worker_nice)."""
     leave_preemption_to_the_trainer(worker_id)
     log_like_the_trainer(logs)
     quiet_when_the_trainer_hangs_up()
     if keep_trainer_cores:
         os.sched_setaffinity(0, spare_cpus(sorted(os.sched_getaffinity(0))))
+    if nice:
+        # The worker's thread, before it starts any other: threads inherit their creator's
+        # niceness, and Linux keeps one per thread.
+        os.nice(nice)
 
 
 def worker_count(setting: int | str, cpu_share: int) -> int:
