@@ -367,6 +367,14 @@ def parse_args() -> argparse.Namespace:
         "split at commas: a value cannot hold one)",
     )  # fmt: skip
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a train.py override for every run of the call, the reference's too, e.g. "
+        "--set data.worker_nice=10 (then against the same setting's reference)",
+    )
+    p.add_argument(
         "--trace", action="store_true",
         help="also a traced run of the reference and of the folder (trainer.profile): each "
         "CUDA stream's busy time a step and costliest kernels (bench/trace_streams.py)",
@@ -397,6 +405,9 @@ def parse_args() -> argparse.Namespace:
             if item.startswith("env:") and not (var and equals):
                 p.error(f"--variant {v}: {item!r}: give env:VAR=VALUE, VAR not empty")
         args.variants[name] = overrides
+    for item in args.set:
+        if "=" not in item.strip("="):
+            p.error(f"--set {item}: give KEY=VALUE, e.g. --set data.worker_nice=10")
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give 1 or more")
     if args.folder and args.mixes:
@@ -523,7 +534,7 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
         name = f"b{batch}_{cores}cores{scale}_{kind}_{decode}{suffix}"
         name += f"_round{rnd}" if rnd else ""  # the first round keeps earlier files' names
         source = Path(prepared["path"]) if kind == "shards" else folders.get(mix)
-        cmd = train_args(kind, source, batch, decode, args.steps, args.every, share)
+        cmd = train_args(kind, source, batch, decode, args.steps, args.every, share) + args.set
         traced = variant == "traced"
         environ = {}
         if traced:

@@ -179,6 +179,7 @@ def test_real_images_quick_runs(tmp_path):
     keep += "env:MGPU_BENCH_SEED=3"
     cmd += ["--variant", keep, "--shards", "24", "--trace"]
     cmd += ["--skip", "shards:auto:0.5"]  # the shards run at every share the folder runs at
+    cmd += ["--set", "data.worker_nice=1"]  # every run's, the reference's too
     result = run(cmd, tmp_path)
     assert set(result["ratio"]) == {
         "resnet50_b8_1cores",
@@ -206,6 +207,7 @@ def test_real_images_quick_runs(tmp_path):
         ("folder", None, "traced"),
     }, runs
     assert all(r["img_per_s"] > 0 for r in runs.values()), runs
+    assert all("data.worker_nice=1" in r["cmd"] for r in runs.values()), runs
     assert "data.cpu_decode_share=0.5" in runs["folder", "0.5", ""]["cmd"]
     assert "data.cpu_decode_share=auto" in runs["folder", "auto", ""]["cmd"]
     assert "data.keep_trainer_cores=true" in runs["folder", None, "keep"]["cmd"]
