@@ -1,5 +1,7 @@
 """The benchmark scripts that can run on a CPU still run and write their results file: they are
-not tests, but a refactor that breaks one should not wait for a GPU machine to show it."""
+not tests, but a refactor that breaks one should not wait for a GPU machine to show it. Their
+quick runs are marked bench and run when selected (`pytest -m bench`, before a GPU session or
+after changing a script); the plans, parsers and readers here run in every suite."""
 
 import importlib.util
 import json
@@ -27,6 +29,7 @@ def run(args: list[str], tmp_path) -> dict:
     return json.loads(written.read_text())
 
 
+@pytest.mark.bench
 def test_telemetry_cost_runs_with_two_processes(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = run([*torchrun, "bench/telemetry_cost.py", "--model", "gpt_tiny", "--steps", "3",
@@ -37,6 +40,7 @@ def test_telemetry_cost_runs_with_two_processes(tmp_path):
     assert all(r["ms_per_step"] > 0 for r in rows.values())
 
 
+@pytest.mark.bench
 def test_input_pipeline_quick_runs(tmp_path):
     models = ["--models", "resnet50", "gpt2", "resnet50_folder"]
     result = run([sys.executable, "bench/input_pipeline.py", "--quick", *models], tmp_path)
@@ -47,6 +51,7 @@ def test_input_pipeline_quick_runs(tmp_path):
     assert folder["(f) folder decode=cpu"]["throughput"] > 0
 
 
+@pytest.mark.bench
 def test_vs_plain_quick_runs(tmp_path):
     result = run([sys.executable, "bench/vs_plain.py", "--quick"], tmp_path)
     assert set(result["ratio"]) == {
@@ -60,6 +65,7 @@ def test_vs_plain_quick_runs(tmp_path):
         assert row["mgpu"]["ms_per_step"] > 0 and row["plain"]["whole"]["ms_per_step"] > 0
 
 
+@pytest.mark.bench
 def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     result = run([*torchrun, "bench/engines.py", "--quick", "--models", "gpt2_small"], tmp_path)
@@ -71,6 +77,7 @@ def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
     assert rows["mgpu_sharded"]["exposed_comm_ms"] is not None
 
 
+@pytest.mark.bench
 def test_scaling_quick_writes_efficiency_and_ddp_ratios_per_job(tmp_path):
     """bench/scaling.py on the CPU: one torchrun of engines.py per model and mode, summarized
     as the ratios of the steps its jobs measured (recomputed here from the rows). A job that
@@ -97,6 +104,7 @@ def test_scaling_quick_writes_efficiency_and_ddp_ratios_per_job(tmp_path):
         assert record["vs_ddp"][key] == pytest.approx(ddp / mgpu, rel=1e-3)
 
 
+@pytest.mark.bench
 def test_engines_one_at_a_time_with_micro_batches(tmp_path):
     """GPT-2 XL's path (engines that do not fit a GPU together): each engine built, timed and
     freed in turn, several micro-batches a step; a step's tokens count every micro-batch."""
@@ -129,6 +137,7 @@ def test_engines_one_at_a_time_with_micro_batches(tmp_path):
     assert proc.returncode == 2 and "static graph" in proc.stderr, proc.stderr
 
 
+@pytest.mark.bench
 def test_optim_step_quick_runs(tmp_path):
     result = run([sys.executable, "bench/probes/optim_step.py", "--quick"], tmp_path)
     assert set(result["rows"]) == {"fused", "compiled"}
@@ -137,6 +146,7 @@ def test_optim_step_quick_runs(tmp_path):
     assert result["max_abs_diff"] < 1e-5, result["max_abs_diff"]
 
 
+@pytest.mark.bench
 def test_launch_stalls_quick_times_every_launch_beside_each_cases_thread(tmp_path):
     """bench/probes/launch_stalls.py --quick on the CPU (nothing to measure there): the idle and
     pin cases, each in a process of its own, launches timed, the pin thread's batches counted,
@@ -155,6 +165,7 @@ def test_launch_stalls_quick_times_every_launch_beside_each_cases_thread(tmp_pat
     assert refused.returncode == 2 and "drop --queue" in refused.stderr, refused.stderr
 
 
+@pytest.mark.bench
 def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
     """Two CPU runs of trainer.deterministic=true (the setting end to end through train.py):
     CPU kernels repeat, so they must compare equal, weights and losses."""
@@ -165,6 +176,7 @@ def test_repeatable_quick_compares_two_deterministic_runs(tmp_path):
     assert len(row["step_ms"]) == 2 and min(row["step_ms"]) > 0, row
 
 
+@pytest.mark.bench
 def test_real_images_quick_runs(tmp_path):
     """train.py on one GPU (one process) on a written realistic folder against the synthetic
     reference, tiny shapes: the default share (auto) and a fixed one, a named variant, the
@@ -276,6 +288,7 @@ def test_powersgd_engine_is_timed_only_over_its_compressed_steps():
     assert warmup_of("torch_ddp", 0) == 0 and warmup_of("mgpu", 1) == 1
 
 
+@pytest.mark.bench
 def test_head_loss_quick_checks_every_side_against_fp32(tmp_path):
     result = run([sys.executable, "bench/head_loss.py", "--quick"], tmp_path)
     assert set(result["shapes"]) == {"small", "xl"}
@@ -288,6 +301,7 @@ def test_head_loss_quick_checks_every_side_against_fp32(tmp_path):
             assert side["loss_abs_diff"] < 1e-3 and side["grad_w_rel_err"] < 2e-2, side
 
 
+@pytest.mark.bench
 def test_vs_plain_quick_runs_the_xl_paths_and_the_loss_comparison(tmp_path):
     """gpt2_xl's stand-in: gradient accumulation and checkpointed blocks on both sides, the
     plain loop freed before mgpu's run; then the loss runs on Python's own sources."""
@@ -360,6 +374,7 @@ def test_profile_tables_group_kernels_by_what_bounds_a_step(monkeypatch):
     assert {name: kernel_group(name) for name in names} == names
 
 
+@pytest.mark.bench
 def test_fp8_layers_quick_times_bf16_and_each_fp8_variant(tmp_path):
     result = run([sys.executable, "bench/probes/fp8_layers.py", "--quick"], tmp_path)
     runs = result["runs"]
@@ -373,6 +388,7 @@ def test_fp8_layers_quick_times_bf16_and_each_fp8_variant(tmp_path):
         assert r["ms"] > 0 and abs(r["loss"] - runs["bf16"]["loss"]) < 0.05, (name, r)
 
 
+@pytest.mark.bench
 def test_fp8_layers_times_the_dtype_layouts_over_micro_steps(tmp_path):
     """The layouts' own paths (bf16 stream, bf16 parameters, fp32 master weights fed by
     gradient hooks) train near bf16 over two micro-steps a step."""

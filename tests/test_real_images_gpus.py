@@ -13,6 +13,7 @@ from conftest import ROOT
 ENV = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
+@pytest.mark.bench
 def test_two_processes_under_torchrun(tmp_path):
     cmd = [sys.executable, "bench/real_images.py", "--quick", "--gpus", "2"]
     cmd += ["--out", str(tmp_path)]  # --quick's one image set: realistic

@@ -241,6 +241,7 @@ def test_on_gpus_an_elastic_run_goes_on_with_the_node_left(tmp_path, gpu_referen
     assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == list(range(1, 21))
 
 
+@pytest.mark.bench
 def test_bench_two_nodes_quick_runs_and_records(tmp_path):
     """bench/two_nodes.py --quick: the probe, one engines job of 2 micro-batches a step, and
     train.py on real text with torch DDP's fp32 wire and PowerSGD (from step 10 of 16) over 2
