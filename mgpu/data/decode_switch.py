@@ -23,6 +23,7 @@ move keeps the split it started with.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -40,7 +41,10 @@ log = logging.getLogger(__name__)
 # compiling and the workers' first fill, 40 batches (0.8 s of ResNet-50 at B=128 on an H200).
 # The pace is a batch over the median time between two hand-overs: an evaluation or a checkpoint
 # saved within the window pauses one of them, and would make a mean pace look slower than the
-# step is (and the workers' rate enough when it is not).
+# step is (and the workers' rate enough when it is not). On a GPU that time is the training
+# stream's, between CUDA events recorded at each hand-over: the host runs ahead of the GPU, and
+# early in a run its own hand-overs came up to 37 % faster than the steps did (2 H200s,
+# bench/README.md, 2026-11-28 12:28-12:49).
 WINDOW = (20, 60)
 
 
@@ -82,7 +86,8 @@ class WorkerSwitch:
     ):
         self.dataset, self.sampler, self.rt = dataset, sampler, rt
         self.batch_size, self.workers_rate, self.in_flight = batch_size, workers_rate, in_flight
-        self.clock, self._times = clock, []
+        self.clock, self._times = clock, []  # host clock readings (without a GPU)
+        self._events: list[torch.cuda.Event] = []  # the training stream's, on a GPU
         self.decided = dataset.workers_from() is not None  # a resumed run's, moved already
 
     def after_batch(self, taken: int) -> None:
@@ -90,12 +95,14 @@ class WorkerSwitch:
         rank calls it at the same batches (a collective at WINDOW[1])."""
         if self.decided or taken < WINDOW[0]:
             return
-        self._times.append(self.clock())
+        self._mark()
         if taken < WINDOW[1]:
             return
         self.decided = True
-        between = [b - a for a, b in zip(self._times, self._times[1:], strict=False)]
-        pace = self.batch_size / max(statistics.median(between), 1e-9)
+        between = self._between()
+        # No interval (every hand-over of the window inside a graph capture): no pace known,
+        # and an unknown pace never moves the JPEGs.
+        pace = self.batch_size / max(statistics.median(between), 1e-9) if between else math.inf
         # On every rank the workers' margin over its pace; the least decides for all.
         device = self.rt.device if self.rt.backend == "nccl" else torch.device("cpu")
         least = torch.tensor([self.workers_rate - pace], dtype=torch.float64, device=device)
@@ -127,3 +134,23 @@ class WorkerSwitch:
             taken + self.in_flight, position, self.workers_rate, pace, *WINDOW,
             ", as on every rank" if self.rt.distributed else "",
         )  # fmt: skip
+
+    def _mark(self) -> None:
+        """A hand-over's time: an event on the current (training) stream on a GPU, queued
+        behind the steps the host has launched so far; the host clock elsewhere."""
+        if self.rt.device.type != "cuda":
+            self._times.append(self.clock())
+        elif not torch.cuda.is_current_stream_capturing():  # no event inside a graph capture
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+
+    def _between(self) -> list[float]:
+        """Seconds between consecutive hand-overs of the window."""
+        if self.rt.device.type != "cuda":
+            return [b - a for a, b in zip(self._times, self._times[1:], strict=False)]
+        # Sync point (once a run, at batch WINDOW[1]): the window's last event, so that every
+        # one of them has its time; the GPU is then at most the loader's depth behind.
+        self._events[-1].synchronize()
+        pairs = zip(self._events, self._events[1:], strict=False)
+        return [a.elapsed_time(b) / 1e3 for a, b in pairs]
