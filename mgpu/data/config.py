@@ -64,7 +64,8 @@ class DataConfig:
     # the workers keep every core busy, a training thread that wakes (the launching thread, the
     # prefetcher's copy thread, NCCL's proxy) is then run before them instead of waiting for a
     # worker's time slice; on several GPUs one rank late by a slice holds up every rank's
-    # all-reduce. 0: the trainer's own priority.
+    # all-reduce. 0, the trainer's own priority: on 2 H200s 10 and 19 ran 0.005-0.013 below it
+    # (bench/README.md, 2026-11-28 12:28).
     worker_nice: int = 0
 
     def __post_init__(self) -> None:
