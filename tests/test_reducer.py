@@ -81,6 +81,10 @@ CASES = {
         "sgd",
         {"reduce_dtype": ReduceDtype.bf16, "bucket_cap_mb": 1e-6},
     ),
+    # clipped every step (CLIPS): the norm over the reducer's flat buckets, the reference's
+    # over each parameter's gradient
+    "mgpu_clipped_adamw": ("mlp", "mgpu", 1, "adamw", {}),
+    "mgpu_clipped_per_param": ("mlp", "mgpu", 4, "adamw", {"bucket_cap_mb": 1e-6}),
     # BatchNorm: statistics differ per rank (per-rank batches), so no single-process reference
     "mgpu_bn": ("bn", "mgpu", 1, "sgd", {}),
     "ddp_bn": ("bn", "torch_ddp", 1, "sgd", {}),
@@ -88,6 +92,7 @@ CASES = {
     "ddp_bn_own_buffers": ("bn", "torch_ddp", 1, "sgd", {"broadcast_buffers": False}),
 }
 PER_RANK_STATS = [c for c in CASES if CASES[c][0] == "bn"]
+CLIPS = {"mgpu_clipped_adamw": 0.05, "mgpu_clipped_per_param": 0.05}  # trainer.grad_clip
 
 
 def batch(model: str, step: int, n: int):
@@ -108,7 +113,9 @@ def build(rt, case: str, reference: bool):
     engine = "none" if reference else engine
     model = wrap_model(model, DistConfig(engine=Engine(engine), **overrides), rt)
     tcfg = TrainerConfig(
-        grad_accum_steps=1 if reference else accum, grad_clip=0.0, precision=Precision.fp32
+        grad_accum_steps=1 if reference else accum,
+        grad_clip=CLIPS.get(case, 0.0),
+        precision=Precision.fp32,
     )
     return model, Trainer(tcfg, model, optimizer, schedule, rt)
 
@@ -146,7 +153,7 @@ def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int = WO
 
 # Every two-rank run of this module, in one pair of processes (each costs seconds to start):
 # one subdirectory of results each.
-PARTS = ("cases", "edge", "copies", "rewrap", "unused")
+PARTS = ("cases", "edge", "copies", "rewrap", "norms", "unused")
 
 
 def two_rank_worker(rank: int, port: int, out_dir: str):
@@ -155,6 +162,7 @@ def two_rank_worker(rank: int, port: int, out_dir: str):
         edge_work(rt, f"{out_dir}/edge")
         copy_count_work(rt, f"{out_dir}/copies")
         rewrap_work(rt, f"{out_dir}/rewrap")
+        norms_work(rt, f"{out_dir}/norms")
         unused_work(rt, f"{out_dir}/unused")  # last: its backward fails by design
 
 
@@ -448,6 +456,57 @@ def edge_work(rt, out_dir: str):
                 info["learned"] = reducer.observed is None
                 info["first_bucket"] = [reducer.names[id(p)] for p in reducer.buckets[0].params]
             torch.save(info, f"{out_dir}/{case}.{engine.value}.{rt.rank}.pt")
+
+
+# Bucket layouts the flat norm must cover: several parameters a bucket, one each, one for all,
+# the bf16 wire's, a tied weight, and frozen and unused parameters.
+NORM_CASES = [
+    "mgpu_default",
+    "mgpu_bucket_per_param",
+    "mgpu_one_bucket",
+    "mgpu_bf16_wire",
+    "mgpu_gpt_tied",
+    "mgpu_frozen_unused",
+]
+
+
+def norms_work(rt, out_dir: str):
+    """After one backward: the global norm of the gradients over MgpuDataParallel.grad_tensors
+    (what Update clips with) and over each parameter's .grad (the reference), and what the
+    former returned before any backward."""
+    out = {}
+    for case in NORM_CASES:
+        model_name = CASES[case][0]
+        model, _ = build(rt, case, reference=False)
+        before = model.grad_tensors()
+        x, y = batch(model_name, 0, WORLD * MICRO)
+        mine = slice(rt.rank * MICRO, (rt.rank + 1) * MICRO)
+        x, y = x[mine], y[mine]
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten()).backward()
+        flat = model.grad_tensors()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        out[case] = {
+            "before": before,
+            "flat": torch.nn.utils.get_total_norm(flat),
+            "each": torch.nn.utils.get_total_norm(grads),
+            "numel": sum(t.numel() for t in flat),
+            "grad_numel": sum(g.numel() for g in grads),
+        }
+    torch.save(out, f"{out_dir}/norms.{rt.rank}.pt")
+
+
+def test_the_flat_norm_is_the_norm_of_every_gradient(two_ranks):
+    """The clipping norm over the reducer's buckets equals the norm over each parameter's
+    gradient on every bucket layout, covering each gradient element once; before a backward
+    there are no buckets' gradients to give."""
+    for rank in range(WORLD):
+        got = torch.load(two_ranks / "norms" / f"norms.{rank}.pt", weights_only=True)
+        assert set(got) == set(NORM_CASES)
+        for case, row in got.items():
+            assert row["before"] is None, case
+            assert row["numel"] == row["grad_numel"], case
+            torch.testing.assert_close(row["flat"], row["each"], rtol=1e-6, atol=0, msg=case)
 
 
 @pytest.fixture

@@ -46,6 +46,18 @@ class MgpuDataParallel(nn.Module):
         whole that hands every gradient over at backward's end. Before any step."""
         self.reducer.use_large_buckets()
 
+    def grad_tensors(self) -> list[torch.Tensor] | None:
+        """Every parameter's gradient exactly once, as the few tensors they live in (a bucket's
+        flat tensor, or a parameter's own gradient), so that the step's global norm takes a
+        handful of ops rather than a few per parameter (ResNet-50: 161 norms stacked, the
+        largest host cost of its optimizer phase in the traces of bench/README.md, 2026-11-28
+        12:44); None while any gradient is not in its bucket (before a step's backward), and
+        under dist.shard_optimizer, whose buckets are padded (its own grad_norm sums shards)."""
+        buckets = self.reducer.buckets
+        if self.reducer.shards is not None or not all(b.is_attached() for b in buckets):
+            return None
+        return [b.tensor() for b in buckets]
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-steps inside accumulate into the buckets without communicating."""

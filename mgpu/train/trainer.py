@@ -83,9 +83,8 @@ class Trainer:
         # tree for them every step cost ResNet-50 ~0.17 ms of host time a step, which a
         # launch-bound step pays in full.
         self.params = list(model.parameters())
-        self.profiler, self.goodput = profiler, goodput
+        self.profiler, self.goodput, self.preemption = profiler, goodput, preemption
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
-        self.preemption = preemption
         if cfg.precision is Precision.fp8:
             check_fp8(rt.device)  # train.py checked before starting; a Trainer built in Python
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
@@ -148,8 +147,9 @@ class Trainer:
             on_skip=recorder.skipped if recorder is not None else None,
         )
         # The step's end: clipping, the agreement, the optimizer and the schedule.
+        flat = model.grad_tensors if isinstance(model, MgpuDataParallel) else None
         self.update = Update(
-            cfg, self.params, optimizer, schedule, self.scaler, self.guard, self._stop_asked
+            cfg, self.params, optimizer, schedule, self.scaler, self.guard, self._stop_asked, flat
         )
         # Where train_step marks the parts of each step for the Recorder's breakdown.
         self.timer = recorder.timer if recorder is not None else StepTimer(None)

@@ -43,8 +43,13 @@ class Update:
         scaler,
         guard: NonFiniteGuard,
         stop_asked: Callable[[], bool],
+        grad_tensors: Callable[[], list[torch.Tensor] | None] | None = None,
     ):
         self.grad_clip, self.params = cfg.grad_clip, params
+        # The data-parallel wrapper's gradients as its few flat tensors, where it has them
+        # (MgpuDataParallel.grad_tensors): the global norm over those is the same sum of squares
+        # in a handful of ops instead of a few per parameter, each launched from the host.
+        self.grad_tensors = grad_tensors
         self.optimizer, self.schedule, self.scaler, self.guard = optimizer, schedule, scaler, guard
         self.sharded = isinstance(optimizer, ShardedOptimizer)
         self.stop_asked = stop_asked  # preemption asked on this rank: rides the agreement
@@ -90,7 +95,9 @@ class Update:
             norm, overflow = self.optimizer.grad_norm(overflow)
         else:
             grads = [p.grad for p in self.params if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+            flat = self.grad_tensors() if self.grad_tensors is not None else None
+            summed = flat or grads  # the same gradients, as few tensors where the wrapper has them
+            norm = torch.nn.utils.get_total_norm(summed, foreach=True) if summed else None
         scale = None
         if self.grad_clip > 0 and norm is not None:
             if fused(self.optimizer):
