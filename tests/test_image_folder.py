@@ -553,6 +553,14 @@ def test_decode_step_crops_like_the_workers_and_replaces_bad_jpegs(tmp_path):
     with pytest.raises(BadImageFile, match=r"2 JPEGs of one batch cannot be decoded") as caught:
         step(collate_encoded(items))
     assert gpu.files[jpegs[0]] in str(caught.value) and gpu.files[jpegs[2]] in str(caught.value)
+    # every JPEG decoded by the workers (data.cpu_decode_share=auto's move): the batch is their
+    # pixels in the batch's order, labels alike
+    gpu.workers_decode_from(0)
+    items = [gpu[k] for k in reversed(keys)]
+    images, labels = step(collate_encoded(items))
+    assert all(item.data is None for item in items)
+    assert torch.equal(images, torch.stack([item.pixels for item in items]))
+    assert torch.equal(labels, torch.tensor([item.label for item in items]))
 
 
 @pytest.mark.gpu

@@ -167,6 +167,9 @@ class BatchDecoder:
         """(images [B, 3, S, S] uint8, labels [B]) on the device."""
         size, device = self.size, self.device
         labels = batch.labels
+        if not batch.lengths:  # every sample decoded by the workers (decode_switch's move): the
+            # pixels are the batch, in order; nothing to place or to read from pageable memory
+            return batch.pixels.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         out = torch.empty(len(labels), 3, size, size, dtype=torch.uint8, device=device)
         if len(batch.pixels_at):
             out[batch.pixels_at.to(device)] = batch.pixels.to(device, non_blocking=True)
