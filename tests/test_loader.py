@@ -146,14 +146,26 @@ def test_spare_cpus_leave_the_trainer_its_first_cores():
     assert spare_cpus([4]) == [4]
 
 
-class _Affinity(torch.utils.data.Dataset):
-    """Each sample: the CPUs of the process that loads it."""
+def cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def niceness() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+class _Seen(torch.utils.data.Dataset):
+    """Each sample: what `read` (a module-level function, so that workers can unpickle it) says
+    in the process that loads it."""
+
+    def __init__(self, read):
+        self.read = read
 
     def __len__(self):
         return 4
 
     def __getitem__(self, i):
-        return torch.tensor(sorted(os.sched_getaffinity(0)))
+        return torch.tensor(self.read())
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -164,25 +176,15 @@ def test_workers_run_on_the_spare_cpus_under_keep_trainer_cores(keep):
     from mgpu.data.config import DataConfig
     from mgpu.data.loader import build_dataloader, spare_cpus
 
-    mine = sorted(os.sched_getaffinity(0))
+    mine = cpus()
     cfg = DataConfig(_target_="unused", batch_size=1, num_workers=2, keep_trainer_cores=keep)
     rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
-    loader = build_dataloader(cfg, _Affinity(), rt, seed=0, train=False)
+    loader = build_dataloader(cfg, _Seen(cpus), rt, seed=0, train=False)
     # the setting reaches the workers on any host (a host of two CPUs narrows nothing)
     assert loader.worker_init_fn.keywords["keep_trainer_cores"] == keep
     seen = {tuple(batch[0].tolist()) for batch in loader}
     assert seen == {tuple(spare_cpus(mine) if keep else mine)}
     assert sorted(os.sched_getaffinity(0)) == mine
-
-
-class _Niceness(torch.utils.data.Dataset):
-    """Each sample: the niceness of the thread that loads it."""
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, i):
-        return torch.tensor(os.getpriority(os.PRIO_PROCESS, 0))
 
 
 @pytest.mark.parametrize("nice", [0, 7])
@@ -192,13 +194,13 @@ def test_workers_run_nicer_than_the_trainer_by_worker_nice(nice):
     from mgpu.data.config import DataConfig
     from mgpu.data.loader import build_dataloader
 
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    mine = niceness()
     cfg = DataConfig(_target_="unused", batch_size=1, num_workers=2, worker_nice=nice)
     rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
-    loader = build_dataloader(cfg, _Niceness(), rt, seed=0, train=False)
+    loader = build_dataloader(cfg, _Seen(niceness), rt, seed=0, train=False)
     seen = {int(batch[0]) for batch in loader}
     assert seen == {min(mine + nice, 19)}
-    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+    assert niceness() == mine
 
 
 @pytest.mark.parametrize("bad", [-1, 20, True, "high"])
