@@ -232,11 +232,12 @@ def schedule(pending, running, args, machine_gpus: int, out: Path, done) -> None
             done(job, *collect(job, status, out))
 
 
-def summarize(rows: list[dict], key: str, summary: dict) -> None:
-    """Efficiency and speed against torch DDP of mgpu's faster setting in one job's rows
-    (MINE: `mgpu`, trainer.cuda_graphs=auto, or another of its settings), and which it was."""
+def summarize(rows: list[dict], key: str, summary: dict, settings: tuple = MINE) -> None:
+    """Efficiency and speed against torch DDP of mgpu's fastest setting in one job's rows
+    (`settings`, by default MINE: `mgpu`, trainer.cuda_graphs=auto, or another of its
+    settings), and which it was."""
     by_engine = {r["engine"]: r["step_ms"] for r in rows}
-    mine = {e: ms for e, ms in by_engine.items() if e in MINE}
+    mine = {e: ms for e, ms in by_engine.items() if e in settings}
     if not mine:
         return
     engine = min(mine, key=mine.__getitem__)

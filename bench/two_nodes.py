@@ -48,13 +48,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from scaling import MODES, summarize  # noqa: E402 - bench/ is not a package
+from scaling import MINE, MODES, summarize  # noqa: E402 - bench/ is not a package
 
 ROOT = HERE.parent
 NODES = 2
 # Each wire setting as an engine of bench/engines.py: the fp32 and bf16 wires of mgpu's reducer,
 # torch DDP plain and with PowerSGD (dist.compression=powersgd), beside every GPU alone.
 WIRE_ENGINES = ["none", "mgpu", "mgpu_bf16", "torch_ddp", "torch_ddp_powersgd"]
+# mgpu's wire settings: the fastest of those in a job is its "efficiency" and "engine"
+# (#43 asks for the best setting and its name), whichever of them the job ran
+MGPU_WIRES = (*MINE, "mgpu_bf16")
 NO_MULTICAST = {  # docs: GPU.md, multicast must stay off on the lent machines
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -339,6 +342,16 @@ def loss_runs(per_node: int, wire: str, args, tmp: Path) -> dict:
     return result
 
 
+def summarize_job(rows: list[dict], key: str, summary: dict) -> None:
+    """One job's rows into the record's summary: the fastest of mgpu's wire settings as
+    "efficiency", "vs_ddp" and "engine", and every engine's own efficiency in "by_engine"."""
+    summarize(rows, key, summary, MGPU_WIRES)
+    steps = {r["engine"]: r["step_ms"] for r in rows}
+    if "none" in steps:
+        alone = steps.pop("none")
+        summary["by_engine"][key] = {e: round(alone / ms, 4) for e, ms in steps.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=["gpt2_small", "resnet50"],
@@ -433,11 +446,7 @@ def main() -> None:
             key = job_key(model, mode, per_node, accum)
             meta = meta or {k: v for k, v in job_meta.items() if k != "command"}
             results.append({"key": key, "status": status, **job_meta, "rows": rows})
-            summarize(rows, key, summary)
-            steps = {r["engine"]: r["step_ms"] for r in rows}
-            if "none" in steps:  # each wire setting's own efficiency
-                alone = steps.pop("none")
-                summary["by_engine"][key] = {e: round(alone / ms, 4) for e, ms in steps.items()}
+            summarize_job(rows, key, summary)
         losses = loss_runs(per_node, wire, args, tmp) if args.loss_steps else None
     device = str(meta.get("device", found.get("device", "cpu"))).replace(" ", "_")
     record = {

@@ -297,3 +297,24 @@ def test_the_probe_tells_sockets_between_nodes_from_one_host_seen():
     one_host = "h:1:2 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] via P2P/CUMEM/read"
     assert not bench.two_hosts(bench.transports(one_host, per_node=2))
     assert not bench.two_hosts(bench.transports("no channel lines", per_node=2))
+
+
+def test_a_job_of_the_bf16_wire_alone_is_summarized_by_it():
+    """#43 asks for the best wire setting: a job that ran only each GPU alone and mgpu's bf16
+    wire reports that wire's efficiency and name; beside mgpu's fp32 wire the faster one wins,
+    and torch DDP only enters "vs_ddp"."""
+    spec = importlib.util.spec_from_file_location("two_nodes", ROOT / "bench" / "two_nodes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    summary: dict = {"efficiency": {}, "vs_ddp": {}, "engine": {}, "by_engine": {}}
+    bench.summarize_job([{"engine": "none", "step_ms": 90.0}, {"engine": "mgpu_bf16",
+                         "step_ms": 100.0}], "a", summary)  # fmt: skip
+    rows = [
+        {"engine": e, "step_ms": ms}
+        for e, ms in (("none", 90.0), ("mgpu", 120.0), ("mgpu_bf16", 100.0), ("torch_ddp", 80.0))
+    ]
+    bench.summarize_job(rows, "b", summary)
+    assert summary["efficiency"] == {"a": 0.9, "b": 0.9}
+    assert summary["engine"] == {"a": "mgpu_bf16", "b": "mgpu_bf16"}
+    assert summary["vs_ddp"] == {"b": 0.8}
+    assert summary["by_engine"]["b"] == {"mgpu": 0.75, "mgpu_bf16": 0.9, "torch_ddp": 1.125}
