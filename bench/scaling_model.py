@@ -47,6 +47,8 @@ SLOW_BUSBW = 27.0  # same with NCCL_P2P_DISABLE=1, "about 27 GB/s from 16 MB up"
 # measured (bench/results/two-nodes-NVIDIA_H200-20261127-080711.json). The socket bounds the
 # ring, so this one table stands for both levels.
 SOCKET_2X2_BUSBW = ((16, 4.77), (64, 4.30), (256, 4.34))
+# a link by name ("nvlink", "slow", "socket2x2") or a job's own measured ((MB, GB/s), ...)
+Intra = str | tuple
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,15 @@ def nvlink_busbw(mb: float, pts: tuple = NVLINK_BUSBW) -> float:
 
 
 def allreduce_ms(
-    nbytes: float, n_gpus: int, nodes: int, link_gbps: float | None, intra: str = "nvlink"
+    nbytes: float, n_gpus: int, nodes: int, link_gbps: float | None, intra: Intra = "nvlink"
 ) -> float:
-    """One ring all-reduce of `nbytes` on `n_gpus` spread over `nodes` (link: Gb/s per GPU)."""
+    """One ring all-reduce of `nbytes` on `n_gpus` spread over `nodes` (link: Gb/s per GPU).
+    `intra` names a measured link, or is a job's own bus bandwidth ((MB, GB/s), ...)."""
     if n_gpus <= 1:
         return 0.0
-    if intra == "slow":
+    if isinstance(intra, tuple):
+        busbw = nvlink_busbw(nbytes / 1e6, intra)
+    elif intra == "slow":
         busbw = SLOW_BUSBW
     elif intra == "socket2x2":
         busbw = nvlink_busbw(nbytes / 1e6, SOCKET_2X2_BUSBW)
@@ -147,7 +152,7 @@ def step(
     link_gbps: float | None,
     s: Setting,
     slowdown: float,
-    intra: str = "nvlink",
+    intra: Intra = "nvlink",
 ) -> dict:
     """Predicted step time (ms) on `gpus` GPUs and its parts; compute_ms is the one-GPU step at
     the model's own accumulation, rescaled to the setting's."""
@@ -194,7 +199,7 @@ class Point:
     measured: tuple[float, float]  # low, high (equal for one figure)
     source: str
     setting: Setting = Setting()
-    intra: str = "nvlink"
+    intra: Intra = "nvlink"
     structure: float = 1.0  # the N-GPU path's compute over the one-GPU step, where measured
     fit: bool = False  # used to fit SLOWDOWN
     note: str = ""
@@ -216,6 +221,8 @@ SOCK = "socket2x2"
 TN2 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-212607.json: 2 x 2 H200, eager"
 TN3 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-213654.json: 2 x 2 H200, eager"
 TN4 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-21*.json: 2 x 2 H200, compiled"
+XL_LINK = ((16, 4.47), (64, 3.79), (256, 3.78))
+XL_LINK_4X4 = ((16, 6.84), (64, 14.05), (256, 16.64))  # NCCL_SOCKET_NTHREADS=NSOCKS_PERTHREAD=4
 POINTS = [
     Point("2gpu_gpt2_small_eager_graphs", "gpt2_small", 2, 37.70, (0.939, 0.939), R2, fit=True),
     Point("2gpu_resnet50_eager_graphs", "resnet50", 2, 28.89, (0.975, 0.975), R2, fit=True),
@@ -475,6 +482,27 @@ POINTS = [
         intra=SOCK,
         note=WHOLE + "; rank 0's one-GPU step (the four ranks' 90.8-107.3)",
     ),
+    # 2026-11-28 14:36-14:47, GPT-2 XL compiled whole over 2 x 2, the bf16 wire, buckets at
+    # auto across nodes (25 MB of fp32 gradients: 12.5 MB messages); each job's own probe of
+    # the link beside it, NCCL's default socket threads, then 4 threads x 4 sockets
+    *(
+        Point(
+            f"2x2_socket_gpt2_xl_compiled_mgpu_bf16_accum{a}{tag}",
+            "gpt2_xl",
+            4,
+            one,
+            (eff, eff),
+            f"bench/results/scaling-two-nodes-NVIDIA_H200-{stamp}.json: 2 x 2 H200, compiled",
+            setting=Setting(2, accum=a, overlap=False),
+            intra=link,
+            note=WHOLE + f"; the link {link[0][1]}-{link[-1][1]} GB/s at 16-256 MB",
+        )
+        for a, tag, one, eff, stamp, link in (
+            (32, "", 10015.08, 0.870, "20261128-144300", XL_LINK),
+            (64, "", 20106.16, 0.911, "20261128-144300", XL_LINK),
+            (64, "_sockets4x4", 20072.75, 0.942, "20261128-144649", XL_LINK_4X4),
+        )
+    ),
     Point("4gpu_slow_gpt2_small", "gpt2_small", 4, 45.65, (0.765, 0.766), SL, intra="slow"),
     Point(
         "4gpu_slow_gpt2_small_bf16",
@@ -627,7 +655,7 @@ def print_check(rows: list[dict], k: float) -> None:
         print(f"{r['key']:40s} {meas:>11s} {r['predicted']:6.3f} {err:+6.1f}%{fit}{flag}")
         print(f"    {r['source']}{note}")
     print("The 2x2_socket points crossed a link between two torchrun agents: NCCL sockets over")
-    print("one host's loopback (4.3-4.8 GB/s), not a network; the projections to 2-64 nodes rest")
+    print("one host's loopback (3.8-16.6 GB/s), not a network; the projections to 2-64 nodes rest")
     print("on the assumed NIC efficiency and per-GPU NICs.")
 
 

@@ -69,6 +69,11 @@ def test_a_measured_point_is_predicted_by_the_formula():
     assert sm.allreduce_ms(64e6, 4, 1, None, q.intra) == pytest.approx(
         sm.ALPHA_MS + 1.5 * 64e6 / 4.30e9 * 1e3
     )
+    # a job that probed its own link is checked at that link's figures, not the table's
+    (x,) = [p for p in sm.POINTS if p.key.endswith("_sockets4x4")]
+    assert sm.allreduce_ms(256e6, 4, 1, None, x.intra) == pytest.approx(
+        sm.ALPHA_MS + 1.5 * 256e6 / 16.64e9 * 1e3
+    )
 
 
 def test_the_fitted_slowdown_is_least_squares_over_the_fit_points():
@@ -108,7 +113,9 @@ def test_help_and_a_run_that_writes_its_json(tmp_path):
     assert {r["nodes"] for r in result["table"]} == {1, 8}
     assert len(result["table"]) == 3 * 3 * 2 and result["check"]
     across = result["measured_across_nodes"]
-    # every point measured over the two-node stand-in's sockets, and no other
-    assert {r["key"] for r in across} == {p.key for p in sm.POINTS if p.intra == sm.SOCK}
+    # every point measured over the two-node stand-in's sockets (at the table's link or its
+    # own job's probe of it), and no other
+    over_sockets = {p.key for p in sm.POINTS if p.intra == sm.SOCK or isinstance(p.intra, tuple)}
+    assert {r["key"] for r in across} == over_sockets
     assert len(across) >= 4
     assert "Predicted against measured" in proc.stdout
