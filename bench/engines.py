@@ -155,6 +155,12 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # gradient_as_bucket_view alone: the tuning that works with gradient accumulation (torch's
     # static graph fails on the micro-steps that skip the reduction)
     "torch_ddp_view": Lever(DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True)),
+    # the same with 100 MB buckets: compiled, torch DDP splits the graph at each bucket, so
+    # GPT-2 XL's ~250 buckets of 25 MB are ~250 graphs to compile (scaling.py's XL job ran out
+    # of time there); a user tuning XL would raise the cap
+    "torch_ddp_view_cap100": Lever(
+        DistConfig(engine=Engine.torch_ddp, ddp_bucket_view=True, bucket_cap_mb=100)
+    ),
     "mgpu": Lever(DistConfig(engine=Engine.mgpu)),
     # trainer.cuda_graphs=true: the step replayed as CUDA graphs with the reducer's bucket
     # reductions recorded inside the backward (mgpu.train.graphs; one micro-batch a step),
