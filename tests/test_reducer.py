@@ -3,6 +3,7 @@ processes, 20 optimizer steps, for bucket sizes from one per parameter to one fo
 gradient accumulation, tied, frozen and unused parameters, and bf16 communication."""
 
 import copy
+import json
 from collections import Counter
 
 import pytest
@@ -153,7 +154,7 @@ def worker(rank: int, port: int, out_dir: str, cases: list[str], world: int = WO
 
 # Every two-rank run of this module, in one pair of processes (each costs seconds to start):
 # one subdirectory of results each.
-PARTS = ("cases", "edge", "copies", "rewrap", "norms", "unused")
+PARTS = ("cases", "edge", "copies", "rewrap", "norms", "trainable", "unused")
 
 
 def two_rank_worker(rank: int, port: int, out_dir: str):
@@ -163,6 +164,7 @@ def two_rank_worker(rank: int, port: int, out_dir: str):
         copy_count_work(rt, f"{out_dir}/copies")
         rewrap_work(rt, f"{out_dir}/rewrap")
         norms_work(rt, f"{out_dir}/norms")
+        trainable_work(rt, f"{out_dir}/trainable")
         unused_work(rt, f"{out_dir}/unused")  # last: its backward fails by design
 
 
@@ -294,6 +296,40 @@ def test_unused_parameters_are_named_unless_find_unused(two_ranks):
         assert "branch.weight" in message and "branch.bias" in message, message
         assert "dist.find_unused=true" in message
         assert "body" not in message  # used parameters are not named
+
+
+def trainable_work(rt, out_dir: str):
+    """A step, then a parameter unfrozen (or one frozen) after wrapping: the next forward's
+    error, or "no error"."""
+    said = {}
+    for change in ("unfreeze", "freeze"):
+        torch.manual_seed(0)
+        module = MLP(in_features=8, num_classes=5, hidden=[16])
+        name, first = next(iter(module.named_parameters()))
+        first.requires_grad_(change == "freeze")  # frozen when wrapped, to be unfrozen
+        model = wrap_model(module, DistConfig(engine=Engine.mgpu), rt)
+        x, y = batch("mlp", 0, MICRO)
+        nn.functional.cross_entropy(model(x), y).backward()
+        first.requires_grad_(change == "unfreeze")
+        try:
+            model(x)
+            said[change] = [name, "no error"]
+        except RuntimeError as err:
+            said[change] = [name, str(err)]
+        model.reducer.remove()
+    with open(f"{out_dir}/{rt.rank}.json", "w") as f:
+        json.dump(said, f)
+
+
+def test_a_parameter_frozen_or_unfrozen_after_wrapping_stops_the_next_forward(two_ranks):
+    """Its gradient would not be averaged (unfrozen: each rank trains it apart) or its bucket
+    would wait (frozen): the next forward names it instead."""
+    for rank in range(WORLD):
+        said = json.loads((two_ranks / "trainable" / f"{rank}.json").read_text())
+        for change, now in (("unfreeze", "now trainable"), ("freeze", "now frozen")):
+            name, message = said[change]
+            assert f"{now}: {name}" in message, message
+            assert "requires_grad" in message and "before training starts" in message, message
 
 
 def rewrap_work(rt, out_dir: str):

@@ -37,8 +37,31 @@ class MgpuDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.training:
+            self._same_trainable()
             self.reducer.prepare()
         return self.module(*args, **kwargs)
+
+    def _same_trainable(self) -> None:
+        """The reducer averages the parameters that were trainable when it was built: one
+        unfrozen since would train apart on each rank (its gradient never reduced, nor counted
+        in the clipping norm over the buckets), one frozen since would leave its bucket waiting.
+        A Python pass over the parameters a forward, no GPU work."""
+        now = [p for p in self.module.parameters() if p.requires_grad]
+        built = self.reducer.params
+        if len(now) == len(built) and all(a is b for a, b in zip(now, built, strict=True)):
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        ids = {id(p) for p in now}
+        unfrozen = [names[id(p)] for p in now if id(p) not in {id(q) for q in built}]
+        frozen = [names[id(p)] for p in built if id(p) not in ids]
+        said = [f"now trainable: {', '.join(unfrozen)}"] if unfrozen else []
+        said += [f"now frozen: {', '.join(frozen)}"] if frozen else []
+        raise RuntimeError(
+            "dist.engine=mgpu: parameters changed requires_grad after the model was wrapped for "
+            f"data parallelism ({'; '.join(said)}); gradients are averaged across ranks for the "
+            "parameters trainable when it was wrapped only. Set requires_grad on every "
+            "parameter before training starts"
+        )
 
     def use_large_buckets(self) -> None:
         """Buckets at dist.bucket_cap_mb's large size (DistConfig.bucket_cap), for a step
