@@ -2,6 +2,7 @@
 processes, 20 optimizer steps, for bucket sizes from one per parameter to one for everything,
 gradient accumulation, tied, frozen and unused parameters, and bf16 communication."""
 
+import contextlib
 import copy
 import json
 from collections import Counter
@@ -507,9 +508,9 @@ NORM_CASES = [
 
 
 def norms_work(rt, out_dir: str):
-    """After one backward: the global norm of the gradients over MgpuDataParallel.grad_tensors
-    (what Update clips with) and over each parameter's .grad (the reference), and what the
-    former returned before any backward."""
+    """After one backward, and after a second step of two micro-batches: the global norm of the
+    gradients over MgpuDataParallel.grad_tensors (what Update clips with) and over each
+    parameter's .grad (the reference), and what the former returned before any backward."""
     out = {}
     for case in NORM_CASES:
         model_name = CASES[case][0]
@@ -529,6 +530,18 @@ def norms_work(rt, out_dir: str):
             "numel": sum(t.numel() for t in flat),
             "grad_numel": sum(g.numel() for g in grads),
         }
+        # A second step after zero_grad(set_to_none=True), of two micro-batches (the first
+        # accumulated without communicating): no region of a bucket may keep step 0's values.
+        model.zero_grad(set_to_none=True)
+        for micro in range(2):
+            x, y = batch(model_name, 1 + micro, WORLD * MICRO)
+            with model.no_sync() if micro == 0 else contextlib.nullcontext():
+                logits = model(x[mine])
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, -2), y[mine].flatten())
+                loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        out[case]["flat_2"] = torch.nn.utils.get_total_norm(model.grad_tensors())
+        out[case]["each_2"] = torch.nn.utils.get_total_norm(grads)
     torch.save(out, f"{out_dir}/norms.{rt.rank}.pt")
 
 
@@ -543,6 +556,7 @@ def test_the_flat_norm_is_the_norm_of_every_gradient(two_ranks):
             assert row["before"] is None, case
             assert row["numel"] == row["grad_numel"], case
             torch.testing.assert_close(row["flat"], row["each"], rtol=1e-6, atol=0, msg=case)
+            torch.testing.assert_close(row["flat_2"], row["each_2"], rtol=1e-6, atol=0, msg=case)
 
 
 @pytest.fixture
