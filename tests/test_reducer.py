@@ -323,8 +323,8 @@ def trainable_work(rt, out_dir: str):
 
 
 def test_a_parameter_frozen_or_unfrozen_after_wrapping_stops_the_next_forward(two_ranks):
-    """Its gradient would not be averaged (unfrozen: each rank trains it apart) or its bucket
-    would wait (frozen): the next forward names it instead."""
+    """Its gradient would not be averaged (unfrozen: each rank trains it apart) or it would be
+    taken for an unused parameter (frozen): the next forward names it instead."""
     for rank in range(WORLD):
         said = json.loads((two_ranks / "trainable" / f"{rank}.json").read_text())
         for change, now in (("unfreeze", "now trainable"), ("freeze", "now frozen")):

@@ -49,7 +49,8 @@ class MgpuDataParallel(nn.Module):
     def _same_trainable(self) -> None:
         """The reducer averages the parameters that were trainable when it was built: one
         unfrozen since would train apart on each rank (its gradient never reduced, nor counted
-        in the clipping norm over the buckets), one frozen since would leave its bucket waiting.
+        in the clipping norm over the buckets); one frozen since would be reported as unused,
+        with advice (dist.find_unused) that does not fit.
         One read of each parameter's flag a forward, no GPU work."""
         now = [p.requires_grad for p in self._params]
         if now == self._trainable:
