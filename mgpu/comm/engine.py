@@ -55,11 +55,9 @@ class MgpuDataParallel(nn.Module):
         now = [p.requires_grad for p in self._params]
         if now == self._trainable:
             return
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        changed = [(names[id(p)], was) for p, was, is_ in zip(
-            self._params, self._trainable, now, strict=True) if was != is_]  # fmt: skip
-        unfrozen = [name for name, was in changed if not was]
-        frozen = [name for name, was in changed if was]
+        flags = list(zip(self._params, self._trainable, now, strict=True))
+        unfrozen = [self.reducer.names[id(p)] for p, was, is_ in flags if is_ and not was]
+        frozen = [self.reducer.names[id(p)] for p, was, is_ in flags if was and not is_]
         said = [f"now trainable: {', '.join(unfrozen)}"] if unfrozen else []
         said += [f"now frozen: {', '.join(frozen)}"] if frozen else []
         raise RuntimeError(
