@@ -23,7 +23,10 @@ def test_bucket_cap_auto_is_larger_only_where_asked_on_one_node_and_a_number_is_
     auto = DistConfig()
     assert auto.bucket_cap(large=False) == 25.0
     assert auto.bucket_cap(large=True) == 100.0
-    assert auto.bucket_cap(large=True, one_node=False) == 25.0  # across nodes: not measured
+    assert auto.bucket_cap(large=True, one_node=False) == 25.0  # a replay across nodes
+    assert auto.bucket_cap(large=True, one_node=False, whole=True) == 256.0
+    assert auto.bucket_cap(large=True, whole=True) == 100.0
+    assert DistConfig(bucket_cap_mb=50).bucket_cap(True, one_node=False, whole=True) == 50.0
     assert DistConfig(bucket_cap_mb=50).bucket_cap(large=True) == 50.0
     assert DistConfig(bucket_cap_mb=0.5).bucket_cap(large=False) == 0.5
 
@@ -63,6 +66,11 @@ def test_use_large_buckets_lays_out_larger_buckets_under_auto_and_keeps_a_given_
     across = MgpuDataParallel(wide_mlp(), two_nodes, DistConfig(engine=Engine.mgpu))
     across.use_large_buckets()
     assert bucket_sizes(across) == uncaptured
+    # ... and lays out large ones for a model compiled whole, which a replay's call keeps
+    across.use_large_buckets(whole=True)
+    assert bucket_sizes(across) == captured
+    across.use_large_buckets()
+    assert bucket_sizes(across) == captured
 
     given = MgpuDataParallel(wide_mlp(), ONE, DistConfig(engine=Engine.mgpu, bucket_cap_mb=25))
     before = bucket_sizes(given)

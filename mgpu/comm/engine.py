@@ -67,11 +67,11 @@ class MgpuDataParallel(nn.Module):
             "parameter before training starts"
         )
 
-    def use_large_buckets(self) -> None:
+    def use_large_buckets(self, whole: bool = False) -> None:
         """Buckets at dist.bucket_cap_mb's large size (DistConfig.bucket_cap), for a step
         replayed as CUDA graphs with the reductions inside (mgpu.train.graphs) or a model compiled
-        whole that hands every gradient over at backward's end. Before any step."""
-        self.reducer.use_large_buckets()
+        `whole` that hands every gradient over at backward's end. Before any step."""
+        self.reducer.use_large_buckets(whole)
 
     def grad_tensors(self) -> list[torch.Tensor] | None:
         """Every parameter's gradient exactly once, as the few tensors they live in (a bucket's

@@ -66,8 +66,7 @@ class GradReducer:
         self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
         self.cfg = cfg
         self._set_caps(cfg.bucket_cap(large=False))
-        # Unique trainable parameters: a tied weight is one Parameter object and is reduced
-        # once; frozen parameters have no gradient and are skipped.
+        # Unique trainable parameters: a tied weight is one Parameter, reduced once.
         seen: dict[int, nn.Parameter] = {}
         for p in module.parameters():
             if p.requires_grad:
@@ -83,14 +82,13 @@ class GradReducer:
         self.communicate = communicate
         self.sync_enabled = True
         self.step_done = True  # the last synchronised backward finished: next forward is new
-        self.steps_started = 0
+        self.steps_started, self.whole = 0, False  # whole: the model is compiled whole
         # ids of parameters whose .grad is their bucket slice in this step
         self.attached: set[int] = set()
         # The first step's gradient order; None once learned, or never learned under
         # dist.shard_optimizer (a relayout would split the shards apart from a resumed run's).
         self.observed: list[int] | None = None if cfg.shard_optimizer else []
-        # (backward end, reduce end) marks per synchronised step (take_exposed); bounded
-        # so that a run that never reads them does not grow without limit.
+        # (backward end, reduce end) marks per synchronised step (take_exposed); bounded.
         self.exposed: deque = deque(maxlen=10_000)
         self.stamps: stamps.GraphStamps | None = None  # replayed steps' marks (stamp_replays)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -109,12 +107,14 @@ class GradReducer:
         graphs): on a GPU, with the same buckets reduced every step (DistConfig.recordable)."""
         return self.cuda and self.cfg.recordable()
 
-    def use_large_buckets(self) -> None:
+    def use_large_buckets(self, whole: bool = False) -> None:
         """Before the first step: buckets of dist.bucket_cap_mb's large size (bucket_cap) for a
-        backward recorded with these reductions, or compiled whole (models.whole_for_mgpu)."""
+        recorded backward, or one compiled `whole` (models.whole_for_mgpu; later calls keep it)."""
         if self.steps_started:  # the layout is fixed once .grad tensors are bucket slices
             raise RuntimeError("GradReducer.use_large_buckets: call it before the first step")
-        self._set_caps(self.cfg.bucket_cap(True, one_node=self.rt.local_world_size == self.world))
+        self.whole = self.whole or whole
+        one_node = self.rt.local_world_size == self.world
+        self._set_caps(self.cfg.bucket_cap(True, one_node, self.whole))
         self._build(list(reversed(range(len(self.params)))))
 
     def _set_caps(self, cap_mb: float) -> None:

@@ -238,6 +238,7 @@ class TrainerConfig:
 
 BUCKET_CAP_MB = 25.0  # dist.bucket_cap_mb=auto: buckets launched by hooks during backward
 LARGE_BUCKET_CAP_MB = 100.0  # auto where the step is replayed or the model compiled whole
+WHOLE_ACROSS_NODES_CAP_MB = 256.0  # auto across nodes for a model compiled whole
 
 
 @dataclass
@@ -247,7 +248,8 @@ class DistConfig:
     timeout_s: float = 600.0  # a collective that waits longer than this fails instead of hanging
     # Gradient bucket size in MB (mgpu and torch_ddp). auto: 100 for mgpu where the step is
     # replayed as CUDA graphs with its reductions inside (trainer.cuda_graphs: fewer, larger
-    # all-reduces, launched by the replay, not from Python) on one node, else 25 (torch DDP's).
+    # all-reduces, launched by the replay, not from Python) on one node; 256 for a model compiled
+    # whole across nodes; else 25 (torch DDP's).
     bucket_cap_mb: Any = "auto"
     first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
@@ -311,19 +313,23 @@ class DistConfig:
         optimizer) nor find_unused (which parameters get no gradient may change)."""
         return self.engine is Engine.mgpu and not self.shard_optimizer and not self.find_unused
 
-    def bucket_cap(self, large: bool, one_node: bool = True) -> float:
+    def bucket_cap(self, large: bool, one_node: bool = True, whole: bool = False) -> float:
         """dist.bucket_cap_mb in MB, auto resolved for ranks all on `one_node` or not, and for
         `large` buckets or not: large where the step is replayed with its reductions inside (no
-        host launch per bucket) or the model is compiled whole (every gradient comes at
+        host launch per bucket) or the model is compiled `whole` (every gradient comes at
         backward's end, so a small first bucket starts nothing early). On one node on 4 H200s,
         100 MB beat 25 in every captured job that measured both: GPT-2-small eager 39.73 against
         40.94 ms and 39.64 against 40.39, compiled whole 35.21 against 36.20, ResNet-50 eager
         29.88 against 30.06; GPT-2 XL compiled whole with 4 micro-batches ran 1,260 ms with 256
-        MB buckets against 1,286 block by block with 25 (bench/README.md). Across nodes it is
-        not measured: 25."""
+        MB buckets against 1,286 block by block with 25 (bench/README.md). Across nodes a model
+        compiled whole gets 256: GPT-2 XL so, 64 micro-batches, bf16 wire, over 2 x 2 H200 with
+        NCCL sockets between them, ran 20,420 ms a step against 20,909 with 25 (alone 20,127).
+        A replayed step across nodes is not measured: 25."""
         if self.bucket_cap_mb != "auto":
             return float(self.bucket_cap_mb)
-        return LARGE_BUCKET_CAP_MB if large and one_node else BUCKET_CAP_MB
+        if large and one_node:
+            return LARGE_BUCKET_CAP_MB
+        return WHOLE_ACROSS_NODES_CAP_MB if whole and not one_node else BUCKET_CAP_MB
 
 
 @dataclass

@@ -98,7 +98,7 @@ class Trainer:
         recordable = isinstance(model, MgpuDataParallel) and model.reducer.capturable()
         whole = whole_for_mgpu(cfg, rt.device, rt.distributed, recordable, checkpointed)
         if whole:  # every gradient comes at backward's end: no early bucket to start
-            model.use_large_buckets()
+            model.use_large_buckets(whole=True)
         mode = None  # compiled whole in torch's default mode, for the replay below
         if not whole:
             mode = compile_mode(
