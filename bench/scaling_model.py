@@ -223,6 +223,7 @@ TN3 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-213654.json: 2 x 2 H
 TN4 = "bench/results/scaling-two-nodes-NVIDIA_H200-20261127-21*.json: 2 x 2 H200, compiled"
 XL_LINK = ((16, 4.47), (64, 3.79), (256, 3.78))
 XL_LINK_4X4 = ((16, 6.84), (64, 14.05), (256, 16.64))  # NCCL_SOCKET_NTHREADS=NSOCKS_PERTHREAD=4
+XL_LINK_4X4_B = ((16, 11.71), (64, 18.24), (256, 16.37))  # the same settings, 2026-11-28 16:55
 POINTS = [
     Point("2gpu_gpt2_small_eager_graphs", "gpt2_small", 2, 37.70, (0.939, 0.939), R2, fit=True),
     Point("2gpu_resnet50_eager_graphs", "resnet50", 2, 28.89, (0.975, 0.975), R2, fit=True),
@@ -502,6 +503,21 @@ POINTS = [
             (64, "", 20106.16, 0.911, "20261128-144300", XL_LINK),
             (64, "_sockets4x4", 20072.75, 0.942, "20261128-144649", XL_LINK_4X4),
         )
+    ),
+    # 2026-11-28 16:50-16:55, the same over 4 x 4 sockets: auto's 25 MB buckets against 256 MB
+    *(
+        Point(
+            f"2x2_socket_gpt2_xl_compiled_bf16_accum64_sockets4x4_cap{cap}",
+            "gpt2_xl",
+            4,
+            20126.93,
+            (eff, eff),
+            "bench/results/scaling-two-nodes-NVIDIA_H200-20261128-165509.json: 2 x 2 H200",
+            setting=Setting(2, cap, accum=64, overlap=False),
+            intra=XL_LINK_4X4_B,
+            note=WHOLE + "; the link 11.7-18.2 GB/s at 16-256 MB",
+        )
+        for cap, eff in ((25.0, 0.963), (256.0, 0.986))
     ),
     Point("4gpu_slow_gpt2_small", "gpt2_small", 4, 45.65, (0.765, 0.766), SL, intra="slow"),
     Point(
