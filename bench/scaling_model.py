@@ -588,7 +588,15 @@ def check(slowdown: float) -> list[dict]:
 
 
 TARGET = 0.90  # the efficiency below which accumulation is worth its larger global batch
-WIRES, CAPS, ACCUMS = (4, 2), (25.0, 50.0, 100.0, 200.0), (1, 2, 4, 8)
+WIRES, CAPS, ACCUMS = (4, 2), (25.0, 50.0, 100.0, 256.0), (1, 2, 4, 8)
+
+
+def mgpu_default(nodes: int) -> Setting:
+    """What mgpu's defaults do with the compiled steps the table projects (COMPUTE): the model
+    compiled whole (its step replayed, or its micro-batches accumulated), every gradient reduced
+    after backward, in dist.bucket_cap_mb=auto's buckets for that (DistConfig.bucket_cap): 100 MB
+    on one node, 256 across nodes; the fp32 wire."""
+    return Setting(bucket_mb=100.0 if nodes == 1 else 256.0, overlap=False)
 
 
 def project(name: str, compute_ms: float, nodes: int, link: float, s: Setting, k: float) -> dict:
@@ -596,16 +604,18 @@ def project(name: str, compute_ms: float, nodes: int, link: float, s: Setting, k
 
 
 def recommend(name: str, compute_ms: float, nodes: int, link: float, k: float) -> dict:
-    """The settings the model favours: the fp32 wire and the default bucket unless another wins
-    more than 1 %; more micro-steps only while below TARGET (they change the global batch);
-    the sharded optimizer for XL's memory where its exposed all-gather costs under 2 %."""
-    model = MODELS[name]
+    """The settings the model favours for the compiled model: mgpu's defaults (mgpu_default)
+    unless another wire or bucket size wins more than 1 %; more micro-steps only while below
+    TARGET (they change the global batch); the sharded optimizer for XL's memory where its
+    exposed all-gather costs under 2 %."""
+    model, default = MODELS[name], mgpu_default(nodes)
     best = None
     for mult in ACCUMS:
         accum = model.accum * mult
+        caps = (default.bucket_mb, *(c for c in CAPS if c != default.bucket_mb))
         for wire in WIRES:
-            for cap in CAPS:
-                s = Setting(wire_bytes=wire, bucket_mb=cap, accum=accum)
+            for cap in caps:
+                s = replace(default, wire_bytes=wire, bucket_mb=cap, accum=accum)
                 eff = project(name, compute_ms, nodes, link, s, k)["efficiency"]
                 if best is None or eff > best[1] + 0.01:
                     best = (s, eff)
@@ -629,7 +639,7 @@ def table(compute: dict, nodes: list[int], links: list[float], k: float) -> list
     for name, (ms, _) in compute.items():
         for link in links:
             for n in nodes:
-                base = project(name, ms, n, link, Setting(), k)
+                base = project(name, ms, n, link, mgpu_default(n), k)
                 rows.append(
                     {
                         "model": name,
@@ -646,8 +656,9 @@ def table(compute: dict, nodes: list[int], links: list[float], k: float) -> list
 
 
 def print_table(rows: list[dict]) -> None:
-    print("\nPredicted efficiency, nodes of 8 GPUs (default: fp32 wire, 25 MB buckets, the model's")
-    print("accumulation; best: the recommended settings)")
+    print("\nPredicted efficiency, nodes of 8 GPUs (default: mgpu's for a compiled model: compiled")
+    print("whole, fp32 wire, 100 MB buckets on one node and 256 across, the model's accumulation;")
+    print("best: the recommended settings)")
     print(
         f"{'model':11s} {'Gb/s':>5s} {'nodes':>5s} {'comm ms':>8s} {'exposed':>8s} "
         f"{'default':>8s} {'best':>6s}  settings"

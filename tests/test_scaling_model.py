@@ -119,3 +119,23 @@ def test_help_and_a_run_that_writes_its_json(tmp_path):
     assert {r["key"] for r in across} == over_sockets
     assert len(across) >= 4
     assert "Predicted against measured" in proc.stdout
+
+
+def test_the_tables_default_is_what_mgpu_does_with_a_compiled_model():
+    """The table projects mgpu's defaults: a compiled model is compiled whole (nothing reduced
+    while backward runs) in dist.bucket_cap_mb=auto's buckets for that, as DistConfig resolves
+    them on one node and across nodes; the recommendation starts from that default."""
+    from mgpu.config.schema import DistConfig
+
+    auto = DistConfig()
+    for nodes in (1, 2, 64):
+        s = sm.mgpu_default(nodes)
+        assert not s.overlap and s.wire_bytes == 4
+        assert s.bucket_mb == auto.bucket_cap(True, one_node=nodes == 1, whole=True)
+    rows = sm.table({"resnet50": sm.COMPUTE["resnet50"]}, [1, 8], [400], K)
+    for r in rows:
+        default = sm.project(
+            "resnet50", sm.COMPUTE["resnet50"][0], r["nodes"], 400, sm.mgpu_default(r["nodes"]), K
+        )["efficiency"]
+        assert r["default"] == round(default, 4)
+        assert r["recommended"]["efficiency"] >= r["default"]
