@@ -251,6 +251,8 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # all arrive at backward's end anyway, and NCCL's bus bandwidth grows with the message
     "mgpu_whole_compile_cap1024": whole_compiled(1024),
     "mgpu_whole_compile_cap256_bf16": whole_compiled(256, ReduceDtype.bf16),
+    # across nodes (two_nodes.py): the same at 25 MB, auto's size there until 256 measured faster
+    "mgpu_whole_compile_cap25_bf16": whole_compiled(25, ReduceDtype.bf16),
     # with --accum: each block compiled on its own so that buckets are reduced while the last
     # micro-batch's backward runs (mgpu's default under accumulation before it compiled whole)
     "mgpu_block_compile": Lever(DistConfig(engine=Engine.mgpu), block_compile=True),

@@ -418,7 +418,7 @@ POINTS = [
         TN,
         setting=Setting(bucket_mb=100.0),
         intra=SOCK,
-        note="mgpu's captured eager step, 100 MB buckets (auto's size across nodes is 25 MB now)",
+        note="mgpu's captured eager step, 100 MB buckets (auto across nodes: 25 MB for it now)",
     ),
     Point(
         "2x2_socket_resnet50_mgpu_100mb",
@@ -487,8 +487,8 @@ POINTS = [
         note=WHOLE + "; rank 0's one-GPU step, the slowest rank's (107.3) as the N-GPU compute",
     ),
     # 2026-11-28 14:36-14:47, GPT-2 XL compiled whole over 2 x 2, the bf16 wire, buckets at
-    # auto across nodes (25 MB of fp32 gradients: 12.5 MB messages); each job's own probe of
-    # the link beside it, NCCL's default socket threads, then 4 threads x 4 sockets
+    # auto across nodes as it then was (25 MB of fp32 gradients: 12.5 MB messages); each job's
+    # own probe of the link beside it, NCCL's default socket threads, then 4 threads x 4 sockets
     *(
         Point(
             f"2x2_socket_gpt2_xl_compiled_mgpu_bf16_accum{a}{tag}",

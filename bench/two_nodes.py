@@ -57,7 +57,13 @@ NODES = 2
 WIRE_ENGINES = ["none", "mgpu", "mgpu_bf16", "torch_ddp", "torch_ddp_powersgd"]
 # mgpu's wire settings: the fastest of those in a job is its "efficiency" and "engine"
 # (#43 asks for the best setting and its name), whichever of them the job ran
-MGPU_WIRES = (*MINE, "mgpu_bf16", "mgpu_whole_compile_cap256", "mgpu_whole_compile_cap256_bf16")
+MGPU_WIRES = (
+    *MINE,
+    "mgpu_bf16",
+    "mgpu_whole_compile_cap256",
+    "mgpu_whole_compile_cap256_bf16",
+    "mgpu_whole_compile_cap25_bf16",
+)
 NO_MULTICAST = {  # docs: GPU.md, multicast must stay off on the lent machines
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -237,7 +237,7 @@ class TrainerConfig:
 
 
 BUCKET_CAP_MB = 25.0  # dist.bucket_cap_mb=auto: buckets launched by hooks during backward
-LARGE_BUCKET_CAP_MB = 100.0  # auto where the step is replayed or the model compiled whole
+LARGE_BUCKET_CAP_MB = 100.0  # auto on one node, the step replayed or the model compiled whole
 WHOLE_ACROSS_NODES_CAP_MB = 256.0  # auto across nodes for a model compiled whole
 
 
@@ -246,10 +246,10 @@ class DistConfig:
     engine: Engine = Engine.mgpu  # how gradients are averaged across processes
     backend: Backend = Backend.auto  # auto: nccl when CUDA GPUs are visible, else gloo
     timeout_s: float = 600.0  # a collective that waits longer than this fails instead of hanging
-    # Gradient bucket size in MB (mgpu and torch_ddp). auto: 100 for mgpu where the step is
-    # replayed as CUDA graphs with its reductions inside (trainer.cuda_graphs: fewer, larger
-    # all-reduces, launched by the replay, not from Python) on one node; 256 for a model compiled
-    # whole across nodes; else 25 (torch DDP's).
+    # Gradient bucket size in MB (mgpu and torch_ddp). auto, for mgpu on one node: 100 where the
+    # step is replayed as CUDA graphs with its reductions inside (trainer.cuda_graphs: fewer,
+    # larger all-reduces, launched by the replay, not from Python) or the model is compiled
+    # whole; across nodes: 256 for a model compiled whole; else (torch_ddp always) 25.
     bucket_cap_mb: Any = "auto"
     first_bucket_mb: float = 1.0  # mgpu: the first bucket is small so communication starts early
     reduce_dtype: ReduceDtype = ReduceDtype.fp32  # mgpu: bf16 halves the bytes on the wire
@@ -329,7 +329,7 @@ class DistConfig:
             return float(self.bucket_cap_mb)
         if large and one_node:
             return LARGE_BUCKET_CAP_MB
-        return WHOLE_ACROSS_NODES_CAP_MB if whole and not one_node else BUCKET_CAP_MB
+        return WHOLE_ACROSS_NODES_CAP_MB if large and whole and not one_node else BUCKET_CAP_MB
 
 
 @dataclass
