@@ -329,7 +329,7 @@ class DistConfig:
             return float(self.bucket_cap_mb)
         if large and one_node:
             return LARGE_BUCKET_CAP_MB
-        return WHOLE_ACROSS_NODES_CAP_MB if large and whole and not one_node else BUCKET_CAP_MB
+        return WHOLE_ACROSS_NODES_CAP_MB if large and whole else BUCKET_CAP_MB  # across nodes
 
 
 @dataclass
