@@ -3,7 +3,8 @@ rank 0) trained with dist.engine=mgpu (with dist.shard_optimizer=true given "sha
 torch DDP from the same start on the same batches; rank 0 prints the largest difference of
 parameters and buffers.
 "graphs": one micro-batch a step, the mgpu runs replayed as CUDA graphs with the reduction
-recorded inside (mgpu.train.graphs) against torch DDP uncaptured; "compiled": the GPT alone,
+recorded inside (mgpu.train.graphs), and their optimizer step replayed too (mgpu.train.
+update_replay), against torch DDP uncaptured; "compiled": the GPT alone,
 compiled as train.py compiles it for that replay on several processes (whole, in torch's default
 mode: mgpu.run.build.compiled_for), replayed with the reduction inside against the same compiled
 model trained uncaptured (the reference sees the same kernels). "priority": the mgpu runs with
@@ -19,7 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mgpu.comm.engine import wrap_model  # noqa: E402
 from mgpu.comm.sharded_optim import ShardedOptimizer  # noqa: E402
-from mgpu.config.schema import DistConfig, Engine, OptimConfig, Precision, TrainerConfig  # noqa: E402
+from mgpu.config.schema import (  # noqa: E402
+    DistConfig,
+    Engine,
+    OptimConfig,
+    OptimizerName,
+    Precision,
+    TrainerConfig,
+)
 from mgpu.models import GPT, ResNet  # noqa: E402
 from mgpu.optim.optimizer import build_optimizer, build_schedule  # noqa: E402
 from mgpu.run.build import compiled_for  # noqa: E402
@@ -79,7 +87,9 @@ def train(name: str, engine: Engine, rt, graphs: bool = False, compiled: bool = 
     if compiled:  # as train.py compiles it for the captured step, in both runs
         replayed = TrainerConfig(precision=Precision.fp32, compile=True, cuda_graphs=True)
         model = compiled_for(replayed, dcfg, model, rt.device, rt.distributed)
-    ocfg = OptimConfig(lr=1e-3, warmup_steps=0)
+    # GPT with AdamW, the ResNet with SGD and momentum: both fused optimizers a replay records
+    kind = OptimizerName.adamw if name == "gpt" else OptimizerName.sgd
+    ocfg = OptimConfig(name=kind, lr=1e-3, warmup_steps=0)
     optimizer = build_optimizer(ocfg, model, rt.device)
     model = wrap_model(model, dcfg, rt)
     if high and rt.is_primary:  # the reducer's stream (NCCL's own streams cannot be read)
@@ -88,7 +98,11 @@ def train(name: str, engine: Engine, rt, graphs: bool = False, compiled: bool = 
         optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
     schedule = build_schedule(ocfg, optimizer, STEPS)
     tcfg = TrainerConfig(
-        grad_accum_steps=ACCUM, precision=Precision.fp32, compile=compiled, cuda_graphs=graphs
+        grad_accum_steps=ACCUM,
+        precision=Precision.fp32,
+        compile=compiled,
+        cuda_graphs=graphs,
+        replay_update="auto",  # replayed where the step's backward replays with its reductions
     )
     trainer = Trainer(tcfg, model, optimizer, schedule, rt)
     if graphs and rt.is_primary:  # what ran: the capture with the reduction inside
@@ -97,6 +111,8 @@ def train(name: str, engine: Engine, rt, graphs: bool = False, compiled: bool = 
     g = torch.Generator(device=rt.device).manual_seed(rt.rank)
     for _ in range(STEPS):
         trainer.train_step(iter(batch(name, g, rt.device)))
+    if graphs and rt.is_primary:  # trainer.replay_update=auto: the update replayed as well
+        print(f"{name}: update replayed={trainer.update.replayed()}")
     state = model.module.state_dict()
     return {f"{name}.{k}": v.detach().double().clone() for k, v in state.items()}
 

@@ -14,6 +14,8 @@ from mgpu.config.schema import DistConfig, Engine, TrainerConfig
 from mgpu.models import GPT, whole_for_mgpu
 from mgpu.run.build import compiled_for
 from mgpu.runtime.dist import Runtime
+from mgpu.train.trainer import Trainer
+from mgpu.train.update_replay import replays_update
 
 ONE = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
 CUDA = torch.device("cuda")
@@ -140,3 +142,59 @@ def test_compiled_for_compiles_a_gpt_whole_for_the_replay_or_accumulation_else_b
         "blocks.1",
     ]
     assert compiled_parts(compiled_for(trainer(), mgpu, gpt(), CUDA, False)) == ["<model>"]
+
+
+def test_replay_update_auto_replays_only_where_every_condition_holds():
+    """trainer.replay_update=auto: on where the step's backward replays its reductions, with a
+    fused optimizer, unsharded and without fp16's scaler; off as soon as one fails."""
+    every = dict(backward_replayed=True, fused_optimizer=True, sharded=False, loss_scaled=False)
+    assert replays_update("auto", CUDA, **every)
+    assert not replays_update(False, CUDA, **every)
+    assert not replays_update("auto", torch.device("cpu"), **every)
+    for key, failing in [
+        ("backward_replayed", False),
+        ("fused_optimizer", False),
+        ("sharded", True),
+        ("loss_scaled", True),
+    ]:
+        assert not replays_update("auto", CUDA, **{**every, key: failing}), key
+
+
+@pytest.mark.parametrize(
+    ("device", "failing", "said"),
+    [
+        ("cpu", {}, "needs a CUDA device"),
+        ("cuda", {"backward_replayed": False}, "trainer.cuda_graphs"),
+        ("cuda", {"fused_optimizer": False}, "fused optimizer"),
+        ("cuda", {"sharded": True}, "dist.shard_optimizer"),
+        ("cuda", {"loss_scaled": True}, "bf16"),
+    ],
+)
+def test_replay_update_true_where_it_cannot_replay_says_why_and_how_to_go_on(device, failing, said):
+    every = dict(backward_replayed=True, fused_optimizer=True, sharded=False, loss_scaled=False)
+    with pytest.raises(ConfigError) as err:
+        replays_update(True, torch.device(device), **{**every, **failing})
+    text = str(err.value)
+    assert "trainer.replay_update" in text and said in text and "auto or false" in text
+
+
+@pytest.mark.parametrize("bad", ["sometimes", 2])
+def test_a_bad_replay_update_setting_names_the_key(bad):
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(replay_update=bad)
+    assert "trainer.replay_update" in str(err.value)
+
+
+def test_an_update_on_the_cpu_runs_uncaptured_and_true_there_stops():
+    """The Trainer on a CPU (the suite's runs): off by default, and under auto, the update runs
+    as it did; true is an error naming the key and why."""
+    model = GPT(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    assert TrainerConfig().replay_update is False
+    for setting in (False, "auto"):
+        cfg = TrainerConfig(compile=False, replay_update=setting)
+        assert not Trainer(cfg, model, optimizer, schedule, ONE).update.replayed()
+    with pytest.raises(ConfigError) as err:
+        Trainer(TrainerConfig(compile=False, replay_update=True), model, optimizer, schedule, ONE)
+    assert "trainer.replay_update" in str(err.value) and "CUDA" in str(err.value)

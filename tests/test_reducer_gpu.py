@@ -51,8 +51,10 @@ def test_mgpu_matches_torch_ddp_over_nccl(extra):
     captured = "graphs" in extra or "compiled" in extra
     proc = run_worker(20, {}, *extra, timeout=240 if captured else 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    if captured:  # the path under test did run
+    if captured:  # the path under test did run, the optimizer step replayed too
         assert "GraphedLoss reduces=True" in proc.stdout, proc.stdout
+        assert "update replayed=True" in proc.stdout, proc.stdout
+        assert "update replayed=False" not in proc.stdout, proc.stdout
     if "priority" in extra:  # dist.nccl_high_priority: the communicator made with it
         assert "gpt: reducer stream priority=-1" in proc.stdout, proc.stdout
     diff, scale = map(

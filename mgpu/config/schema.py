@@ -97,31 +97,30 @@ class TrainerConfig:
     # aot_eager captures the same graphs without generating code (checks compile on any host).
     compile_backend: str = "inductor"
     # torch.compile's mode for the model and the loss (inductor only): default, reduce-overhead
-    # (each compiled region replayed as a CUDA graph: one launch instead of one per kernel, for
-    # steps bound by the host's launches), max-autotune-no-cudagraphs, max-autotune; auto:
-    # mgpu.models.compile_mode decides (CUDA graphs for a model compiled whole on a GPU, one
-    # micro-batch a step).
+    # (each compiled region replayed as a CUDA graph, for steps bound by the host's launches),
+    # max-autotune-no-cudagraphs, max-autotune; auto: mgpu.models.compile_mode decides (CUDA
+    # graphs for a model compiled whole on a GPU, one micro-batch a step).
     compile_mode: str = "auto"
-    # An uncompiled model's forward, loss and backward captured from the first batch and
-    # replayed as CUDA graphs (mgpu.train.graphs): the eager kernels without launching each from
-    # Python. auto: on a GPU, for a model that is not compiled nor wrapped for data parallelism
-    # (one process). true on several processes with dist.engine=mgpu and one micro-batch a step
-    # also records the gradient reductions into the replayed backward (compiled block by block
-    # too); true where neither holds is an error that says why.
+    # The forward, loss and backward captured from the first batch and replayed as CUDA graphs
+    # (mgpu.train.graphs). auto: on a GPU, for a model neither compiled nor wrapped for data
+    # parallelism; true on several processes with dist.engine=mgpu and one micro-batch a step
+    # records the reductions too (compiled block by block too); else true is an error.
     cuda_graphs: Any = "auto"
+    # The optimizer step replayed as one CUDA graph (mgpu.train.update_replay): auto where the
+    # backward replays its reductions (above), with a fused optimizer, unsharded, not fp16;
+    # true elsewhere is an error. Off until measured on several GPUs (docs/speed.md).
+    replay_update: Any = False
     # CUDA math modes, set once per process before the model is built. tf32: float32 matrix
     # multiplies and convolutions (what autocast leaves in fp32) on TF32 tensor cores.
-    # cudnn_benchmark: cuDNN times its convolution algorithms for each new input shape and keeps
-    # the fastest (the first steps of each shape are slower; results may differ in the last bits
-    # from one process to the next, so set it false for bitwise repeatable convolutions).
+    # cudnn_benchmark: cuDNN times its convolution algorithms per input shape and keeps the
+    # fastest (results may differ in the last bits between processes: false repeats them).
     tf32: bool = True
     cudnn_benchmark: bool = True
     # torch's deterministic kernels only (torch.use_deterministic_algorithms; cuBLAS with a fixed
-    # workspace, CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): a GPU run repeats bit for bit, and
-    # so does a resumed one against an uninterrupted one. Off by default: steps replayed as CUDA
-    # graphs (trainer.cuda_graphs) then differ from run to run in the last bits (the GPT of
-    # tests/test_resume.py on one H200: up to 3e-5 in its weights after 20 steps; equal with
-    # this on). An op with no deterministic kernel stops the run with torch's error naming it.
+    # workspace, CUBLAS_WORKSPACE_CONFIG=:4096:8 unless set): a GPU run, resumed or not, repeats
+    # bit for bit. Off by default: replayed steps then differ between runs in the last bits (the
+    # GPT of tests/test_resume.py on one H200: up to 3e-5 in its weights after 20 steps). An op
+    # with no deterministic kernel stops the run with torch's error naming it.
     deterministic: bool = False
     # A step whose loss or gradients are NaN/inf, on any rank: stop before the optimizer step,
     # or skip that step on every rank (at most max_consecutive_skips in a row, then stop).
@@ -166,6 +165,7 @@ class TrainerConfig:
         )
         self.compile = _auto_or_bool("trainer.compile", self.compile)
         self.cuda_graphs = _auto_or_bool("trainer.cuda_graphs", self.cuda_graphs)
+        self.replay_update = _auto_or_bool("trainer.replay_update", self.replay_update)
         _require(
             self.compile_mode in COMPILE_MODES,
             "trainer.compile_mode",

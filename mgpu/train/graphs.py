@@ -245,6 +245,11 @@ class GraphedLoss:
             return self.eager(inputs, targets)
         return _Replay.apply(self, inputs, targets, *self.params)
 
+    def replaying(self) -> bool:
+        """Whether steps now replay the captured backward with its reductions: every parameter's
+        .grad then the same tensor at every step (what mgpu.train.update_replay records)."""
+        return self.reduces and bool(self.captured) and not (self.off or self.released)
+
     def _capture(self, inputs: torch.Tensor, targets: torch.Tensor) -> bool:
         """Record the graphs from this batch; False where hooks keep the model uncaptured."""
         hooks = unreplayed_hooks(self.model)

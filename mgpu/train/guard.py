@@ -97,6 +97,16 @@ class NonFiniteGuard:
     ) -> torch.Tensor:
         """The agreed verdict for this step, as a device bool; no host sync (a collective).
         `stop_asked`: this rank has had a preemption signal."""
+        flags = self.exchange(loss, grad_norm, stop_asked)
+        self.remember(step, flags)
+        return self.verdict(flags)
+
+    def exchange(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, stop: bool | torch.Tensor
+    ) -> torch.Tensor:
+        """The step's flags, agreed across ranks: device work and one collective, nothing the
+        host reads, so that a CUDA graph can record it (mgpu.train.update_replay). `stop`: this
+        rank has had a preemption signal; a device flag (0 or 1) where a graph records this."""
         world = self.rt.world_size if self.distributed else 1
         rank = self.rt.rank if self.distributed else 0
         flags = torch.zeros(world + 2, dtype=torch.int32, device=self.rt.device)
@@ -104,7 +114,9 @@ class NonFiniteGuard:
         if grad_norm is not None and not self.scaler_owns_grads:
             # The reduced gradients are bit-identical on every rank, and so is this slot.
             flags[world] = (~torch.isfinite(grad_norm)).int()
-        if stop_asked:
+        if isinstance(stop, torch.Tensor):
+            flags[world + 1] = stop
+        elif stop:
             flags[world + 1] = 1
             # With no one to agree with, there is nothing to wait for: stop after this step.
             self.preempted = self.preempted or not self.exchanges
@@ -113,9 +125,16 @@ class NonFiniteGuard:
             # wait for it. Ranks that decide their verdict alone exchange the preemption slot
             # only (a contiguous view of the same tensor).
             tdist.all_reduce(flags if self.distributed else flags[world + 1 :], op=ReduceOp.MAX)
-        bad = flags[: world + 1].any()
-        self.pending.append(_Verdict(step, HostCopy(flags)))  # read LAG steps later
-        return bad
+        return flags
+
+    def verdict(self, flags: torch.Tensor) -> torch.Tensor:
+        """Whether any rank's step went non-finite, from exchange's flags (a device bool)."""
+        return flags[: (self.rt.world_size if self.distributed else 1) + 1].any()
+
+    def remember(self, step: int, flags: torch.Tensor) -> None:
+        """Copy `step`'s flags to the host, behind the work queued so far, to act on them LAG
+        steps later (poll): a replayed step's flags are overwritten by the next replay."""
+        self.pending.append(_Verdict(step, HostCopy(flags)))
 
     def step(
         self,

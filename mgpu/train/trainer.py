@@ -78,10 +78,9 @@ class Trainer:
         goodput: Goodput | None = None,
     ):
         self.cfg, self.model, self.rt = cfg, model, rt
-        # The parameter objects, listed once: they stay the same objects for the whole run
-        # (sharding and checkpoint loads change their data, not them), and walking the module
-        # tree for them every step cost ResNet-50 ~0.17 ms of host time a step, which a
-        # launch-bound step pays in full.
+        # The parameter objects, listed once: the same objects for the whole run (sharding and
+        # checkpoint loads change their data), and walking the module tree for them every step
+        # cost ResNet-50 ~0.17 ms of host time a step, which a launch-bound step pays in full.
         self.params = list(model.parameters())
         self.profiler, self.goodput, self.preemption = profiler, goodput, preemption
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
@@ -146,11 +145,12 @@ class Trainer:
             preemptible=preemption is not None,
             on_skip=recorder.skipped if recorder is not None else None,
         )
-        # The step's end: clipping, the agreement, the optimizer and the schedule.
+        # The step's end: clipping, the agreement, the optimizer (replayed too where the backward
+        # replays its reductions: trainer.replay_update) and the schedule.
         flat = model.grad_tensors if isinstance(model, MgpuDataParallel) else None
-        self.update = Update(
-            cfg, self.params, optimizer, schedule, self.scaler, self.guard, self._stop_asked, flat
-        )
+        replayed = self.forward_loss.replaying if graphs and reduces else None
+        args = (self.scaler, self.guard, self._stop_asked, flat, replayed)
+        self.update = Update(cfg, self.params, optimizer, schedule, *args)
         # Where train_step marks the parts of each step for the Recorder's breakdown.
         self.timer = recorder.timer if recorder is not None else StepTimer(None)
 

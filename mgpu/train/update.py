@@ -14,6 +14,7 @@ from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import TrainerConfig
 from mgpu.optim.loss_scale import LossScaler
 from mgpu.train.guard import NonFiniteGuard, fused
+from mgpu.train.update_replay import UpdateGraph, replays_update
 
 # clip_grad_norm_'s guard against a zero norm: the same clipping, to the last bit of the norm.
 CLIP_EPS = 1e-6
@@ -44,6 +45,7 @@ class Update:
         guard: NonFiniteGuard,
         stop_asked: Callable[[], bool],
         grad_tensors: Callable[[], list[torch.Tensor] | None] | None = None,
+        backward_replayed: Callable[[], bool] | None = None,
     ):
         self.grad_clip, self.params = cfg.grad_clip, params
         # The data-parallel wrapper's gradients as its few flat tensors, where it has them
@@ -53,6 +55,26 @@ class Update:
         self.optimizer, self.schedule, self.scaler, self.guard = optimizer, schedule, scaler, guard
         self.sharded = isinstance(optimizer, ShardedOptimizer)
         self.stop_asked = stop_asked  # preemption asked on this rank: rides the agreement
+        # trainer.replay_update: device_step replayed as one CUDA graph (mgpu.train.
+        # update_replay), where the step's backward is replayed with its reductions
+        # (`backward_replayed`, None where it never is).
+        replay = replays_update(
+            cfg.replay_update,
+            params[0].device if params else torch.device("cpu"),
+            backward_replayed is not None,
+            fused(optimizer),
+            self.sharded,
+            scaler.is_enabled(),
+        )
+        self.replay = (
+            UpdateGraph(self.device_step, optimizer, params, backward_replayed)
+            if replay and backward_replayed is not None
+            else None
+        )
+
+    def replayed(self) -> bool:
+        """Whether the update now replays as a CUDA graph (trainer.replay_update)."""
+        return self.replay is not None and self.replay.captured()
 
     def __call__(self, loss: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.scaler.is_enabled() and not self.sharded:
@@ -86,29 +108,20 @@ class Update:
         """fp32 and bf16; and fp16 under dist.shard_optimizer, where the LossScaler unscales
         this rank's gradient shards and its overflow flag rides the norm's all-reduce, so that
         an overflow on any rank's shard skips the step (and lowers the scale) on every rank."""
-        overflow = None
-        if self.sharded:  # this rank's averaged shards; the norm sums every rank's (comm.shard)
-            grads = self.optimizer.shard_grads()
-            if self.scaler.is_enabled():
-                overflow = self.scaler.unscale_(grads)  # this rank's shards only
-            # One small all-reduce: the global norm, and the overflow flag agreed across ranks.
-            norm, overflow = self.optimizer.grad_norm(overflow)
-        else:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            flat = self.grad_tensors() if self.grad_tensors is not None else None
-            summed = flat or grads  # the same gradients, as few tensors where the wrapper has them
-            norm = torch.nn.utils.get_total_norm(summed, foreach=True) if summed else None
-        scale = None
-        if self.grad_clip > 0 and norm is not None:
-            if fused(self.optimizer):
-                # Clipping rides in the fused update: its kernel divides each gradient by
-                # grad_scale as it reads it, so no pass over the gradients (and none of the
-                # host time that launches it) is spent on scaling them first.
-                scale = (norm + CLIP_EPS).div(self.grad_clip).clamp(min=1.0)
+        if not self.sharded:
+            if self.replay is not None:  # the same work, replayed as one CUDA graph
+                flags, bad = self.replay(loss, self.stop_asked())
             else:
-                clip_grads_with_norm_(grads, self.grad_clip, norm, foreach=True)
-        # A collective: every rank learns whether any rank's step went non-finite. Under fp16
-        # it judges the loss only (scaler_owns_grads): an overflow is the scaler's.
+                flags, bad = self.device_step(loss, self.stop_asked())
+            self.guard.remember(step, flags)
+            return bad
+        grads = self.optimizer.shard_grads()  # this rank's averaged shards (comm.shard)
+        overflow = self.scaler.unscale_(grads) if self.scaler.is_enabled() else None
+        # One small all-reduce: the global norm, and the overflow flag agreed across ranks.
+        norm, overflow = self.optimizer.grad_norm(overflow)
+        scale = self._clip(grads, norm)
+        # Under fp16 the agreement judges the loss only (scaler_owns_grads): an overflow is the
+        # scaler's.
         bad = self.guard.check(step, loss, grads, norm, self.stop_asked())
         if overflow is None:
             self.guard.step(self.optimizer, bad, grad_scale=scale)
@@ -119,3 +132,33 @@ class Update:
         self.guard.step(self.optimizer, skipped, grad_scale=scale)
         self.scaler.update(skipped)
         return bad
+
+    def device_step(
+        self, loss: torch.Tensor, stop: bool | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unsharded: the global norm, clipping, the ranks' agreement (one collective) and the
+        optimizer step or its skip; returns the agreed flags and the verdict. Nothing in it
+        reads a GPU value on the host, so that with a fused optimizer a CUDA graph can record
+        it whole (mgpu.train.update_replay), `stop` then a device flag."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        flat = self.grad_tensors() if self.grad_tensors is not None else None
+        summed = flat or grads  # the same gradients, as few tensors where the wrapper has them
+        norm = torch.nn.utils.get_total_norm(summed, foreach=True) if summed else None
+        scale = self._clip(grads, norm)
+        flags = self.guard.exchange(loss, norm, stop)  # every rank learns of a non-finite step
+        bad = self.guard.verdict(flags)
+        self.guard.step(self.optimizer, bad, grad_scale=scale)
+        return flags, bad
+
+    def _clip(self, grads: list[torch.Tensor], norm: torch.Tensor | None) -> torch.Tensor | None:
+        """Clip to trainer.grad_clip: the factor a fused optimizer divides the gradients by as
+        it reads them (returned), or, for any other optimizer, the gradients scaled in place."""
+        if self.grad_clip <= 0 or norm is None:
+            return None
+        if fused(self.optimizer):
+            # Clipping rides in the fused update: its kernel divides each gradient by
+            # grad_scale as it reads it, so no pass over the gradients (and none of the host
+            # time that launches it) is spent on scaling them first.
+            return (norm + CLIP_EPS).div(self.grad_clip).clamp(min=1.0)
+        clip_grads_with_norm_(grads, self.grad_clip, norm, foreach=True)
+        return None
