@@ -62,7 +62,7 @@ class Update:
             cfg.replay_update,
             params[0].device if params else torch.device("cpu"),
             backward_replayed is not None,
-            fused(optimizer),
+            optimizer is not None and fused(optimizer),  # None: a Trainer that only evaluates
             self.sharded,
             scaler.is_enabled(),
         )
