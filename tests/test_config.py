@@ -6,12 +6,14 @@ import math
 import pytest
 from conftest import ROOT, one_line_under_torchrun, run_train
 from hydra import compose, initialize_config_dir
+from omegaconf.errors import OmegaConfBaseException
 
 from mgpu.config.checks import ConfigError
 from mgpu.data.config import NgramDataConfig
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models.config import GPTModelConfig
 from mgpu.run.build import unused_vocabulary
+from mgpu.run.cli import check_command_line, config_error_line
 from mgpu.run.config import to_config
 
 
@@ -140,17 +142,38 @@ NEWCOMER_MISTAKES = [
 
 
 @pytest.mark.parametrize("overrides, expected", NEWCOMER_MISTAKES)
-def test_newcomer_mistakes_are_one_line_once_exit_2_before_any_run_directory(
-    tmp_path, bad_token_file, overrides, expected
-):
-    run_dir = tmp_path / "run"
+def test_newcomer_mistakes_are_each_one_clear_line(tmp_path, bad_token_file, overrides, expected):
+    """The line train.py's first step says for each mistake (check_command_line, from the
+    folder the run starts in); that it is said once, exit 2, before any run directory, is the
+    launches' below."""
     (tmp_path / "empty").mkdir()
     args = [arg.format(empty=tmp_path / "empty", odd=bad_token_file) for arg in overrides]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        with pytest.raises((ConfigError, OmegaConfBaseException)) as err:
+            check_command_line(args)
+    line = config_error_line(err.value)
+    for word in expected:
+        assert word in line, line
+    assert "schema" not in line
+
+
+# Two launches under torchrun: a mistake in a key (read off the command line) and one in the
+# data (a file the check opens): each the line above, once, exit 2, no run directory.
+LAUNCHED = [NEWCOMER_MISTAKES[0], NEWCOMER_MISTAKES[-1]]
+
+
+@pytest.mark.parametrize("mistake", LAUNCHED, ids=["key", "data"])
+def test_newcomer_mistakes_are_one_line_once_exit_2_before_any_run_directory(
+    tmp_path, bad_token_file, mistake
+):
+    overrides, expected = mistake
+    run_dir = tmp_path / "run"
+    args = [arg.format(odd=bad_token_file) for arg in overrides]
     proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     line = one_line_under_torchrun(proc, run_dir)
     for word in expected:
         assert word in line, line
-    assert "schema" not in line
     assert not (tmp_path / "outputs").exists()
 
 

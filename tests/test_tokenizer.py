@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, one_line_under_torchrun, read_scalars, run_train
+from conftest import ROOT, read_scalars, run_train
 from hydra import compose, initialize_config_dir
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
 
@@ -25,6 +25,7 @@ from mgpu.config.checks import ConfigError
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models import GPT
 from mgpu.restore import Restored, UsageError, saved_config
+from mgpu.run.cli import check_command_line, config_error_line
 from mgpu.run.config import resolved_yaml, to_config
 from mgpu.sample import DEFAULT_TOKENS, parse_args
 
@@ -211,13 +212,20 @@ def test_token_ids_without_a_tokenizer_train_evaluate_and_refuse_to_sample(tmp_p
     assert "data.tokenizer=none" in lines[0] and proc.stdout == "", proc.stderr
 
 
+def said_by_train_py(args: list[str], cwd: Path) -> str:
+    """The one line train.py's first step says for `args`, started in `cwd` (check_command_line;
+    that such a line is said once under torchrun, exit 2, before the run directory exists, is
+    tests/test_config.py's launch of a mistake in the data)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        with pytest.raises(ConfigError) as err:
+            check_command_line(args)
+    return config_error_line(err.value)
+
+
 def test_text_given_as_a_token_file_stops_in_one_line_naming_prepare(tmp_path):
-    """Under torchrun, as users launch it: one line, before the run directory exists."""
     (tmp_path / "corpus.txt").write_text(stdlib_text(100_000), encoding="utf-8")
-    run_dir = tmp_path / "run"
-    args = [*TRAIN, "data.path=corpus.txt", "data.tokenizer=bytes", f"hydra.run.dir={run_dir}"]
-    proc = run_train(args, cwd=tmp_path, nproc=2)
-    line = one_line_under_torchrun(proc, run_dir)
+    line = said_by_train_py([*TRAIN, "data.path=corpus.txt", "data.tokenizer=bytes"], tmp_path)
     assert "data.path='corpus.txt': holds text" in line, line
     assert "python -m mgpu.data.prepare corpus.txt train.bin" in line, line
 
@@ -225,10 +233,8 @@ def test_text_given_as_a_token_file_stops_in_one_line_naming_prepare(tmp_path):
 def test_token_ids_above_the_vocabulary_stop_before_the_run_directory(tmp_path):
     ids = np.arange(20_000) % 600  # ids up to 599
     ids.astype("<u2").tofile(tmp_path / "ids.bin")
-    run_dir = tmp_path / "run"
     args = [*TRAIN, "data.path=ids.bin", "data.tokenizer=none", "data.vocab_size=512"]
-    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
-    line = one_line_under_torchrun(proc, run_dir)
+    line = said_by_train_py(args, tmp_path)
     assert "data.vocab_size=512: is not above token id 599" in line, line
     assert "at least 600" in line, line
 

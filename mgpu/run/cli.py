@@ -268,6 +268,11 @@ def check_run_dir(key: str, path: str) -> None:
     raise ConfigError(key, path, f"{why}; choose a run directory that can be written: {key}=PATH")
 
 
+def config_error_line(err: Exception) -> str:
+    """The one line a config error is said in."""
+    return f"mgpu: config error: {clipped(describe_error(err))}"
+
+
 def stop_with_config_error(err: Exception) -> NoReturn:
     """The one line of a config error, on local rank 0's console (the other ranks stay quiet),
     and exit code 2; under torchrun every rank records it for torchrun's report, and under
@@ -275,7 +280,7 @@ def stop_with_config_error(err: Exception) -> NoReturn:
     sys.exit: Python's own shutdown puts SIGTERM's default action back, and torchrun's SIGTERM,
     sent as the first rank exits, would then end a rank that is exiting on its own with -15
     instead of 2."""
-    line = f"mgpu: config error: {clipped(describe_error(err))}"
+    line = config_error_line(err)
     env = dist.launch_env()
     recorded = record_for_torchrun(line, env.error_file)
     if env.local_rank == 0 and not (recorded and env.launcher_says_errors):
