@@ -125,6 +125,23 @@ def said_lines(proc) -> list[str]:
     return [line for line in lines if not line.lstrip().startswith("traceback :")]
 
 
+def said_by_train_py(args: list[str], cwd: Path) -> str:
+    """The one line train.py's first step says for `args` in a run started in `cwd`
+    (mgpu.run.cli.check_command_line, in this process): each mistake's words, without a launch.
+    Tests that launch train.py check that a run says it alone, exits 2 and makes no run
+    directory."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mgpu.config.checks import ConfigError
+    from mgpu.run.cli import check_command_line, config_error_line
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        with pytest.raises((ConfigError, OmegaConfBaseException)) as err:
+            check_command_line(args)
+    return config_error_line(err.value)
+
+
 def one_line_under_torchrun(proc, run_dir, prefix: str = "mgpu: config error: ") -> str:
     """What bad input must give under torchrun: one line of mgpu's, said once (not once per
     rank), every worker's exit code 2, no traceback but torchrun's own summary (its

@@ -4,16 +4,14 @@ with one clear line before any process group or run directory exists."""
 import math
 
 import pytest
-from conftest import ROOT, one_line_under_torchrun, run_train
+from conftest import ROOT, one_line_under_torchrun, run_train, said_by_train_py
 from hydra import compose, initialize_config_dir
-from omegaconf.errors import OmegaConfBaseException
 
 from mgpu.config.checks import ConfigError
 from mgpu.data.config import NgramDataConfig
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models.config import GPTModelConfig
 from mgpu.run.build import unused_vocabulary
-from mgpu.run.cli import check_command_line, config_error_line
 from mgpu.run.config import to_config
 
 
@@ -88,11 +86,20 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("override, expected", BAD_INPUT)
-def test_bad_input_exits_before_any_run_directory(tmp_path, override, expected):
+def test_bad_input_is_one_line_naming_the_key_and_value(tmp_path, override, expected):
+    line = said_by_train_py([override], tmp_path)
+    assert "\n" not in line
+    for word in expected:
+        assert word in line, line
+
+
+def test_bad_input_exits_before_any_run_directory(tmp_path):
+    override, expected = BAD_INPUT[0]
     run_dir = tmp_path / "run"
     proc = run_train([override, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.strip() == said_by_train_py([override], tmp_path), proc.stderr
     for word in expected:
         assert word in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -143,16 +150,9 @@ NEWCOMER_MISTAKES = [
 
 @pytest.mark.parametrize("overrides, expected", NEWCOMER_MISTAKES)
 def test_newcomer_mistakes_are_each_one_clear_line(tmp_path, bad_token_file, overrides, expected):
-    """The line train.py's first step says for each mistake (check_command_line, from the
-    folder the run starts in); that it is said once, exit 2, before any run directory, is the
-    launches' below."""
     (tmp_path / "empty").mkdir()
     args = [arg.format(empty=tmp_path / "empty", odd=bad_token_file) for arg in overrides]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(tmp_path)
-        with pytest.raises((ConfigError, OmegaConfBaseException)) as err:
-            check_command_line(args)
-    line = config_error_line(err.value)
+    line = said_by_train_py(args, tmp_path)
     for word in expected:
         assert word in line, line
     assert "schema" not in line

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, read_scalars, run_train
+from conftest import ROOT, read_scalars, run_train, said_by_train_py
 from hydra import compose, initialize_config_dir
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
 
@@ -25,7 +25,6 @@ from mgpu.config.checks import ConfigError
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models import GPT
 from mgpu.restore import Restored, UsageError, saved_config
-from mgpu.run.cli import check_command_line, config_error_line
 from mgpu.run.config import resolved_yaml, to_config
 from mgpu.sample import DEFAULT_TOKENS, parse_args
 
@@ -175,15 +174,10 @@ def test_a_given_tokenizer_json_from_prepare_to_sampled_text(tmp_path):
 
 
 def test_a_model_vocabulary_below_the_datas_stops_in_one_line(bpe_run, tmp_path):
-    run_dir = tmp_path / "run"
     args = [*TRAIN, f"data.path={bpe_run / 'text.bin'}", "model.vocab_size=256"]
-    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("mgpu: config error: model.vocab_size=256: ")
-    assert "data.vocab_size (512)" in lines[0] and "model.vocab_size=auto" in lines[0]
-    assert not run_dir.exists()
+    line = said_by_train_py(args, tmp_path)
+    assert line.startswith("mgpu: config error: model.vocab_size=256: "), line
+    assert "data.vocab_size (512)" in line and "model.vocab_size=auto" in line, line
 
 
 def test_token_ids_without_a_tokenizer_train_evaluate_and_refuse_to_sample(tmp_path):
@@ -210,17 +204,6 @@ def test_token_ids_without_a_tokenizer_train_evaluate_and_refuse_to_sample(tmp_p
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert "data.tokenizer=none" in lines[0] and proc.stdout == "", proc.stderr
-
-
-def said_by_train_py(args: list[str], cwd: Path) -> str:
-    """The one line train.py's first step says for `args`, started in `cwd` (check_command_line;
-    that such a line is said once under torchrun, exit 2, before the run directory exists, is
-    tests/test_config.py's launch of a mistake in the data)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(cwd)
-        with pytest.raises(ConfigError) as err:
-            check_command_line(args)
-    return config_error_line(err.value)
 
 
 def test_text_given_as_a_token_file_stops_in_one_line_naming_prepare(tmp_path):
