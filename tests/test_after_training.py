@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from mgpu import evaluate, export, sample
 from mgpu.ckpt.checkpoint import load
 from mgpu.data import SyntheticImages
+from mgpu.data.prepare import main as prepare_main
 from mgpu.models import GPT, MLP
 
 GPT_STEPS = 30
@@ -49,8 +50,7 @@ def gpt_run(tmp_path_factory) -> Path:
     text = (ROOT / "README.md").read_bytes()
     (out / "text.txt").write_bytes((text * (40_000 // len(text) + 1))[:40_000])
     tokens = out / "text.bin"
-    proc = run_train(["text.txt", tokens], cwd=out, nproc=None, program=("-m", "mgpu.data.prepare"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    prepare_main([str(out / "text.txt"), str(tokens)])  # the token file training reads
     run_dir = out / "run"
     args = [*GPT_TRAIN, f"data.path={tokens}", f"hydra.run.dir={run_dir}"]
     proc = run_train(args, cwd=out, nproc=None)
@@ -103,22 +103,45 @@ def arguments(model_config: dict) -> dict:
     return {k: v for k, v in model_config.items() if k != "_target_"}
 
 
-def test_sample_writes_the_requested_bytes_deterministically_for_a_seed(gpt_run):
+def sampled(gpt_run, seed: int) -> list[str]:
+    """mgpu.sample's arguments: 48 bytes after a prompt, drawn from the 50 likeliest."""
+    return [
+        str(gpt_run),
+        "--prompt",
+        "The ",
+        "--tokens",
+        "48",
+        "--seed",
+        str(seed),
+        "--top_k",
+        "50",
+    ]
+
+
+def test_sample_writes_the_requested_bytes_deterministically_for_a_seed(gpt_run, capsysbinary):
+    # Bytes, not text: a byte-level model need not write valid UTF-8. Once as users run it...
+    proc = subprocess.run(
+        [sys.executable, "-m", "mgpu.sample", *sampled(gpt_run, 1)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(proc.stdout) == 48
+    # ...then again in this process, on one thread as that process ran: the same seed writes
+    # the same bytes in another process, another seed others.
     runs = {}
-    for name, seed in [("a", 1), ("again", 1), ("other", 2)]:
-        args = [gpt_run, "--prompt", "The ", "--tokens", 48, "--seed", seed, "--top_k", 50]
-        # Bytes, not text: a byte-level model need not write valid UTF-8.
-        proc = subprocess.run(
-            [sys.executable, "-m", "mgpu.sample", *map(str, args)],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert len(proc.stdout) == 48
-        runs[name] = proc.stdout
-    assert runs["a"] == runs["again"]
-    assert runs["a"] != runs["other"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, seed in [("again", 1), ("other", 2)]:
+            sample.main(sampled(gpt_run, seed))
+            runs[name] = capsysbinary.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs["again"]) == len(runs["other"]) == 48
+    assert proc.stdout == runs["again"]
+    assert proc.stdout != runs["other"]
 
 
 def test_greedy_sampling_is_the_models_argmax(gpt_run):
@@ -181,13 +204,15 @@ def corrupted(run_dir: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_an_invalid_checkpoint_is_refused_by_name(gpt_run, tmp_path):
+def test_an_invalid_checkpoint_is_refused_by_name(gpt_run, tmp_path, capsys):
     copy = corrupted(gpt_run, tmp_path)
     (state,) = (copy / "checkpoints").glob("step-*/state.pt")
-    proc = tool("mgpu.evaluate", [state.parent], tmp_path)
-    assert proc.returncode == 1
-    assert "Traceback" not in proc.stderr
-    assert f"{state}: checksum mismatch" in proc.stderr, proc.stderr
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main([str(state.parent)])  # python -m mgpu.evaluate's exit code is main's
+    assert stop.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert f"{state}: checksum mismatch" in err, err
     # A run directory means its newest VALID checkpoint: here there is none.
     for main, extra in [
         (sample.main, ["--prompt", "a", "--tokens", "1"]),
@@ -274,10 +299,10 @@ def classifier_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_evaluate_reports_a_classifiers_accuracy(classifier_run):
-    proc = tool("mgpu.evaluate", [classifier_run], classifier_run.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = printed(proc.stdout)
+def test_evaluate_reports_a_classifiers_accuracy(classifier_run, capsys):
+    # in this process: launched as users run it, evaluate is test_evaluate_reproduces_...'s
+    evaluate.main([str(classifier_run)])
+    got = printed(capsys.readouterr().out)
     assert math.isclose(got["loss"], last_eval_loss(classifier_run)[1], rel_tol=1e-5)
     # Reference: the checkpoint's model on every eval image, computed here.
     (path,) = sorted((classifier_run / "checkpoints").iterdir())

@@ -115,11 +115,9 @@ def test_ddp_static_graph_with_accumulation_is_refused_before_the_run(tmp_path):
         to_config(compose_config(*pair, "trainer.grad_accum_steps=2"))
     mgpu_engine = ["dist.engine=mgpu", "dist.ddp_static_graph=true"]  # a torch DDP key only
     to_config(compose_config(*mgpu_engine, "trainer.grad_accum_steps=2"))
-    run_dir = tmp_path / "run"
-    proc = run_train(
-        [*pair, "trainer.grad_accum_steps=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2
-    )
-    line = one_line_under_torchrun(proc, run_dir)
+    # train.py's first step says it, before the ranks meet: that such a line is said once under
+    # torchrun, exit 2, before any run directory, is the launch of a newcomer's mistake below
+    line = said_by_train_py([*pair, "trainer.grad_accum_steps=2"], tmp_path)
     assert "dist.ddp_static_graph" in line and "set dist.ddp_static_graph=false" in line, line
 
 
@@ -158,16 +156,13 @@ def test_newcomer_mistakes_are_each_one_clear_line(tmp_path, bad_token_file, ove
     assert "schema" not in line
 
 
-# Two launches under torchrun: a mistake in a key (read off the command line) and one in the
-# data (a file the check opens): each the line above, once, exit 2, no run directory.
-LAUNCHED = [NEWCOMER_MISTAKES[0], NEWCOMER_MISTAKES[-1]]
-
-
-@pytest.mark.parametrize("mistake", LAUNCHED, ids=["key", "data"])
+# A launch under torchrun of a mistake in the data (a file the check opens): the line above,
+# once, exit 2, no run directory. The launch of a mistake in a key (NEWCOMER_MISTAKES[0]) is
+# tests/test_one_line.py's test_torchruns_report_names_the_config_error_as_the_root_cause.
 def test_newcomer_mistakes_are_one_line_once_exit_2_before_any_run_directory(
-    tmp_path, bad_token_file, mistake
+    tmp_path, bad_token_file
 ):
-    overrides, expected = mistake
+    overrides, expected = NEWCOMER_MISTAKES[-1]
     run_dir = tmp_path / "run"
     args = [arg.format(odd=bad_token_file) for arg in overrides]
     proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)

@@ -21,12 +21,14 @@ from conftest import (
     one_line_under_torchrun,
     read_scalars,
     run_train,
+    said_by_train_py,
     said_lines,
     spawn,
 )
 from PIL import Image
 
 from mgpu.config.checks import ConfigError
+from mgpu.data.check_images import main as check_images
 from mgpu.data.config import ImageFolderDataConfig
 from mgpu.data.image_folder import BadImageFile, ImageFolder, auto_eval_samples
 from mgpu.data.loader import build_dataloader, build_loader
@@ -330,13 +332,14 @@ def test_bad_trees_are_config_errors(tmp_path, make, needle):
 
 
 def test_empty_class_folder_is_one_line_before_training(tmp_path):
+    """The line train.py's first step (check_command_line) says, in this process: the folder is
+    checked with the config, before anything runs. That such a line is said alone, exit 2,
+    before any run directory, is the launches' of tests/test_config.py and test_one_line.py."""
     write_tree(tmp_path / "train")
     (tmp_path / "train" / "dog").mkdir()
     args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "model=resnet_tiny"]
-    proc = train_on_cpu(args, tmp_path, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "dog holds no images" in lines[0], proc.stderr
+    line = said_by_train_py(args, tmp_path)
+    assert "\n" not in line and "dog holds no images" in line, line
     assert not (tmp_path / "outputs").exists()
 
 
@@ -628,7 +631,7 @@ def test_reduced_decode_stays_close_to_a_full_decode(tmp_path):
         assert diff.mean() < 1, (i, diff.mean())
 
 
-def test_check_images_names_every_unreadable_file_as_training_would_meet_it(tmp_path):
+def test_check_images_names_every_unreadable_file_as_training_would_meet_it(tmp_path, capsys):
     """python -m mgpu.data.check_images: the files it names are exactly those the training
     path's reading refuses (BadImageFile), every one of them; exit 1, then 0 once they are
     gone, and 2 for a folder that is not an image folder."""
@@ -647,24 +650,30 @@ def test_check_images_names_every_unreadable_file_as_training_would_meet_it(tmp_
             refused.add(path)
     assert refused == {files[1][0], files[8][0], files[13][0]}
 
-    def check(*args):
-        command = [sys.executable, "-m", "mgpu.data.check_images", *args]
-        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-    proc = check(str(tmp_path / "train"), "--workers", "2")
+    # One launch as users run it, with its default workers (a process per CPU); the checks
+    # after it call the same main() in this process, one worker (no fork of pytest's process):
+    # its exit code, and what it prints.
+    command = [sys.executable, "-m", "mgpu.data.check_images", str(tmp_path / "train")]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     named = {line.strip().split(": not a readable image")[0] for line in proc.stdout.splitlines()
              if "not a readable image" in line}  # fmt: skip
     assert proc.returncode == 1 and named == refused, proc.stdout + proc.stderr
     assert "3 of 18 images unreadable" in proc.stdout and "data.bad_files=skip" in proc.stderr
+
+    def check(*args):
+        with pytest.raises(SystemExit) as stop:
+            check_images([*args, "--workers", "1"])
+        return stop.value.code, *capsys.readouterr()
+
     for path in refused:
         Path(path).unlink()
-    proc = check(str(tmp_path / "train"), "--workers", "1")
-    assert proc.returncode == 0 and "all 15 images readable" in proc.stdout, proc.stderr
+    code, out, err = check(str(tmp_path / "train"))
+    assert code == 0 and "all 15 images readable" in out, err
     # a folder that is not an image folder: 2, and the others are still checked
     Path(files[2][0]).write_bytes(b"garbage")
-    proc = check(str(tmp_path / "nowhere"), str(tmp_path / "train"))
-    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
-    assert "1 of 15 images unreadable" in proc.stdout and files[2][0] in proc.stdout
+    code, out, err = check(str(tmp_path / "nowhere"), str(tmp_path / "train"))
+    assert code == 2 and "does not exist" in err, err
+    assert "1 of 15 images unreadable" in out and files[2][0] in out
 
 
 # ---- settings that follow the folder ----

@@ -247,14 +247,17 @@ def test_residual_autocast_keeps_the_stream_in_bf16_and_trains_as_the_fp32_strea
     assert abs(runs["autocast"][0] - ref_loss) < 0.02, (runs["autocast"][0], ref_loss)
 
 
-def test_residual_setting_is_checked_and_says_when_it_does_nothing(tmp_path):
+def test_residual_setting_is_checked_and_says_when_it_does_nothing(tmp_path, caplog):
+    import logging
     from pathlib import Path
 
     from conftest import run_train
     from hydra import compose, initialize_config_dir
 
     from mgpu.config.checks import ConfigError
-    from mgpu.run.config import to_config
+    from mgpu.run.build import build_run
+    from mgpu.run.config import resolved_yaml, to_config
+    from mgpu.runtime.dist import Runtime
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
@@ -267,14 +270,27 @@ def test_residual_setting_is_checked_and_says_when_it_does_nothing(tmp_path):
     # trainer.precision=auto on a CPU runs without autocast: the run says the setting does
     # nothing (known once the device is); under bf16 autocast it has something to do
     said = "model.residual=autocast does nothing: trainer.precision=%s runs without autocast on cpu"
+    # the loader and the final evaluation play no part: no worker processes, a short one
+    run = ["model.residual=autocast", "trainer.max_steps=2", "trainer.eval_every=0"]
+    run += ["data.num_workers=0", "data.eval_samples=64"]
+    # Where the run decides it, building itself (build_run), in this process as a world of one
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
     for precision, warns in (("auto", True), ("bf16", False)):
-        run = ["model.residual=autocast", f"trainer.precision={precision}", "trainer.max_steps=2"]
-        # the loader and the final evaluation play no part: no worker processes, a short one
-        run += ["trainer.eval_every=0", "data.num_workers=0", "data.eval_samples=64"]
-        run.append(f"hydra.run.dir={tmp_path / precision}")
-        proc = run_train(run, cwd=tmp_path, nproc=None)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert ((said % precision) in proc.stderr + proc.stdout) is warns, proc.stderr[-3000:]
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            dcfg = compose("config", [*run, f"trainer.precision={precision}"])
+        run_dir = tmp_path / precision
+        run_dir.mkdir()  # as Hydra makes it
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mgpu"):
+            built = build_run(to_config(dcfg), rt, run_dir, resolved_yaml(dcfg))
+        built.board.close()
+        built.train_loader.close()
+        built.eval_loader.close()
+        assert ((said % precision) in caplog.text) is warns, caplog.text
+    # and a run of train.py says it where users read it, and trains on
+    proc = run_train([*run, f"hydra.run.dir={tmp_path / 'launched'}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (said % "auto") in proc.stderr + proc.stdout, proc.stderr[-3000:]
 
 
 def test_residual_autocast_takes_autocasts_dtype_and_leaves_fp32_runs_alone():

@@ -3,7 +3,8 @@ a 10,000-character value or key, a key with a character Hydra's grammar does not
 a value with shell metacharacters left unquoted for Hydra, a run directory on a read-only
 filesystem or with a name too long, and Ctrl-C during training (the step reached and the newest
 checkpoint, exit code 130); under torchrun, its closing report names the config error. Real
-processes: train.py as a user starts it."""
+processes: train.py as a user starts it (each bad input's words are worked out in this process,
+by the checks train.py runs, with one launch for each way it stops on them)."""
 
 import os
 import shutil
@@ -14,6 +15,10 @@ from pathlib import Path
 
 import pytest
 from conftest import one_line_under_torchrun, run_train, train_command
+from omegaconf.errors import OmegaConfBaseException
+
+from mgpu.config.checks import ConfigError
+from mgpu.run.cli import check_command_line, check_run_dir, config_error_line
 
 LONG = "x" * 10_000
 
@@ -29,12 +34,36 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(
-    "override, words",
-    BAD,
-    ids=["long-value", "long-key", "accent-key", "cyrillic-key", "semicolon", "subshell", "dir"],
-)
+IDS = ["long-value", "long-key", "accent-key", "cyrillic-key", "semicolon", "subshell", "dir"]
+
+
+def said_for(override: str, cwd: Path) -> str:
+    """The one line train.py says for `override`, started in `cwd`, worked out in this process
+    by the checks it runs: its first step's (check_command_line), then, for what that leaves to
+    Hydra's run start, ValidateOnRunStart's check of the run directory (check_run_dir)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        with pytest.raises((ConfigError, OmegaConfBaseException)) as err:
+            check_command_line([override])
+            key, _, value = override.partition("=")
+            check_run_dir(key, value)
+    return config_error_line(err.value)
+
+
+@pytest.mark.parametrize("override, words", BAD, ids=IDS)
 def test_a_value_or_key_that_cannot_work_is_one_short_line(tmp_path, override, words):
+    line = said_for(override, tmp_path)
+    assert "\n" not in line and line.startswith("mgpu: config error: "), line
+    assert len(line) < 400, line
+    for word in words:
+        assert word in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing run, nothing made
+
+
+# One launch per way train.py stops on such input (its first step; Hydra's run start): the
+# line above, alone on stderr, exit code 2, no run directory of any name.
+@pytest.mark.parametrize("override", [BAD[5][0], BAD[6][0]], ids=["subshell", "dir"])
+def test_train_py_says_it_alone_exits_2_and_makes_nothing(tmp_path, override):
     run_dir = tmp_path / "run"
     args = (
         [override]
@@ -44,9 +73,7 @@ def test_a_value_or_key_that_cannot_work_is_one_short_line(tmp_path, override, w
     proc = run_train(args, cwd=tmp_path, nproc=None)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith("mgpu: config error: ") and len(lines[0]) < 400, lines[0]
-    for word in words:
-        assert word in lines[0], lines[0]
+    assert lines[0] == said_for(override, tmp_path), lines[0]
     assert not run_dir.exists() and not (tmp_path / "pwned").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run directory of any name
 
@@ -58,6 +85,9 @@ def test_torchruns_report_names_the_config_error_as_the_root_cause(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(["optim.lrr=1e-3", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     line = one_line_under_torchrun(proc, run_dir)  # said once by mgpu, exit code 2 per rank
+    # a newcomer's mistake in a key (tests/test_config.py's NEWCOMER_MISTAKES[0]), named
+    assert "optim.lrr='1e-3'" in line and "did you mean optim.lr=1e-3" in line, line
+    assert not (tmp_path / "outputs").exists()  # nor a run directory of another name
     error = line.removeprefix("mgpu: ")
     report = proc.stderr[proc.stderr.index("Root Cause") :].splitlines()
     assert f"  traceback : {error}" in report, proc.stderr

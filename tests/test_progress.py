@@ -7,9 +7,10 @@ import pty
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
-from conftest import ROOT, run_train
+from conftest import ROOT
 from PIL import Image
 
 from mgpu.data import progress
@@ -43,13 +44,10 @@ def test_no_line_off_a_terminal():
     assert out.getvalue() == ""
 
 
-def run(args: list[str], terminal: bool, code: str = EVERY_UPDATE) -> str:
-    """`python -c EVERY_UPDATE module args` (or other `code`), its stdout a pseudo-terminal or a
-    pipe."""
+def on_a_terminal(args: list[str], code: str = EVERY_UPDATE) -> str:
+    """`python -c EVERY_UPDATE module args` (or other `code`), its stdout a pseudo-terminal."""
     command = [sys.executable, "-c", code, *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if not terminal:
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120).stdout
     main, child = pty.openpty()
     proc = subprocess.Popen(command, env=env, stdout=child, stderr=subprocess.DEVNULL)
     os.close(child)
@@ -67,48 +65,70 @@ def run(args: list[str], terminal: bool, code: str = EVERY_UPDATE) -> str:
     return b"".join(chunks).decode().replace("\r\n", "\n")
 
 
-def test_check_images_and_prepare_show_progress_on_a_terminal_only(tmp_path):
+def piped(main, args: list[str], capsys) -> str:
+    """What `main(args)` prints to a stdout that is not a terminal (pytest's capture, as a
+    pipe), in this process, with progress lines due at every update as EVERY_UPDATE makes
+    them: none may come."""
+    try:
+        main(args)
+    except SystemExit as stop:
+        assert stop.code in (0, None), stop.code
+    return capsys.readouterr().out
+
+
+def test_check_images_and_prepare_show_progress_on_a_terminal_only(tmp_path, capsys, monkeypatch):
+    from mgpu.data.check_images import main as check_images
+    from mgpu.data.prepare import main as prepare
+
     for name in ("ant", "bee"):
         (tmp_path / "imgs" / name).mkdir(parents=True)
         for k in range(3):
             Image.new("RGB", (8, 8), (k, 2 * k, 3 * k)).save(tmp_path / "imgs" / name / f"{k}.png")
     (tmp_path / "in.txt").write_bytes(np.full(3_000_000, ord("a"), np.uint8).tobytes())
-    for module, args, line in [
-        ("mgpu.data.check_images", [tmp_path / "imgs", "--workers", "1"], "checked: 6 of 6"),
-        ("mgpu.data.prepare", [tmp_path / "in.txt", tmp_path / "o.bin"], "of 3 MB (100 %)"),
-    ]:
-        args = [module, *map(str, args)]
-        piped, shown = run(args, terminal=False), run(args, terminal=True)
-        assert line in shown and line not in piped, (shown, piped)
+    monkeypatch.setattr(progress, "EVERY_S", 0)
+    for main, module, args, line in [
+        (check_images, "mgpu.data.check_images", [tmp_path / "imgs", "--workers", "1"],
+         "checked: 6 of 6"),
+        (prepare, "mgpu.data.prepare", [tmp_path / "in.txt", tmp_path / "o.bin"],
+         "of 3 MB (100 %)"),
+    ]:  # fmt: skip
+        args = list(map(str, args))
+        # on a terminal: the command as users run it, its stdout a pseudo-terminal
+        shown, quiet = on_a_terminal([module, *args]), piped(main, args, capsys)
+        assert line in shown and line not in quiet, (shown, quiet)
         # besides the progress lines, the output is the same (the time a check took aside)
-        assert same([t for t in shown.splitlines() if "%)" not in t]) == same(piped.splitlines())
+        assert same([t for t in shown.splitlines() if "%)" not in t]) == same(quiet.splitlines())
 
 
 def same(lines: list[str]) -> list[str]:
     return [re.sub(r"\(\d+ s\)", "(N s)", line) for line in lines]
 
 
-def test_a_compiled_run_says_the_first_step_compiles_before_it_does(tmp_path):
-    args = ["trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.max_steps=2"]
-    args += ["trainer.log_every=1", "trainer.eval_every=0", "data.num_workers=0"]
-    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=None)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    said = proc.stdout.index("trainer.compile: the first step compiles the model (aot_eager")
-    assert said < proc.stdout.index("step 1/2"), proc.stdout
-    assert TICK not in proc.stdout  # piped: no line while it compiles (ticking)
-
-
 TICK = "trainer.compile: compiling the first step: "
 
 
-def test_the_first_compile_ticks_on_a_terminal(tmp_path):
-    """A compiled run's first step (minutes for a large model, nothing printed meanwhile) says it
-    is still compiling every few seconds, on a terminal (piped: the test above)."""
+def test_a_compiled_run_says_the_first_step_compiles_before_it_does_and_ticks_on_a_terminal(
+    tmp_path,
+):
+    """A compiled run's first step (minutes for a large model, nothing printed meanwhile) is
+    announced before it runs, and says it is still compiling every few seconds, on a terminal
+    (piped: the test below)."""
     args = ["trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.max_steps=2"]
     args += ["trainer.log_every=1", "trainer.eval_every=0", "data.num_workers=0", "ckpt.every=0"]
     tick = "import sys, runpy, mgpu.data.progress as p; p.EVERY_S = 0.2; "
     tick += "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     command = [str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"]
-    shown = run(command, terminal=True, code=tick)
+    shown = on_a_terminal(command, code=tick)
     assert "step 2/2" in shown, shown[-3000:]
+    said = shown.index("trainer.compile: the first step compiles the model (aot_eager")
+    assert said < shown.index("step 1/2"), shown[-3000:]
     assert re.search(re.escape(TICK) + r"\d+ s so far", shown), shown[-3000:]
+
+
+def test_the_compile_ticks_stay_off_a_pipe(capsys, monkeypatch):
+    """The trainer's `ticking` around the first step, on its default stream (stdout, here
+    pytest's capture: not a terminal, as a pipe): no line however long the step takes."""
+    monkeypatch.setattr(progress, "EVERY_S", 0)  # a line due at once, were it a terminal
+    with progress.ticking(TICK.removesuffix(": ")):
+        time.sleep(0.1)  # the step the lines would come during
+    assert capsys.readouterr().out == ""

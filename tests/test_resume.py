@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    ROOT,
     free_port,
     gloo_runtime,
     made_once,
@@ -24,6 +25,7 @@ from conftest import (
     spawn,
 )
 from faults import first_sample_of_step, recorded
+from hydra import compose, initialize_config_dir
 from test_checkpoint import Shell, bitflip, no_space, reseal
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -33,9 +35,12 @@ from mgpu.config.schema import NonFinite, OptimConfig, Precision, TrainerConfig
 from mgpu.data.sampler import ShardedSampler, epoch_order
 from mgpu.models import MLP
 from mgpu.optim.optimizer import build_optimizer, build_schedule, lr_factor
+from mgpu.run.build import build_run
+from mgpu.run.config import resolved_yaml, to_config
 from mgpu.runtime.dist import Runtime
 from mgpu.runtime.launch import attempt_prefix, parse_launch_env, restart_hazard
 from mgpu.runtime.preempt import PREEMPTED_EXIT_CODE, Preemption
+from mgpu.runtime.stops import RunStopped
 from mgpu.telemetry.board import TensorBoard
 from mgpu.telemetry.metrics import Recorder
 from mgpu.train.guard import LAG, NonFiniteGuard
@@ -380,42 +385,69 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
     assert sorted(p.name for p in run_dir.iterdir()) == ["rank0.log", "run.lock"]
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["model.n_embd=16", "ckpt.resume={ref}/checkpoints/step-00000020"],
-            "wte.weight [256, 32] in the checkpoint, [256, 16] in the model",
-        ),
-        (
-            ["ckpt.resume=never"],  # in a run directory that holds the reference's step 20
-            "step-00000020: a valid checkpoint newer than a fresh start (ckpt.resume=never)",
-        ),
-        (
-            ["data.num_samples=5000", "ckpt.resume={ref}/checkpoints/step-00000020"],
-            "trained on 100000 samples shuffled with trainer.seed=0; this run has 5000",
-        ),
-        (
-            ["optim=sgd", "ckpt.resume={ref}/checkpoints/step-00000015"],
-            "optim.name=sgd: {ref}/checkpoints/step-00000015 was trained with optim.name=adamw",
-        ),
-    ],
-    ids=["shape", "never-over-newer", "other-data", "other-optimizer"],
-)
-def test_resume_that_cannot_continue_the_run_stops_with_the_reason(
-    tmp_path, reference, args, message
-):
+# Resumes that cannot continue the reference run: (arguments, the reason said, the exit code).
+# A checkpoint whose model, data or optimizer this run cannot continue is input that cannot
+# work (2); another run's newer checkpoint in the directory, a stop (1).
+REFUSED = {
+    "shape": (
+        ["model.n_embd=16", "ckpt.resume={ref}/checkpoints/step-00000020"],
+        "wte.weight [256, 32] in the checkpoint, [256, 16] in the model",
+        2,
+    ),
+    "never-over-newer": (
+        ["ckpt.resume=never"],  # in a run directory that holds the reference's step 20
+        "step-00000020: a valid checkpoint newer than a fresh start (ckpt.resume=never)",
+        1,
+    ),
+    "other-data": (
+        ["data.num_samples=5000", "ckpt.resume={ref}/checkpoints/step-00000020"],
+        "trained on 100000 samples shuffled with trainer.seed=0; this run has 5000",
+        2,
+    ),
+    "other-optimizer": (
+        ["optim=sgd", "ckpt.resume={ref}/checkpoints/step-00000015"],
+        "optim.name=sgd: {ref}/checkpoints/step-00000015 was trained with optim.name=adamw",
+        2,
+    ),
+}
+
+
+def refused_run(tmp_path, reference, name) -> tuple[list[str], Path]:
+    """The command line of REFUSED[name] and its run directory, made as Hydra makes it (with
+    the reference's step 20 in it for ckpt.resume=never)."""
+    args, _, _ = REFUSED[name]
     run_dir = tmp_path / "run"
     if "ckpt.resume=never" in args:
         shutil.copytree(
             step_dir(reference / "checkpoints", 20), step_dir(run_dir / "checkpoints", 20)
         )
-    args = [a.format(ref=reference) for a in args] + [f"hydra.run.dir={run_dir}"]
-    proc = run_train([*RUN, "data.eval_samples=64", *args], cwd=tmp_path, nproc=None)
-    # A checkpoint whose model, data or optimizer this run cannot continue is input that
-    # cannot work (2); another run's newer checkpoint in the directory, a stop (1).
-    assert proc.returncode == (1 if "ckpt.resume=never" in args else 2), output(proc)[-3000:]
-    assert message.format(ref=reference) in output(proc)
+    run_dir.mkdir(exist_ok=True)
+    return [*RUN, "data.eval_samples=64", *(a.format(ref=reference) for a in args)], run_dir
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_resume_that_cannot_continue_the_run_stops_with_the_reason(tmp_path, reference, name):
+    """The stop the run's start (build_run) raises, in this process as a world of one (as
+    `python train.py` is): its reason and its exit code. The launch below checks that train.py
+    ends with them."""
+    args, run_dir = refused_run(tmp_path, reference, name)
+    _, message, code = REFUSED[name]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=args)
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    with pytest.raises(RunStopped) as err:
+        build_run(to_config(dcfg), rt, run_dir, resolved_yaml(dcfg))
+    assert err.value.exit_code == code, err.value.report()
+    assert message.format(ref=reference) in err.value.report()
+
+
+def test_a_refused_resume_says_its_reason_and_exits_2_without_a_traceback(tmp_path, reference):
+    """One launch of the refusals above (each a RunStopped, which train.py ends with alike):
+    it says the reason, exits with the stop's code and prints no traceback."""
+    args, run_dir = refused_run(tmp_path, reference, "shape")
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 2, output(proc)[-3000:]
+    assert REFUSED["shape"][1] in output(proc)
     assert "Traceback" not in output(proc)
 
 

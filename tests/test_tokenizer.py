@@ -20,6 +20,7 @@ from conftest import ROOT, read_scalars, run_train, said_by_train_py
 from hydra import compose, initialize_config_dir
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
 
+from mgpu import evaluate
 from mgpu.ckpt.checkpoint import load
 from mgpu.config.checks import ConfigError
 from mgpu.data.prepare import main as prepare_main
@@ -27,6 +28,7 @@ from mgpu.models import GPT
 from mgpu.restore import Restored, UsageError, saved_config
 from mgpu.run.config import resolved_yaml, to_config
 from mgpu.sample import DEFAULT_TOKENS, parse_args
+from mgpu.sample import main as sample_main
 
 STEPS = 30
 TRAIN = [
@@ -132,13 +134,13 @@ def test_train_bpe_from_prepare_to_sampled_text(bpe_run):
     )
 
 
-def test_evaluate_reports_bits_per_byte_of_the_decoded_eval_text(bpe_run):
-    run_dir = bpe_run / "run"
-    proc = run_train([str(run_dir)], cwd=bpe_run, nproc=None, program=("-m", "mgpu.evaluate"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_evaluate_reports_bits_per_byte_of_the_decoded_eval_text(bpe_run, capsys):
+    # in this process (launched as users run it: tests/test_after_training.py)
+    evaluate.main([str(bpe_run / "run")])
+    out = capsys.readouterr().out
     said = r"eval loss ([\d.]+), perplexity [\d.]+, ([\d.]+) bits per byte of text over (\d+)"
-    found = re.search(said, proc.stdout)
-    assert found, proc.stdout
+    found = re.search(said, out)
+    assert found, out
     loss, bits, targets = float(found[1]), float(found[2]), int(found[3])
     # The eval split: the file's last 32 windows of 64+1 tokens; their targets, decoded.
     tokens = np.fromfile(bpe_run / "text.bin", dtype="<u2")
@@ -180,9 +182,12 @@ def test_a_model_vocabulary_below_the_datas_stops_in_one_line(bpe_run, tmp_path)
     assert "data.vocab_size (512)" in line and "model.vocab_size=auto" in line, line
 
 
-def test_token_ids_without_a_tokenizer_train_evaluate_and_refuse_to_sample(tmp_path):
+def test_token_ids_without_a_tokenizer_train_evaluate_and_refuse_to_sample(tmp_path, capsys):
     """data.tokenizer=none: a file of ids from another tool (no metadata), as nanoGPT's GPT-2
-    train.bin; ids up to 999 here (a small vocabulary keeps the run quick on a CPU)."""
+    train.bin; ids up to 999 here (a small vocabulary keeps the run quick on a CPU). The
+    evaluation and the refused sampling run in this process (python -m mgpu.evaluate and
+    mgpu.sample exit with their main's code; both are launched as users run them in
+    tests/test_after_training.py)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 1000, size=40_000).astype("<u2")
     ids[::7] = 999  # the highest id is in the file, and has a row
@@ -191,19 +196,19 @@ def test_token_ids_without_a_tokenizer_train_evaluate_and_refuse_to_sample(tmp_p
     assert saved(run_dir)["data"]["tokenizer"] == "none"
     assert saved(run_dir)["model"]["vocab_size"] == 1024  # 1000 rounded up to a multiple of 64
     assert not (run_dir / "tokenizer.json").exists()
-    proc = run_train([str(run_dir)], cwd=tmp_path, nproc=None, program=("-m", "mgpu.evaluate"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"eval loss ([\d.]+), perplexity ([\d.]+) over (\d+)", proc.stdout)
-    assert found, proc.stdout
+    evaluate.main([str(run_dir)])
+    out = capsys.readouterr().out
+    found = re.search(r"eval loss ([\d.]+), perplexity ([\d.]+) over (\d+)", out)
+    assert found, out
     (_, reference), *_ = reversed(read_scalars(run_dir)["eval/loss"])
     assert float(found[1]) == pytest.approx(reference, rel=1e-5)
     assert float(found[2]) == pytest.approx(math.exp(float(found[1])), rel=1e-4)
-    proc = run_train(
-        [str(run_dir), "--prompt", PROMPT], cwd=tmp_path, nproc=None, program=("-m", "mgpu.sample")
-    )
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
-    assert "data.tokenizer=none" in lines[0] and proc.stdout == "", proc.stderr
+    with pytest.raises(SystemExit) as stop:
+        sample_main([str(run_dir), "--prompt", PROMPT])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert stop.value.code not in (0, None) and len(lines) == 1, err
+    assert "data.tokenizer=none" in lines[0] and out == "", err
 
 
 def test_text_given_as_a_token_file_stops_in_one_line_naming_prepare(tmp_path):
