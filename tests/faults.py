@@ -99,12 +99,14 @@ def recorded(record: Path) -> list[list[int]]:
 
 class NanGPT(GPT):
     """A GPT whose output (the loss the Trainer asks for with targets, or the logits) turns NaN
-    on its `nan_from`-th to `nan_until`-th training forwards (no end by default), on rank
-    `rank` only, or on every rank when it is None."""
+    on its `nan_from`-th to `nan_until`-th training forwards (no end by default), and again
+    from its `nan_again`-th on (0: never), on rank `rank` only, or on every rank when it is
+    None."""
 
-    def __init__(self, *, nan_from: int, nan_until: int = 0, rank: int | None = None, **kw):
+    def __init__(self, *, nan_from: int, nan_until: int = 0, nan_again: int = 0, rank=None, **kw):
         super().__init__(**kw)
         self.nan_from, self.nan_until, self.forwards = nan_from, nan_until, 0
+        self.nan_again = nan_again or float("inf")
         self.on_this_rank = rank is None or int(os.environ.get("RANK", "0")) == rank
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +114,7 @@ class NanGPT(GPT):
         if self.training and self.on_this_rank:
             self.forwards += 1
             until = self.nan_until or float("inf")
-            if self.nan_from <= self.forwards <= until:
+            if self.nan_from <= self.forwards <= until or self.forwards >= self.nan_again:
                 out = out * float("nan")
         return out
 

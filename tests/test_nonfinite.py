@@ -68,40 +68,36 @@ def test_stop_ends_every_rank_naming_the_step_and_rank(tmp_path):
     assert all(step < 7 for step, _ in losses)  # the record stops before the bad step
 
 
-def test_skip_drops_the_update_on_every_rank_and_counts_it(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*RUN, "trainer.max_steps=12", "ckpt.every=0", "trainer.nonfinite=skip"]
-    args += nan(7, 9, rank=1)
-    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, timeout=120)
-    assert proc.returncode == 0, output(proc)[-3000:]
-    state = torch.load(step_dir(run_dir / "checkpoints", 12) / "state.pt", weights_only=True)
-    # Rank 0's loss was finite throughout, yet its optimizer took 3 updates fewer: the final
-    # checkpoint's optimizer state is rank 0's.
-    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {12 - 3}
-    scalars = read_scalars(run_dir)
-    assert scalars["train/skipped_steps"] == [(7, 1.0), (8, 2.0), (9, 3.0)]
-    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6, 10, 11, 12]
-    assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars["train/loss"])
-    assert "step 7: the loss is NaN/inf on rank 1: its optimizer update was skipped" in output(proc)
-
-
-def test_skip_stops_after_max_consecutive_skips(tmp_path):
+def test_skip_drops_the_update_on_every_rank_counts_it_and_stops_after_max_consecutive_skips(
+    tmp_path,
+):
+    """One run, two stretches of NaN on rank 1: steps 7-9 (3 in a row, as many as allowed:
+    skipped on every rank, counted, training goes on), then from step 13 on (the 4th in a row,
+    step 16, stops the run)."""
     run_dir = tmp_path / "run"
     args = [*RUN, "trainer.max_steps=20", "ckpt.every=5", "trainer.nonfinite=skip"]
-    args += ["trainer.max_consecutive_skips=2", *nan(5, rank=0)]
+    args += ["trainer.max_consecutive_skips=3", *nan(7, 9, rank=1), "+model.kwargs.nan_again=13"]
     proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2, timeout=120)
     assert proc.returncode == 1, output(proc)[-3000:]
-    assert "step 7: the loss is NaN/inf on rank 0, 3 non-finite steps in a row" in output(proc)
+    assert "step 7: the loss is NaN/inf on rank 1: its optimizer update was skipped" in output(proc)
+    # Rank 0's loss was finite throughout, yet its optimizer took 3 updates fewer: a
+    # checkpoint's optimizer state is rank 0's.
+    state = torch.load(step_dir(run_dir / "checkpoints", 10) / "state.pt", weights_only=True)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {10 - 3}
+    scalars = read_scalars(run_dir)
+    assert scalars["train/skipped_steps"][:4] == [(7, 1.0), (8, 2.0), (9, 3.0), (13, 4.0)]
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4, 5, 6, 10, 11, 12]
+    assert all(torch.isfinite(torch.tensor(v)) for _, v in scalars["train/loss"])
+    # The stop: named in one line, no worker traceback.
+    assert "step 16: the loss is NaN/inf on rank 1, 4 non-finite steps in a row" in output(proc)
     assert no_worker_traceback(proc), output(proc)[-3000:]
-    # Step 5 was skipped, so its checkpoint holds the parameters after step 4: still good, and
-    # the stop says so.
-    assert checkpoints(run_dir) == ["step-00000005"]
-    said = (
-        "Steps 5-7 were skipped, so a checkpoint saved since step 4 holds the parameters of step 4"
-    )
-    assert said in output(proc), output(proc)[-3000:]
-    state = torch.load(step_dir(run_dir / "checkpoints", 5) / "state.pt", weights_only=True)
-    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {4}
+    # Step 15 was skipped, so its checkpoint holds the parameters after step 12: still good,
+    # and the stop says so.
+    assert checkpoints(run_dir) == ["step-00000005", "step-00000010", "step-00000015"]
+    said = "Steps 13-16 were skipped, so a checkpoint saved since step 12 holds the parameters"
+    assert said + " of step 12" in output(proc), output(proc)[-3000:]
+    state = torch.load(step_dir(run_dir / "checkpoints", 15) / "state.pt", weights_only=True)
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {15 - 6}
 
 
 def test_ranks_that_train_apart_decide_alone(tmp_path):
