@@ -1,6 +1,7 @@
-"""launch/ and the run's identity: two torchrun agents acting as two nodes, the SLURM script under
-fake srun/scontrol, sweeps, the run name that every rank agrees on, and the start-up check that
-all ranks resolved one config."""
+"""launch/ and the run's identity: the SLURM script under fake srun/scontrol, sweeps, what a
+single-node launch listens on, the run name that every rank agrees on, and the start-up check
+that all ranks resolved one config. Two torchrun agents acting as two nodes of one run are
+launched in tests/test_two_nodes.py (its lost-node test checks what they share)."""
 
 import ipaddress
 import os
@@ -13,9 +14,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, ROOT, free_port, read_scalars, run_train
+from conftest import FAST, ROOT, free_port, run_train
+from faults import first_sample_of_step
 from torch.distributed.run import parse_args
 
 from mgpu.runtime.launch import (
@@ -32,6 +35,7 @@ FAKES = Path(__file__).resolve().parent / "fake_slurm"
 # FAST, cut to two steps: these tests are about launching, not learning.
 _CUT = {"trainer.max_steps": "2", "trainer.log_every": "1", "trainer.eval_every": "0"}
 TINY = [o for o in FAST if o.split("=")[0] not in _CUT] + [f"{k}={v}" for k, v in _CUT.items()]
+BATCH = 32  # data.batch_size's default
 DATE_TIME = re.compile(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d")
 UUID = "0b4f4bd5-7c5e-4d0a-9a4e-1f2d3c4b5a69"
 
@@ -268,46 +272,6 @@ def test_slurm_signal_stops_the_step_and_requeues_only_near_the_time_limit(
     assert batch.returncode == 143  # the step's own status: killed by SIGTERM
 
 
-# ---- real runs over gloo ----
-
-
-def test_two_agents_as_two_nodes_share_one_run_directory(tmp_path):
-    port = free_port()
-    env = script_env(
-        NNODES="2",
-        NPROC_PER_NODE="1",
-        RDZV_ENDPOINT=f"127.0.0.1:{port}",
-        RUN_ID="two-nodes",
-        LOGLEVEL="INFO",  # torchrun's agents then print the ranks they gave out
-    )
-    agents = [
-        subprocess.Popen(
-            ["bash", str(LAUNCH / "multi_node.sh"), *TINY],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    outputs = []
-    for agent in agents:
-        out, _ = agent.communicate(timeout=180)
-        assert agent.returncode == 0, out[-3000:]
-        outputs.append(out)
-    # each agent is one node with one worker: global ranks 0 and 1, both local rank 0
-    given = sorted(re.search(r"global_ranks=\[(\d+)\]", out).group(1) for out in outputs)
-    assert given == ["0", "1"]
-    assert all("local_ranks=[0]" in out and "group_world_size=2" in out for out in outputs)
-    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["two-nodes"]
-    run_dir = tmp_path / "outputs" / "two-nodes"
-    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
-    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # written once, by rank 0
-    assert "2 process(es)" in "".join(outputs)
-    assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == [1, 2]
-
-
 # ---- how a failed launch ends ----
 
 
@@ -454,52 +418,91 @@ def default_route_interface() -> str | None:
     return next((row[0] for row in rows if len(row) > 1 and row[1] == "00000000"), None)
 
 
-def test_a_single_node_run_listens_on_loopback_only(tmp_path):
-    env = script_env(NPROC="2", RUN_ID="local")
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One launch/sweep.sh of two points, each a launch/single_node.sh of 2 processes (the most
+    costly thing this file starts: a torchrun agent and two training processes a point), which
+    three tests read: the sweep's points, what a running single-node launch listens on, and the
+    CPU blocks dist.cpu_affinity gave its workers. Point 0's rank 0 holds its second step
+    (tests.faults.PausingTokens) while its process tree's sockets are read, then the sweep
+    goes on; point 1 finds the go file there already and does not wait."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    paused, go = tmp / "paused", tmp / "go"
+    env = script_env(NPROC="2", SWEEP_DIR="sweeps/seeds")
     lan = default_route_interface()
     if lan is not None:
         # What a cluster's environment may set for its multi-node runs; gloo would then listen
         # there, as it does on the address of the host's name when nothing is set.
         env.update(GLOO_SOCKET_IFNAME=lan, NCCL_SOCKET_IFNAME=lan)
-    # long enough to be running when inspected; stopped below
-    overrides = [*TINY, "trainer.max_steps=100000"]
-    log = tmp_path / "run.log"
+    pause = [  # step 1 logged: every rank has joined the process group and run collectives
+        "data=custom",
+        "data._target_=tests.faults.PausingTokens",
+        "model.vocab_size=256",  # NgramTokens' own, which data=ngram would give the model
+        "+data.kwargs.rank=0",
+        f"+data.kwargs.at_sample={first_sample_of_step(2, BATCH)}",
+        f"+data.kwargs.paused={paused}",
+        f"+data.kwargs.go={go}",
+        "+data.kwargs.eval_samples=64",
+    ]
+    overrides = [o for o in TINY if not o.startswith("data.eval_samples=")] + pause
+    if len(os.sched_getaffinity(0)) >= 2:  # a block of at least one CPU for each of 2 workers
+        overrides.append("dist.cpu_affinity=true")
+    log = tmp / "sweep.log"
     with open(log, "w") as out:
-        agent = subprocess.Popen(
-            ["bash", str(LAUNCH / "single_node.sh"), *overrides],
-            cwd=tmp_path,
+        launch = subprocess.Popen(
+            ["bash", str(LAUNCH / "sweep.sh"), *overrides, "trainer.seed=1,2"],
+            cwd=tmp,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        rank0 = tmp_path / "outputs" / "local" / "rank0.log"
-        deadline = time.monotonic() + 120
-        # a logged step: every rank has joined the process group and run collectives
-        while not (rank0.exists() and "step " in rank0.read_text()):
-            assert agent.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no training step logged"
+        deadline = time.monotonic() + 120  # a bound on a hang, generous for a loaded machine
+        while not paused.exists():
+            assert launch.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "point 0 never reached its second step"
             time.sleep(0.2)
-        tree = process_tree(agent.pid)  # the agent is torchrun: the script exec'd it
+        tree = process_tree(launch.pid)  # sweep.sh, then point 0's torchrun and its workers
         listening = listening_sockets(tree)
-        workers = [p for p in tree[1:] if "train.py" in Path(f"/proc/{p}/cmdline").read_text()]
+        (agent,) = [p for p in tree if "launch/torchrun.py" in cmdline(p)]
+        workers = [p for p in process_tree(agent)[1:] if "train.py" in cmdline(p)]
         master_port = next(
             line.split("=", 1)[1]
             for line in Path(f"/proc/{workers[0]}/environ").read_text().split("\0")
             if line.startswith("MASTER_PORT=")
         )
+        go.touch()
+        launch.wait(timeout=180)
     finally:
-        os.killpg(agent.pid, signal.SIGTERM)  # as a scheduler stops a run
-        try:
-            agent.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
-    assert len(workers) == 2
+        go.touch()
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
+    return SimpleNamespace(
+        returncode=launch.returncode,
+        output=log.read_text(),
+        dir=tmp / "sweeps" / "seeds",
+        listening=listening,
+        workers=workers,
+        master_port=int(master_port),
+    )
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line, or "" for one that has just exited."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def test_a_single_node_run_listens_on_loopback_only(sweep):
+    listening = sweep.listening
+    assert len(sweep.workers) == 2
     # the sockets looked at are the run's: rank 0's store and each worker's gloo listener
-    assert int(master_port) in {port for _, _, port in listening}, listening
-    assert set(workers) <= {pid for pid, _, _ in listening}, listening
+    assert sweep.master_port in {port for _, _, port in listening}, listening
+    assert set(sweep.workers) <= {pid for pid, _, _ in listening}, listening
     exposed = [s for s in listening if not ipaddress.ip_address(s[1]).is_loopback]
     assert not exposed, f"listening beyond loopback (pid, address, port): {exposed}"
 
@@ -526,33 +529,27 @@ def test_only_a_loopback_master_addr_keeps_the_store_on_loopback(monkeypatch):
     assert kept.get("k") == b"v"
 
 
-@pytest.mark.parametrize(
-    "per_rank, first_difference",
-    [
-        (
-            "trainer.seed=${oc.env:LOCAL_RANK}",
-            "'trainer.seed: 1' where rank 0 has 'trainer.seed: 0'",
-        ),
-        (
-            "hydra.run.dir=split${oc.env:LOCAL_RANK}",
-            "'run_dir: split1' where rank 0 has 'run_dir: split0'",
-        ),
-    ],
-)
-def test_ranks_that_resolve_different_configs_stop_with_one_clear_line(
-    tmp_path, per_rank, first_difference
-):
+def test_ranks_that_resolve_different_configs_stop_with_one_clear_line(tmp_path):
+    # A run directory that differs per rank: check_same_config appends it to the config text
+    # and compares the whole, so a key of the config that differs per rank (trainer.seed=
+    # ${oc.env:LOCAL_RANK}) takes the very same path, its line the one describe_config_mismatch
+    # gives above.
+    per_rank = "hydra.run.dir=split${oc.env:LOCAL_RANK}"
+    first_difference = "'run_dir: split1' where rank 0 has 'run_dir: split0'"
     proc = run_train([*TINY, per_rank], cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
-    assert proc.stdout.count(f"rank 1 has {first_difference}") == 2, proc.stdout[
-        -3000:
-    ]  # each rank
+    said = proc.stdout.count(f"rank 1 has {first_difference}")
+    assert said == 2, proc.stdout[-3000:]  # each rank
     assert not list(tmp_path.glob("**/events.out.tfevents.*"))  # stopped before any work
 
 
 def test_multirun_under_torchrun_stops_before_any_work(tmp_path):
-    proc = run_train(["-m", *TINY, "trainer.seed=1,2"], cwd=tmp_path, timeout=120)
-    assert proc.returncode != 0
+    # One process given the variables torchrun gives rank 0 of 2: the refusal reads only them,
+    # at Hydra's multirun start, before any process group; its exit (one line, exit code 2)
+    # is the one a config error has, launched under torchrun in test_one_line.py.
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    proc = run_train(["-m", *TINY, "trainer.seed=1,2"], cwd=tmp_path, nproc=None, env=world)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "hydra -m (multirun) cannot run under torchrun with 2 processes" in proc.stderr
     assert "launch/sweep.sh" in proc.stderr
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
@@ -566,18 +563,9 @@ def test_multirun_in_a_world_of_one_runs_each_point(tmp_path):
         assert f"seed: {seed}\n" in (sweep_dir / str(n) / "config.yaml").read_text()
 
 
-def test_sweep_script_runs_one_torchrun_per_point(tmp_path):
-    env = script_env(NPROC="2", SWEEP_DIR="sweeps/seeds")
-    proc = subprocess.run(
-        ["bash", str(LAUNCH / "sweep.sh"), *TINY, "trainer.seed=1,2"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sweep_dir = tmp_path / "sweeps" / "seeds"
+def test_sweep_script_runs_one_torchrun_per_point(sweep):
+    assert sweep.returncode == 0, sweep.output[-3000:]
+    sweep_dir = sweep.dir
     assert sorted(p.name for p in sweep_dir.iterdir()) == ["0", "1", "sweep.txt"]
     for n, seed in enumerate((1, 2)):
         point = sweep_dir / str(n)
@@ -588,18 +576,18 @@ def test_sweep_script_runs_one_torchrun_per_point(tmp_path):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_cpu_affinity_gives_each_worker_its_own_block_of_cpus(tmp_path):
-    run = tmp_path / "run"
-    args = [*TINY, "dist.cpu_affinity=true", f"hydra.run.dir={run}"]
-    proc = run_train(args, cwd=tmp_path, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    blocks = []
-    for rank in (0, 1):
-        text = (run / f"rank{rank}.log").read_text()
-        first, last = map(int, re.search(rf"rank {rank} pinned to CPUs (\d+)-(\d+)", text).groups())
-        blocks.append(set(range(first, last + 1)))
-    assert blocks[0] and blocks[1] and not blocks[0] & blocks[1]
-    assert blocks[0] | blocks[1] <= set(os.sched_getaffinity(0))
+def test_cpu_affinity_gives_each_worker_its_own_block_of_cpus(sweep):
+    # the sweep's points run with dist.cpu_affinity=true (sweep, above): a torchrun launch of 2
+    assert sweep.returncode == 0, sweep.output[-3000:]
+    for point in ("0", "1"):
+        blocks = []
+        for rank in (0, 1):
+            text = (sweep.dir / point / f"rank{rank}.log").read_text()
+            found = re.search(rf"rank {rank} pinned to CPUs (\d+)-(\d+)", text)
+            first, last = map(int, found.groups())
+            blocks.append(set(range(first, last + 1)))
+        assert blocks[0] and blocks[1] and not blocks[0] & blocks[1]
+        assert blocks[0] | blocks[1] <= set(os.sched_getaffinity(0))
 
 
 def test_cpu_affinity_with_more_workers_than_cpus_says_how_to_fix():

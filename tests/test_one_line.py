@@ -141,7 +141,10 @@ def test_ctrl_c_says_the_step_and_the_newest_checkpoint_in_one_line(tmp_path, np
     run_dir = tmp_path / "run"
     args = ["trainer.max_steps=100000", "ckpt.every=2", "trainer.eval_every=0"]
     args += ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.vocab_size=256"]
-    args += ["data.num_workers=1", f"hydra.run.dir={run_dir}"]
+    # A DataLoader worker in the plain run: its fork server (an interpreter that imports torch,
+    # one per training process) meets the Ctrl-C as it would in each process under torchrun,
+    # where it would add two such interpreters and check nothing more.
+    args += [f"data.num_workers={1 if nproc is None else 0}", f"hydra.run.dir={run_dir}"]
     proc = start_in_its_own_group(args, tmp_path, nproc)
     saved = run_dir / "checkpoints" / "step-00000002" / "manifest.json"
     while not saved.exists() and proc.poll() is None:

@@ -4,12 +4,15 @@ agent and its workers killed at once (SIGKILL). The other node stops within dist
 with one line naming the lost ranks and their host, the newest checkpoint intact; relaunching
 both nodes ends as an uninterrupted run, bit for bit. Elastic (NNODES=1:2, MAX_RESTARTS=1): the
 node left continues alone from the newest checkpoint, with the data order docs/checkpoints.md
-gives for a change of the number of processes. On GPUs the same, 2 nodes of 2 GPUs over NCCL."""
+gives for a change of the number of processes. On GPUs the same, 2 nodes of 2 GPUs over NCCL.
+The lost node's launches also show what two nodes of one run share: the ranks their agents give
+out, one run directory, the event files written by rank 0 alone."""
 
 import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -120,8 +123,20 @@ def test_a_lost_node_stops_the_other_naming_it_and_a_relaunch_resumes_bit_for_bi
     out, code = lose_node_1(tmp_path, args, marker)
     run_dir = tmp_path / "outputs" / "two-nodes"
     lost_node_stopped_the_other(out, code, "rank 1 (pid ", run_dir)
-    outs = both_nodes(tmp_path, args)  # the same command on both nodes again
+    # Both nodes wrote into one run directory: each worker its log, rank 0 alone the events.
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["two-nodes"]
+    assert (run_dir / "rank0.log").exists() and (run_dir / "rank1.log").exists()
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1
+    # The same command on both nodes again, their agents saying the ranks they give out.
+    outs = both_nodes(tmp_path, args, envs=({"LOGLEVEL": "INFO"}, {"LOGLEVEL": "INFO"}))
     assert "resumed from " + str(step_dir(run_dir / "checkpoints", 10)) in outs[0]
+    # each agent is one node with one worker: global ranks 0 and 1, both local rank 0
+    given = sorted(re.search(r"global_ranks=\[(\d+)\]", out).group(1) for out in outs)
+    assert given == ["0", "1"]
+    assert all("local_ranks=[0]" in out and "group_world_size=2" in out for out in outs)
+    assert "2 process(es)" in "".join(outs)
+    assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["two-nodes"]
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 2  # one a launch, rank 0's
     assert_same_run(run_dir, reference)
 
 
