@@ -196,7 +196,9 @@ def test_holdout_without_eval_path_is_disjoint_and_spread(tmp_path):
 
 
 def _rank_samples(rank: int, port: int, root: str, out: str) -> None:
-    cfg = ImageFolderDataConfig(**folder(Path(root), batch_size=2, num_workers=1))
+    # No worker process (each would start its rank's fork server): what is checked is each
+    # rank's share, which the sampler draws; samples made by workers are the test above's.
+    cfg = ImageFolderDataConfig(**folder(Path(root), batch_size=2, num_workers=0))
     with gloo_runtime(rank, port) as rt:
         dataset = ImageFolder("train", **cfg.dataset_kwargs())
         loader = build_loader(cfg, dataset, rt, seed=3, train=True)
@@ -263,6 +265,7 @@ def test_corrupt_file_before_the_first_step_is_one_line_exit_2_from_every_rank(t
     args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.eval_samples=2"]
     # a rank's first batch is all of its 8 images: one rank reads the bad file before step 1
     args += ["data.batch_size=8", "data.num_workers=1", "data.decode=cpu", "model=resnet_tiny"]
+    args += ["data.image_size=16"]  # the other rank's first step: small crops, a quick one
     env = {"CUDA_VISIBLE_DEVICES": ""}
     proc = run_train(args, cwd=tmp_path, nproc=2, env=env, timeout=120)  # and no hang
     line = one_line_under_torchrun(proc, None, prefix="not a readable image")
@@ -277,7 +280,9 @@ def test_corrupt_file_after_the_first_step_is_one_line_from_each_rank(tmp_path):
     write_tree(tmp_path / "train", per_class=20)  # 58 training images: 14 steps an epoch
     (tmp_path / "train" / "cow" / "img18.jpg").write_bytes(b"garbage")
     args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.eval_samples=2"]
-    args += ["data.batch_size=2", "data.num_workers=1", "data.prefetch_factor=1"]
+    # No worker process: the file is read when its step asks for it (well after step 2), and a
+    # worker's error is the launch's above; small crops keep the steps before it quick.
+    args += ["data.batch_size=2", "data.num_workers=0", "data.image_size=16"]
     args += ["data.decode=cpu", "model=resnet_tiny", "trainer.max_steps=40"]
     args += ["trainer.log_every=1", "trainer.eval_every=0", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = run_train(args, cwd=tmp_path, nproc=2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=240)
@@ -441,24 +446,35 @@ def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
         assert torch.equal(pixels, reference_train(files, key)[0])
 
 
-def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory) -> tuple[Path, list[str], subprocess.CompletedProcess]:
+    """18 images of 3 classes and `python train.py` over them with neither the holdout nor the
+    classes set, data.path relative to where it starts: one launch that
+    test_a_small_folder_trains_with_the_default_holdout_and_classes reads and
+    test_resumed_run_trains_on_the_same_crops_bitwise resumes from its step-4 checkpoint.
+    Returns the folder it ran in, its arguments (without its run directory) and the run."""
+    root = tmp_path_factory.mktemp("folder_run")
+    write_tree(root / "train", per_class=6)
+    args = ["data=image_folder", "data.path=train", "data.decode=cpu"]
+    args += ["data.cpu_decode_share=auto"]
+    args += ["data.image_size=16", "data.batch_size=4", "data.num_workers=1"]
+    args += ["model=resnet_tiny", "trainer.max_steps=10"]
+    args += ["trainer.log_every=2", "trainer.eval_every=0", "ckpt.every=4"]
+    whole = train_on_cpu([*args, f"hydra.run.dir={root / 'a'}"], root)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return root, args, whole
+
+
+def test_resumed_run_trains_on_the_same_crops_bitwise(folder_run):
     """decode=cpu: a run resumed from its step-4 checkpoint logs the losses of the run that went
     on, to the bit (the crops of the steps after 4 are drawn from the same keys). Its checkpoint
     keeps the data set's decode share and where it decoded (tests/test_decode_split.py: a GPU
     run's share is taken back on resume)."""
     from mgpu.ckpt.checkpoint import load
 
-    write_tree(tmp_path / "train", per_class=6)
-    args = ["data=image_folder", f"data.path={tmp_path / 'train'}", "data.decode=cpu"]
-    args += ["data.cpu_decode_share=auto"]
-    args += ["data.image_size=16", "data.batch_size=4", "data.num_workers=1"]
-    args += ["data.eval_samples=2", "model=resnet_tiny", "trainer.max_steps=10"]
-    args += ["trainer.log_every=2", "trainer.eval_every=0", "ckpt.every=4"]
-    whole = train_on_cpu([*args, f"hydra.run.dir={tmp_path / 'a'}"], tmp_path)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    start = tmp_path / "a" / "checkpoints" / "step-00000004"
-    args += [f"ckpt.resume={start}", f"hydra.run.dir={tmp_path / 'b'}"]
-    resumed = train_on_cpu(args, tmp_path)
+    root, args, whole = folder_run
+    start = root / "a" / "checkpoints" / "step-00000004"
+    resumed = train_on_cpu([*args, f"ckpt.resume={start}", f"hydra.run.dir={root / 'b'}"], root)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # decode=cpu's share, 0 and never measured: the resumed run does not take it as measured
     saved = {"cpu_decode_share": 0.0, "cpu_decode_share_scaled": 0.0, "decode": "cpu"}
@@ -466,8 +482,9 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(tmp_path):
     assert load(start, rank=0).shared["dataset"] == saved
     for run in (whole, resumed):
         assert "auto: 0 (nothing is decoded on the GPU)" in run.stdout + run.stderr
-    losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
-    # 16 training images, 4 steps an epoch: steps 5-10 cross into a third epoch
+    losses = [dict(read_scalars(root / run)["train/loss"]) for run in ("a", "b")]
+    # 15 training images (3 held out), 3 steps an epoch: steps 5-10 go from the middle of the
+    # second epoch into a fourth
     assert [losses[1][s] for s in (6, 8, 10)] == [losses[0][s] for s in (6, 8, 10)], losses
 
 
@@ -689,18 +706,14 @@ def test_auto_holdout_is_a_share_with_a_floor_and_a_ceiling():
     ]
 
 
-def test_a_small_folder_trains_with_the_default_holdout_and_classes(tmp_path):
-    """90 images of 3 classes, nothing set but the path: data.eval_samples=auto holds 16 out
-    (the old default of 1000 stopped the run once its directory existed), and
-    model.num_classes=auto is the folder's 3; the run's config.yaml records both."""
-    write_tree(tmp_path / "train", per_class=30, sizes=((16, 16),))
-    run_dir = tmp_path / "run"
-    args = ["data=image_folder", "data.path=train", "data.image_size=16", "model=resnet_tiny"]
-    args += ["data.batch_size=8", "data.num_workers=0", "data.decode=cpu", "trainer.max_steps=2"]
-    proc = train_on_cpu([*args, "trainer.log_every=1", f"hydra.run.dir={run_dir}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_small_folder_trains_with_the_default_holdout_and_classes(folder_run):
+    """18 images of 3 classes, neither the holdout nor the classes set: data.eval_samples=auto
+    holds 3 out (a fifth of a tiny folder; the old default of 1000 stopped the run once its
+    directory existed), and model.num_classes=auto is the folder's 3; the run's config.yaml
+    records both. (The auto holdout's floor and ceiling: the test above.)"""
+    run_dir = folder_run[0] / "a"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert (saved["data"]["eval_samples"], saved["model"]["num_classes"]) == (16, 3)
+    assert (saved["data"]["eval_samples"], saved["model"]["num_classes"]) == (3, 3)
     state = torch.load(next(run_dir.glob("checkpoints/*/state.pt")), weights_only=True)
     assert state["model"]["fc.weight"].shape[0] == 3  # the head has the folder's classes
 

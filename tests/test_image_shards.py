@@ -1,7 +1,7 @@
 """data=image_shards and python -m mgpu.data.prepare_images: a prepared set against the folder it
 was made from (the same samples, bitwise when nothing is resized; the folder's crop of the same
 box when it is), the tar layout read back with tarfile, every input mode stored as a baseline
-JPEG, bad files, a run killed mid-write, and a run resumed mid-epoch under torchrun."""
+JPEG, bad files, a run killed mid-write, and a run resumed mid-epoch."""
 
 import io
 import json
@@ -353,8 +353,10 @@ def test_killed_run_leaves_no_index_and_training_refuses(tmp_path, capsys):
 
 
 def test_resumed_run_over_shards_trains_on_the_same_crops_bitwise(tmp_path):
-    """Two gloo processes under torchrun, decode=cpu: a run resumed from its step-6 checkpoint
-    (mid-epoch: 4 steps an epoch) logs the losses of the run that went on, to the bit."""
+    """`python train.py`, decode=cpu, the shards read by a DataLoader worker: a run resumed from
+    its step-6 checkpoint (mid-epoch: 8 steps an epoch) logs the losses of the run that went
+    on, to the bit. One process: what a set adds to resuming is its samples, the same in any
+    rank; a 2-rank resume is tests/test_resume.py's."""
     write_tree(tmp_path / "src", KINDS[:2] + KINDS[4:5], per_class=6, sizes=((30, 40), (44, 26)))
     run_prepare(tmp_path / "src", tmp_path / "dst", max_side=20)
     args = ["data=image_shards", f"data.path={tmp_path / 'dst'}", "data.decode=cpu"]
@@ -362,14 +364,14 @@ def test_resumed_run_over_shards_trains_on_the_same_crops_bitwise(tmp_path):
     args += ["data.eval_samples=2", "model=resnet_tiny", "trainer.max_steps=10"]
     args += ["trainer.log_every=1", "trainer.eval_every=0", "ckpt.every=3"]
     env = {"CUDA_VISIBLE_DEVICES": ""}
-    whole = run_train([*args, f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, env=env)
+    whole = run_train([*args, f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, env=env, nproc=None)
     assert whole.returncode == 0, whole.stderr[-3000:]
     start = tmp_path / "a" / "checkpoints" / "step-00000006"
     args += [f"ckpt.resume={start}", f"hydra.run.dir={tmp_path / 'b'}"]
-    resumed = run_train(args, cwd=tmp_path, env=env)
+    resumed = run_train(args, cwd=tmp_path, env=env, nproc=None)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = [dict(read_scalars(tmp_path / run)["train/loss"]) for run in ("a", "b")]
-    # 16 training images, 4 per step over both ranks: steps 7-10 end epoch 1 and cross into 2
+    # 16 training images, 2 a step: steps 7-10 end epoch 0 and cross into 1
     after = [losses[1][s] for s in range(7, 11)]
     assert after == [losses[0][s] for s in range(7, 11)], losses
     assert len(set(after)) == 4  # steps that differ: the comparison can fail

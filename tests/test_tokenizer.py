@@ -8,8 +8,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -65,15 +63,12 @@ def train(out: Path, token_file: Path, *extra: str) -> Path:
     return run_dir
 
 
-def sample(run_dir: Path, *args) -> bytes:
-    proc = subprocess.run(
-        [sys.executable, "-m", "mgpu.sample", str(run_dir), "--prompt", PROMPT, *map(str, args)],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+def sample(run_dir: Path, capsysbinary, *args) -> bytes:
+    """What `python -m mgpu.sample RUN --prompt PROMPT args` writes (bytes), its main run in
+    this process (launched as users run it: tests/test_after_training.py)."""
+    capsysbinary.readouterr()  # what was said before
+    sample_main([str(run_dir), "--prompt", PROMPT, *map(str, args)])
+    return capsysbinary.readouterr().out
 
 
 def greedy_text(run_dir: Path, tokenizer: Tokenizer, tokens: int) -> bytes:
@@ -112,7 +107,7 @@ def bpe_run(tmp_path_factory) -> Path:
     return out
 
 
-def test_train_bpe_from_prepare_to_sampled_text(bpe_run):
+def test_train_bpe_from_prepare_to_sampled_text(bpe_run, capsysbinary):
     text = (bpe_run / "text.txt").read_text(encoding="utf-8")
     tok_file = bpe_run / "text.bin.tokenizer.json"
     meta = json.loads((bpe_run / "text.bin.meta.json").read_text())
@@ -129,7 +124,7 @@ def test_train_bpe_from_prepare_to_sampled_text(bpe_run):
     assert config["model"]["vocab_size"] == config["data"]["vocab_size"] == 512
     assert config["data"]["tokenizer_sha256"] == sha256(tok_file)
     assert (run_dir / "tokenizer.json").read_bytes() == tok_file.read_bytes()
-    assert sample(run_dir, "--tokens", 50, "--temperature", 0) == greedy_text(
+    assert sample(run_dir, capsysbinary, "--tokens", 50, "--temperature", 0) == greedy_text(
         run_dir, reference, 50
     )
 
@@ -152,7 +147,7 @@ def test_evaluate_reports_bits_per_byte_of_the_decoded_eval_text(bpe_run, capsys
     assert bits == pytest.approx(loss * targets / len(text) / math.log(2), abs=2e-4)
 
 
-def test_a_given_tokenizer_json_from_prepare_to_sampled_text(tmp_path):
+def test_a_given_tokenizer_json_from_prepare_to_sampled_text(tmp_path, capsysbinary):
     """A tokenizer made elsewhere (the library's own ByteLevelBPETokenizer) of 300 tokens: the
     model's vocabulary is 320, its padding rows never sampled."""
     text = stdlib_text(500_000)  # under one piece: the tokens are the whole text's encoding
@@ -171,7 +166,7 @@ def test_a_given_tokenizer_json_from_prepare_to_sampled_text(tmp_path):
     run_dir = train(tmp_path, tmp_path / "text.bin")
     config = saved(run_dir)
     assert (config["model"]["vocab_size"], config["data"]["vocab_size"]) == (320, 300)
-    got = sample(run_dir, "--tokens", 50, "--temperature", 0)
+    got = sample(run_dir, capsysbinary, "--tokens", 50, "--temperature", 0)
     assert got == greedy_text(run_dir, reference, 50)
 
 
