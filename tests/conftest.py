@@ -262,6 +262,7 @@ def free_port() -> int:
 PRELOAD = [
     "torch",
     "torch.distributed",
+    "torch._dynamo",  # a process's first optimizer imports it: ~1.8 s of CPU (it starts no thread)
     "mgpu.comm.engine",
     "mgpu.comm.shard",
     "mgpu.train.trainer",

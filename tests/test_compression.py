@@ -17,35 +17,41 @@ from mgpu.config.schema import Compression, DistConfig, Engine
 STEPS, START = 6, 3
 
 
-def worker(rank: int, port: int, out: str, compression: str) -> None:
+def worker(rank: int, port: int, out: str) -> None:
+    # Both runs in one pair of processes (each pair costs seconds of CPU to start), one after
+    # the other on one process group: each wraps its own model, with its own hook state.
     with gloo_runtime(rank, port) as rt:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
-        cfg = DistConfig(
-            engine=Engine.torch_ddp,
-            compression=Compression(compression),
-            powersgd_rank=1,
-            powersgd_start_step=START,
-        )
-        model = wrap_model(model, cfg, rt)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-        data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
-        steps = []
-        for _ in range(STEPS):
-            x = torch.randn(16, 64, generator=data)
-            loss = model(x).pow(2).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            steps.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-        torch.save(torch.stack(steps), f"{out}/{compression}-rank{rank}.pt")
+        for compression in ("none", "powersgd"):
+            train(rt, rank, out, compression)
+
+
+def train(rt, rank: int, out: str, compression: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    cfg = DistConfig(
+        engine=Engine.torch_ddp,
+        compression=Compression(compression),
+        powersgd_rank=1,
+        powersgd_start_step=START,
+    )
+    model = wrap_model(model, cfg, rt)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
+    steps = []
+    for _ in range(STEPS):
+        x = torch.randn(16, 64, generator=data)
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.save(torch.stack(steps), f"{out}/{compression}-rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("compression")
-    for compression in ("none", "powersgd"):
-        spawn(worker, free_port(), str(out), compression)
+    spawn(worker, free_port(), str(out))
     return {
         (c, r): torch.load(out / f"{c}-rank{r}.pt") for c in ("none", "powersgd") for r in (0, 1)
     }

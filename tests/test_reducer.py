@@ -1,5 +1,5 @@
 """dist.engine=mgpu against torch DDP and against one process on the concatenated batch: two gloo
-processes, 20 optimizer steps, for bucket sizes from one per parameter to one for everything,
+processes, 10 optimizer steps, for bucket sizes from one per parameter to one for everything,
 gradient accumulation, tied, frozen and unused parameters, and bf16 communication."""
 
 import contextlib
@@ -30,7 +30,9 @@ from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.runtime.dist import Runtime
 from mgpu.train.trainer import Trainer
 
-WORLD, MICRO, STEPS = 2, 4, 20
+# 10 steps: the bucket order is learned on step 2, AdamW's moments are several steps old, and
+# each step costs the ranks a collective per bucket; equality to the references needs no more.
+WORLD, MICRO, STEPS = 2, 4, 10
 
 
 class Branchy(nn.Module):

@@ -1,5 +1,5 @@
 """dist.shard_optimizer=true (mgpu.comm.shard) against the unsharded reducer and against one process
-on the concatenated batch: 20 optimizer steps on 2 and 4 gloo ranks, AdamW (weight decay on matrices
+on the concatenated batch: 10 optimizer steps on 2 and 4 gloo ranks, AdamW (weight decay on matrices
 only: pieces of both groups in one shard) and SGD with momentum, with accumulation, clipping,
 tied, frozen and unused parameters, buckets of one parameter and bf16 communication; optimizer
 state of 1/N per rank; the checkpoint format equal to the unsharded one; bad combinations."""
@@ -30,7 +30,10 @@ from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.runtime.dist import Runtime
 from mgpu.train.trainer import Trainer
 
-MICRO, STEPS = 4, 20
+# 10 steps: past the warmup (2) and the NaN step (5), AdamW's moments several steps old. Each
+# step costs the ranks a collective per bucket (on 4 ranks on 2 cores, ~20 ms); equality to the
+# reference does not need more of them.
+MICRO, STEPS = 4, 10
 PER_PARAM = {"bucket_cap_mb": 1e-6}
 
 # name: (model, accum, optimizer, grad_clip, dist overrides)
@@ -169,8 +172,8 @@ def reference(case: str, world: int) -> dict:
 def assert_equal_training(results: dict, case: str, world: int, one_process=True) -> None:
     """fp32 tolerance: the same sums in another order (the clipping norm is summed shard by
     shard; the CPU's fused kernels round a tensor's vectorised body and its tail apart), which
-    steps of lr 0.05 carry into the 6th digit over 20 steps. `one_process`: against one
-    process on the concatenated batch too (on the CPU: not for training on GPUs)."""
+    steps of lr 0.05 carry into the 6th digit over 20 steps (the 10 here: less). `one_process`:
+    against one process on the concatenated batch too (on the CPU: not for training on GPUs)."""
     tol = 1e-5
     expected = reference(case, world) if "bf16" not in case and one_process else None
     for rank in range(world):
