@@ -199,27 +199,32 @@ def test_the_pace_is_the_steps_own_with_an_evaluation_in_the_window(tmp_path, ra
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_pace_is_the_training_streams_not_the_hosts(tmp_path):
-    """The host hands batches over as fast as it can launch while the GPU takes over 2 ms a
-    batch: workers at a batch a millisecond are faster than that pace and move. The host's own
-    hand-overs (its clock read at each, the reference) came faster than a batch a millisecond:
-    a pace by the host's clock would have kept the split."""
+    """The host hands batches over as fast as it can launch while the GPU takes over 10 ms a
+    batch: workers at a batch in 5 ms are faster than that pace and move. The host's own
+    hand-overs (its clock read at each, the reference) came faster than a batch in 5 ms: a
+    pace by the host's clock would have kept the split. (With 2 ms a batch of small products
+    and workers at 1 ms, this reference failed once in the whole GPU suite on one GPU, its
+    other workers beside it: the margins are now wide.)"""
     from mgpu.runtime.dist import Runtime
 
     device = torch.device("cuda", 0)
     rt = Runtime(0, 0, 1, "nccl", device, has_process_group=False)
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    # A large product (over a millisecond each), so that a batch's GPU time takes few launches:
+    # the host's hand-overs stay fast, and 60 batches stay well inside CUDA's launch queue
+    # (a full queue would hold the host to the GPU's pace).
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a @ a  # the kernel's first run, not timed
     start.record()
     a @ a
     end.record()
     end.synchronize()
-    repeats = int(2.5 / start.elapsed_time(end)) + 1  # over 2 ms of GPU time a batch
+    repeats = int(10.5 / start.elapsed_time(end)) + 1  # over 10 ms of GPU time a batch
     dataset = gpu_mode_set(tmp_path / "train")
     sampler = ShardedSampler(
         len(dataset), 0, 1, shuffle=True, seed=5, even=True, keyed=True, stream_batch=4
     )
-    switch = WorkerSwitch(dataset, sampler, rt, batch_size=4, workers_rate=4 / 1e-3, in_flight=3)
+    switch = WorkerSwitch(dataset, sampler, rt, batch_size=4, workers_rate=4 / 5e-3, in_flight=3)
     host = []
     for taken in range(1, WINDOW[1] + 1):
         for _ in range(repeats):
@@ -227,5 +232,5 @@ def test_on_a_gpu_the_pace_is_the_training_streams_not_the_hosts(tmp_path):
         if taken >= WINDOW[0]:
             host.append(time.perf_counter())
         switch.after_batch(taken)
-    assert statistics.median(b - a for a, b in itertools.pairwise(host)) < 1e-3
+    assert statistics.median(b - a for a, b in itertools.pairwise(host)) < 5e-3
     assert dataset.workers_from() is not None
