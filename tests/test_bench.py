@@ -61,8 +61,12 @@ def test_vs_plain_quick_runs(tmp_path):
         "resnet50_compiled",
     }
     assert all(r > 0 for r in result["ratio"].values()), result["ratio"]
+    assert set(result["ratio_best"]) == set(result["ratio"])
     for row in result["rows"]:
         assert row["mgpu"]["ms_per_step"] > 0 and row["plain"]["whole"]["ms_per_step"] > 0
+        fastest = min(side["ms_per_step"] for side in row["plain"].values())
+        assert row["plain"][row["best_plain"]]["ms_per_step"] == fastest
+        assert row["ratio_best"] == fastest / row["mgpu"]["ms_per_step"]
 
 
 @pytest.mark.bench
