@@ -1,6 +1,7 @@
 """Shared test helpers: run train.py the way users do (torchrun as a subprocess) and read back
 what it wrote."""
 
+import gc
 import os
 import re
 import shutil
@@ -27,6 +28,9 @@ if _WORKER and _GPUS and len(_GPUS.split(",")) >= 2:
     # nvidia-smi's numbering, which the IDs above and GPU tests' nvidia-smi queries use
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
 
+# No cyclic collection while this process imports torch and the test modules (as train.py
+# does while a run starts): a sixth of collecting's CPU. pytest_collection turns it on.
+gc.disable()
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,6 +229,19 @@ GPU_SLOW_FILES = [
     "test_telemetry.py",
     "test_fused_loss.py",
 ]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collection on again once the test modules are imported, what they made frozen (never
+    walked again by the collections while the tests run); in pytest-xdist's controller too,
+    which collects nothing itself."""
+    try:
+        return (yield)
+    finally:
+        gc.collect()
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_collection_modifyitems(config, items):
