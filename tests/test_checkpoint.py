@@ -10,6 +10,8 @@ import logging
 import os
 import pickle
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
-from conftest import free_port, gloo_runtime, spawn
+from conftest import ROOT, free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.ckpt import checkpoint as ckpt
@@ -699,3 +701,45 @@ def test_a_read_error_stops_the_resume_where_an_invalid_file_falls_back(
         with pytest.raises(CheckpointError, match="Input/output error") as caught:
             resume_point(CheckpointConfig(resume="auto"), tmp_path, rt)
         assert caught.value.read_error
+
+
+# A training process's writes, each met by a Ctrl-C (SIGINT) at a random moment of the write.
+INTERRUPTED_WRITES = """
+import os, random, signal, sys, threading, time
+from pathlib import Path
+import torch
+from mgpu.ckpt.write import write_rank_files
+root, attempts = Path(sys.argv[1]), int(sys.argv[2])
+state = {"rng": torch.get_rng_state(), "w": torch.randn(200_000)}
+start = time.perf_counter()
+write_rank_files(root, 0, 0, state, token="t")
+took = time.perf_counter() - start  # how long a write lasts here, to aim the signals into it
+outcomes = []
+for step in range(1, attempts + 1):
+    timer = threading.Timer(random.uniform(0, took), os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        write_rank_files(root, step, 0, state, token="t")
+        timer.join()  # a Ctrl-C sent as the write ended arrives here
+        time.sleep(0.01)
+    except BaseException as err:  # noqa: BLE001 - what each Ctrl-C became
+        timer.join()
+        outcomes.append(type(err).__name__)
+print(" ".join(outcomes))
+"""
+
+
+def test_a_ctrl_c_during_a_write_stops_after_the_file_is_whole(tmp_path):
+    """Ctrl-C while torch.save writes through mgpu's hashing writer once became a RuntimeError
+    (a periodic save logged it and training went on) or aborted the process; it is held until
+    the file is written, then raised as KeyboardInterrupt."""
+    attempts = 100
+    command = [sys.executable, "-c", INTERRUPTED_WRITES, str(tmp_path), str(attempts)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # no abort
+    assert proc.stdout.split() == ["KeyboardInterrupt"] * attempts, proc.stdout[-3000:]
+    written = [
+        ckpt.staging_dir(tmp_path, step, "t") / ckpt.rank_file(0) for step in range(attempts + 1)
+    ]
+    for path in [p for p in written if p.exists()]:  # each one written whole
+        assert torch.load(path, weights_only=True)["w"].shape == (200_000,), path
