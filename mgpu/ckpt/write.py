@@ -11,12 +11,8 @@ import logging
 import os
 import re
 import shutil
-import signal
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +33,7 @@ from mgpu.ckpt.checkpoint import (
     step_dirs,
     verify,
 )
+from mgpu.runtime.stops import ctrl_c_held
 
 log = logging.getLogger(__name__)
 
@@ -84,33 +81,12 @@ class _HashingWriter:
         self.f.flush()
 
 
-@contextmanager
-def _ctrl_c_after_the_file() -> Iterator[None]:
-    """A Ctrl-C (SIGINT) that comes while torch.save writes is held until the file is written
-    and closed, then delivered to the handler it would have met. Cut short inside our
-    _HashingWriter.write, torch's zip writer either raises a RuntimeError of its own, which a
-    periodic save logs and training goes on past the Ctrl-C, or aborts the process from its
-    destructor. Writing one file takes seconds at most. Only the main thread sets handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.getsignal(signal.SIGINT)
-    if before is None:  # a handler installed outside Python: left as it is
-        yield
-        return
-    held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-        if held:
-            signal.raise_signal(signal.SIGINT)  # e.g. KeyboardInterrupt, now the file is whole
-
-
 def _write_torch(path: Path, obj: Any) -> dict:
     """torch.save to `path`, fsynced; returns its manifest entry."""
-    with _ctrl_c_after_the_file(), open(path, "wb") as f:
+    # Cut short inside _HashingWriter.write, torch's zip writer either raises a RuntimeError of
+    # its own (a periodic save logs it and training would go on past the Ctrl-C) or aborts the
+    # process from its destructor: the Ctrl-C waits for the file (seconds at most).
+    with ctrl_c_held(), open(path, "wb") as f:
         writer = _HashingWriter(f)
         try:
             torch.save(obj, writer)
