@@ -99,11 +99,13 @@ def main(dcfg: DictConfig) -> None:
             # and SIGUSR1 save, then stop.
             run = None
             with hold_run_dir(run_dir, rt, cfg.dist.timeout_s), Preemption(rt) as preemption:
-                # Ctrl-C: one line naming the step reached and the newest checkpoint, exit 130
-                with interrupted(run_dir, lambda: run.trainer.step if run else None):
+                # Ctrl-C: the trainer stops at its next step boundary, and one line names the
+                # step reached and the newest checkpoint, exit 130
+                with interrupted(run_dir, lambda: run.trainer.step if run else None) as ctrl_c:
                     run = build_run(
-                        cfg, rt, run_dir, text, preemption=preemption, started_at=STARTED_AT
-                    )
+                        cfg, rt, run_dir, text, preemption=preemption, ctrl_c=ctrl_c,
+                        started_at=STARTED_AT,
+                    )  # fmt: skip
                     collect_after_start()
                     run.fit()
 

@@ -33,7 +33,7 @@ from mgpu.ckpt.checkpoint import (
     step_dirs,
     verify,
 )
-from mgpu.runtime.stops import ctrl_c_held
+from mgpu.runtime.ctrl_c import ctrl_c_held
 
 log = logging.getLogger(__name__)
 

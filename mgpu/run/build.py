@@ -41,6 +41,7 @@ from mgpu.models.gpt import (
 )
 from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.run.config import Config
+from mgpu.runtime.ctrl_c import CtrlC
 from mgpu.runtime.dist import Runtime, waiting
 from mgpu.runtime.preempt import Preemption
 from mgpu.telemetry.board import TensorBoard, set_aside_events
@@ -266,6 +267,7 @@ def build_run(
     config_text: str,
     *,
     preemption: Preemption | None = None,
+    ctrl_c: CtrlC | None = None,
     started_at: float | None = None,
 ) -> Run:
     """Everything a run needs, built in this order on every rank. `started_at` (time.time()
@@ -358,6 +360,7 @@ def build_run(
         input_transform=getattr(train_set, "device_transform", None),
         checkpointer=Checkpointer(plan, rt, seed=tc.seed, loaded=loaded),
         preemption=preemption,
+        ctrl_c=ctrl_c,
         profiler=StepProfiler(tc.profile, tc.profile_start, tc.profile_steps, run_dir, rt),
         goodput=goodput,
     )

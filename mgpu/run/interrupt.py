@@ -1,6 +1,7 @@
 """Ctrl-C during a run: one line saying the step it reached and the newest checkpoint (what the
 same command resumes from), and exit code 130, instead of a KeyboardInterrupt traceback from every
-rank and every thread it passes through."""
+rank and every thread it passes through. Where the run stops is mgpu.runtime.ctrl_c's: at the
+trainer's next step boundary."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mgpu.ckpt.checkpoint import checkpoint_root, newest_kept
+from mgpu.runtime.ctrl_c import CtrlC
 from mgpu.runtime.dist import RunStopped
+from mgpu.runtime.stops import peer_gone
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
@@ -24,25 +27,29 @@ class Interrupted(RunStopped):
 
 
 @contextmanager
-def interrupted(run_dir: Path, step: Callable[[], int | None]) -> Iterator[None]:
-    """Around a run: KeyboardInterrupt becomes Interrupted, naming `step()` (the last step
-    trained, None before training started) and the run's newest checkpoint. A second Ctrl-C
-    while the run unwinds, and torchrun's SIGTERM sent as it sees its workers stop, are ignored
-    from then on: either would cut the line short with a traceback or -15. Entering it, Ctrl-C
-    raises KeyboardInterrupt again (train.py exits at once for one that comes earlier)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    except KeyboardInterrupt:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        reached = step()
-        where = "before the first step" if not reached else f"after step {reached}"
-        newest = newest_kept(checkpoint_root(run_dir))
-        resume = f"newest checkpoint {newest}: the same command resumes from it"
-        raise Interrupted(
-            f"interrupted (Ctrl-C) {where}; "
-            + (resume if newest else "no checkpoint saved yet: the same command starts afresh")
-        ) from None
+def interrupted(run_dir: Path, step: Callable[[], int | None]) -> Iterator[CtrlC]:
+    """Around a run, handing the trainer its CtrlC: KeyboardInterrupt becomes Interrupted,
+    naming `step()` (the last step trained, None before training started) and the run's newest
+    checkpoint. So does a collective whose peer process ended after this rank's own Ctrl-C: the
+    ranks learn of a terminal's Ctrl-C a moment apart, and one that stopped at its step boundary
+    can leave another in the next step's collective. A second Ctrl-C while the run unwinds, and
+    torchrun's SIGTERM sent as it sees its workers stop, are ignored from then on: either would
+    cut the line short with a traceback or -15. (train.py exits at once for a Ctrl-C that comes
+    before this.)"""
+    with CtrlC() as ctrl_c:
+        try:
+            yield ctrl_c
+        except (KeyboardInterrupt, RuntimeError) as err:
+            if isinstance(err, RuntimeError) and not (ctrl_c.asked and peer_gone(err)):
+                raise
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            reached = step()
+            where = "before the first step" if not reached else f"after step {reached}"
+            newest = newest_kept(checkpoint_root(run_dir))
+            resume = f"newest checkpoint {newest}: the same command resumes from it"
+            raise Interrupted(
+                f"interrupted (Ctrl-C) {where}; "
+                + (resume if newest else "no checkpoint saved yet: the same command starts afresh")
+            ) from None

@@ -1,8 +1,7 @@
 """How a run's process stops on purpose: RunStopped (an error said in one line with an exit code,
 not a traceback), waits on the other ranks that time out (PeerTimeout), a collective whose peer
-process ended, and stopped(), which turns each into its line and its exit code; ctrl_c_held(),
-which keeps a Ctrl-C out of a block that an exception at any point would leave broken. The
-process group and the teardown rule are mgpu.runtime.dist's.
+process ended, and stopped(), which turns each into its line and its exit code. The process
+group and the teardown rule are mgpu.runtime.dist's.
 """
 
 from __future__ import annotations
@@ -203,29 +202,3 @@ def leave_lost(rt, words: str) -> None:
     for handler in logging.getLogger().handlers:
         handler.flush()
     os._exit(1)
-
-
-@contextmanager
-def ctrl_c_held() -> Iterator[None]:
-    """A Ctrl-C (SIGINT) that comes inside is held until the block ends, then delivered to the
-    handler it would have met (during a run, KeyboardInterrupt: mgpu.run.interrupt). Python
-    raises KeyboardInterrupt between any two bytecodes of the main thread, also inside a
-    library's code that an exception at that point leaves broken (torch's zip writer, cut short
-    in a Python write it calls: mgpu.ckpt.write). For short blocks only: a Ctrl-C waits for it.
-    Only the main thread sets handlers; elsewhere, and under a handler installed outside Python,
-    nothing is held."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = signal.getsignal(signal.SIGINT)
-    if before is None:
-        yield
-        return
-    held: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-        if held:
-            signal.raise_signal(signal.SIGINT)

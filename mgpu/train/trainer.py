@@ -1,15 +1,14 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
 precision (the forward and loss eager, or replayed as CUDA graphs: mgpu.train.graphs; the
 optimizer step with its clipping and loss scaling: mgpu.train.update; batches fed to it:
-mgpu.train.feed), periodic and final evaluation, when to record metrics, and when all ranks save a
-checkpoint together (mgpu.ckpt.resume says how) or stop on preemption; the state a checkpoint holds
-(state_dict/load_state_dict).
+mgpu.train.feed), periodic and final evaluation, when to record metrics, when all ranks save a
+checkpoint together (mgpu.ckpt.resume says how), and stopping on preemption or at a Ctrl-C; the
+state a checkpoint holds (state_dict/load_state_dict).
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
-on the device and is handed to the Recorder, which reads it a log interval later, with the step's
-timing marks and the loader's data-wait meter; the step's agreement (mgpu.train.guard: the
-non-finite verdict and the preemption flag, one collective) is read two steps late. Checkpoint steps
-are the exception: saving reads everything back.
+on the device and is handed to the Recorder, which reads it a log interval later with the step's
+timing marks and the data wait; the step's agreement (mgpu.train.guard: the non-finite verdict
+and the preemption flag, one collective) is read two steps late. Saving reads everything back.
 """
 
 from __future__ import annotations
@@ -35,11 +34,8 @@ from mgpu.data.progress import ticking
 from mgpu.data.sampler import DataCursor, advance, epochs
 from mgpu.models import compile_mode, whole_for_mgpu
 from mgpu.models.loss import cross_entropy
-from mgpu.runtime.dist import (
-    Runtime,
-    all_reduce_sum_,
-    is_timeout,
-)
+from mgpu.runtime.ctrl_c import CtrlC
+from mgpu.runtime.dist import Runtime, all_reduce_sum_, is_timeout
 from mgpu.runtime.preempt import Preempted, Preemption
 from mgpu.telemetry.goodput import Goodput
 from mgpu.telemetry.metrics import Recorder
@@ -74,6 +70,7 @@ class Trainer:
         input_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         checkpointer: Checkpointer | None = None,
         preemption: Preemption | None = None,
+        ctrl_c: CtrlC | None = None,
         profiler: StepProfiler | None = None,
         goodput: Goodput | None = None,
     ):
@@ -83,6 +80,8 @@ class Trainer:
         # cost ResNet-50 ~0.17 ms of host time a step, which a launch-bound step pays in full.
         self.params = list(model.parameters())
         self.profiler, self.goodput, self.preemption = profiler, goodput, preemption
+        # Ctrl-C, acted on at the step boundary; one never entered: Python's own, at once
+        self.ctrl_c = ctrl_c if ctrl_c is not None else CtrlC()
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
         if cfg.precision is Precision.fp8:
             check_fp8(rt.device)  # train.py checked before starting; a Trainer built in Python
@@ -216,6 +215,7 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
         step = self.watch.step
         for batch in self.feed.batches(loader):
+            self.ctrl_c.stop_here()  # a Ctrl-C: before this batch, not inside it
             self.watch.beat(step, watchdog.EVAL)
             inputs, targets = self.feed.prepare(batch)
             with self._autocast():
@@ -244,6 +244,7 @@ class Trainer:
             self.watch.start()  # the stall clock and progress reports, until the end
             batches = first_batch_everywhere(batches, self.rt, self.watch, self.start_step + 1)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
+                self.ctrl_c.stop_here()  # a Ctrl-C since the last step: stop after it
                 lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
                 loss, bad = self._step(batches, step)  # data, forward/backward, agree, update
                 rec.step(loss, bad)  # on the device: read a log interval later
@@ -346,8 +347,7 @@ class Trainer:
         if self.goodput is not None:
             self.goodput.enter(category)
 
-    # ---- state: what a checkpoint holds (mgpu.ckpt.resume saves it, mgpu.ckpt.state puts it back)
-    # ----
+    # ---- state: what a checkpoint holds (mgpu.ckpt.resume saves it, mgpu.ckpt.state restores)
 
     def cursor(self, step: int, data: DataLoader) -> DataCursor:
         """The position in `data` (the training DataLoader) after `step`: counted from the step

@@ -1,0 +1,109 @@
+"""How a Ctrl-C (SIGINT) reaches a run's main thread: as a request the trainer acts on where it can
+stop cleanly (CtrlC: the step boundary, an evaluation batch), and held out of blocks that an
+exception at any point would leave broken (ctrl_c_held). What the run then says is
+mgpu.run.interrupt's.
+
+Why not Python's own KeyboardInterrupt: it is raised between any two bytecodes of the main
+thread, inside whatever library code that is. Cut there, torch's zip writer wrote a broken
+checkpoint file, and TensorBoard's writer lost the wake-up of its thread, so that closing it
+waited out its 120-s flush interval.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+# How long a Ctrl-C waits for the next point where the run can stop (a step takes milliseconds
+# to a couple of seconds) before it is raised wherever the main thread is: a first step that
+# compiles for minutes, a wait for data or for another rank.
+GRACE_S = 5.0
+
+
+class CtrlC:
+    """Ctrl-C during a run, as a request. `with CtrlC() as ctrl_c:` installs the handler; the
+    first Ctrl-C only sets `asked`, and `stop_here()`, called by the trainer at each point where
+    stopping leaves nothing half done, raises KeyboardInterrupt from there. A second Ctrl-C, or
+    none of those points reached within `grace_s`, raises it at once wherever the main thread
+    is, as Python's default handler would. (Under torchrun the terminal's Ctrl-C reaches the
+    agent, which passes one SIGINT on to each worker.) On the way out, Ctrl-C raises
+    KeyboardInterrupt again (the previous handler is not put back: it may end the process
+    without a word).
+
+    Only the main thread runs signal handlers; on another thread this does nothing. A watcher
+    thread, started on entering, ends the grace: it sends SIGINT to the main thread, which also
+    cuts short a blocking system call there."""
+
+    def __init__(self, grace_s: float = GRACE_S):
+        self.asked = False  # a Ctrl-C came; read by the main thread only
+        self.grace_s = grace_s
+        self._came = threading.Event()  # set by the handler: the watcher's grace starts
+        self._acted = threading.Event()  # set at stop_here() or on the way out: no grace left
+        self._raised = False  # raised by the handler: the grace has nothing left to end
+        self._watcher: threading.Thread | None = None
+
+    def __enter__(self) -> CtrlC:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._handle)
+            self._watcher = threading.Thread(target=self._watch, name="mgpu-ctrl-c", daemon=True)
+            self._watcher.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._watcher is None:
+            return
+        self._acted.set()
+        self._came.set()  # the watcher ends without a signal
+        self._watcher.join()
+        if signal.getsignal(signal.SIGINT) == self._handle:  # not what the caller set since
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Runs on the main thread between two bytecodes, wherever it is: sets a flag and wakes
+        # the watcher, nothing else. The flag first: a second signal arriving inside set() then
+        # raises instead of entering set() again.
+        if self.asked:
+            self._raised = True  # no lock taken here: set() may be what the signal cut into
+            raise KeyboardInterrupt  # the second Ctrl-C, or the grace ran out
+        self.asked = True
+        self._came.set()
+
+    def _watch(self) -> None:
+        self._came.wait()
+        if not self._acted.wait(self.grace_s) and not self._raised:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def stop_here(self) -> None:
+        """Called at a point where the run can stop cleanly: KeyboardInterrupt if a Ctrl-C
+        came. One attribute read otherwise: it is in the training loop."""
+        if self.asked:
+            self._acted.set()
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) that comes inside is held until the block ends, then delivered to the
+    handler it would have met (during a run, CtrlC's). For blocks that an exception at any
+    point leaves broken (torch's zip writer, cut short in a Python write it calls:
+    mgpu.ckpt.write), also against a Ctrl-C raised at once (a second one, CtrlC's grace run
+    out). For short blocks only: a Ctrl-C waits for it. Only the main thread sets handlers;
+    elsewhere, and under a handler installed outside Python, nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGINT)
+    if before is None:
+        yield
+        return
+    held: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if held:
+            signal.raise_signal(signal.SIGINT)
