@@ -1,17 +1,21 @@
-"""Ctrl-C during a run is acted on where the run can stop cleanly (mgpu.runtime.ctrl_c): the first
-only asks, the trainer stops at its next step boundary; a second one later, or a grace with no
-such boundary, stops at once. Checked on CtrlC itself in this process, and end to end with a
-user's model whose forward sends the Ctrl-C to its own process group (as a terminal does, to
-every process of the job) and records whether a KeyboardInterrupt ever cut into it."""
+"""Ctrl-C during training is acted on where the run can stop cleanly (mgpu.runtime.ctrl_c): the
+first only asks, and every rank stops after the step whose agreement carried it; a second one, or
+a grace with no such stop, stops at once, as does one before training. Checked on CtrlC itself in
+this process, and end to end with a user's model whose forward sends the Ctrl-C where a
+terminal's goes and records whether a KeyboardInterrupt ever cut into it."""
 
 import os
 import signal
 import time
 
 import pytest
+import torch
+from conftest import free_port, gloo_runtime, spawn
 from test_one_line import start_in_its_own_group
 
-from mgpu.runtime.ctrl_c import CtrlC
+from mgpu.config.schema import NonFinite
+from mgpu.runtime.ctrl_c import GRACE_S, CtrlC
+from mgpu.train.guard import CTRL_C, LAG, PREEMPTION, NonFiniteGuard
 
 
 def busy(seconds: float) -> None:
@@ -32,6 +36,7 @@ def first_ctrl_c(work_s: float = 0.3) -> None:
 
 def test_a_ctrl_c_only_asks_until_the_trainer_stops_there():
     with CtrlC(grace_s=3600) as ctrl_c:
+        ctrl_c.defer(True)
         ctrl_c.stop_here()  # nothing asked yet
         first_ctrl_c()
         assert ctrl_c.asked
@@ -43,6 +48,7 @@ def test_a_ctrl_c_only_asks_until_the_trainer_stops_there():
 
 def test_a_second_ctrl_c_stops_at_once():
     with CtrlC(grace_s=3600) as ctrl_c:
+        ctrl_c.defer(True)
         first_ctrl_c()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
@@ -50,11 +56,41 @@ def test_a_second_ctrl_c_stops_at_once():
         assert ctrl_c.asked
 
 
+def test_a_ctrl_c_before_the_training_loop_stops_at_once():
+    with CtrlC(grace_s=3600), pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        busy(30)  # building the run: nothing to defer to
+
+
 def test_a_ctrl_c_no_step_boundary_meets_stops_after_the_grace():
-    with CtrlC(grace_s=1.0):
+    with CtrlC(grace_s=1.0) as ctrl_c:
+        ctrl_c.defer(True)
         first_ctrl_c(0.2)
         with pytest.raises(KeyboardInterrupt):
             busy(60)  # a first step compiling, a wait for data: the grace ends it
+
+
+def reasons_worker(rank: int, port: int, out: str):
+    """Rank 0 asks to stop for a preemption from step 2 on, rank 1 for a Ctrl-C from step 3 on:
+    what each rank's guard agrees on after each step."""
+    with gloo_runtime(rank, port, 2) as rt:
+        guard = NonFiniteGuard(NonFinite.skip, 5, rt, scaler_owns_grads=False, preemptible=True)
+        agreed = []
+        for step in range(1, 8):
+            asked = (PREEMPTION if step >= 2 else 0) if rank == 0 else (CTRL_C if step >= 3 else 0)
+            guard.check(step, torch.tensor(1.0), [], None, asked)
+            guard.poll()
+            agreed.append(guard.stop)
+        torch.save(agreed, f"{out}/{rank}.pt")
+
+
+def test_a_ctrl_c_on_any_rank_outranks_a_preemption_on_every_rank(tmp_path):
+    """The step's agreement keeps the largest reason: every rank reads the preemption of step 2
+    and then the Ctrl-C of step 3, each LAG steps later, and a Ctrl-C stops without saving."""
+    spawn(reasons_worker, free_port(), str(tmp_path), nprocs=2)
+    expected = [0] * (2 + LAG - 1) + [PREEMPTION] + [CTRL_C] * (7 - 2 - LAG)  # after step s+LAG
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"{rank}.pt") == expected, rank
 
 
 NETS = """
@@ -97,10 +133,11 @@ class Signalling(nn.Module):
     [(None, 1.0), (2, 1.0), (None, 60.0)],
     ids=["python", "torchrun", "past-the-grace"],
 )
-def test_a_ctrl_c_in_a_step_stops_after_that_step(tmp_path, nproc, hold_s):
-    """Sent from step 3's forward: the step finishes and the run stops after it, in one line,
-    the forward never cut (a KeyboardInterrupt raised at once would cut it on every rank). A
-    forward that goes on past the grace is cut, and the run stops after step 2."""
+def test_a_ctrl_c_in_a_step_stops_every_rank_after_the_same_step(tmp_path, nproc, hold_s):
+    """Sent from step 3's forward: the step finishes, the forward never cut (a KeyboardInterrupt
+    raised at once would cut it on every rank), and the run stops in one line: alone after step
+    3, on two ranks both after the step whose agreement they read it in (3 + LAG), saving
+    nothing more. A forward that goes on past the grace is cut, and the run stops after step 2."""
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "nets.py").write_text(NETS)
@@ -118,13 +155,17 @@ def test_a_ctrl_c_in_a_step_stops_after_that_step(tmp_path, nproc, hold_s):
     said = [line for line in text.splitlines() if "interrupted (Ctrl-C)" in line]
     assert len(said) == 1, text[-3000:]  # once, by rank 0
     cut = {path.name: path.read_text() for path in record.iterdir()}
-    if hold_s < 5:
-        assert cut == {}, cut  # no rank's forward was cut
-        assert "after step 3; newest checkpoint " in said[0], said[0]
-    else:
+    if hold_s > GRACE_S:
         assert list(cut.values()) == ["3"], cut
-        assert "after step 2; newest checkpoint " in said[0], said[0]
-    assert str(run_dir / "checkpoints" / "step-00000002") in said[0], said[0]
+        stop = 2
+    else:
+        assert cut == {}, cut  # no rank's forward was cut
+        stop = 3 if nproc is None else 3 + LAG
+    for rank in range(nproc or 1):  # every rank says where it stopped in its own log
+        log = (run_dir / f"rank{rank}.log").read_text()
+        assert f"interrupted (Ctrl-C) after step {stop}; newest checkpoint " in log, log[-2000:]
+    newest = run_dir / "checkpoints" / f"step-{stop - stop % 2:08d}"
+    assert f"newest checkpoint {newest}:" in said[0], said[0]
     assert "KeyboardInterrupt" not in text and "stopped: " not in text, text[-3000:]
     if nproc is None:  # (torchrun's agent adds a traceback of its own when it is signalled)
         assert code == 130 and "Traceback" not in text, text[-3000:]

@@ -539,7 +539,7 @@ def preemption_worker(rank: int, port: int, out: str):
                     loss = torch.tensor(float("nan") if rank == 0 and step == 2 else 1.0)
                     guard.check(step, loss, [], None, preemption.asked)
                     guard.poll()
-                    decisions.append(guard.preempted)
+                    decisions.append(guard.stop != 0)
                 guard.settle()
                 results[agree] = {"decisions": decisions, "skipped": guard.skipped}
         results["restored"] = signal.getsignal(signal.SIGUSR1) is before

@@ -1,7 +1,7 @@
 """Ctrl-C during a run: one line saying the step it reached and the newest checkpoint (what the
 same command resumes from), and exit code 130, instead of a KeyboardInterrupt traceback from every
-rank and every thread it passes through. Where the run stops is mgpu.runtime.ctrl_c's: at the
-trainer's next step boundary."""
+rank and every thread it passes through. Where the run stops is mgpu.runtime.ctrl_c's: during
+training, after a step every rank agreed on."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ class Interrupted(RunStopped):
 def interrupted(run_dir: Path, step: Callable[[], int | None]) -> Iterator[CtrlC]:
     """Around a run, handing the trainer its CtrlC: KeyboardInterrupt becomes Interrupted,
     naming `step()` (the last step trained, None before training started) and the run's newest
-    checkpoint. So does a collective whose peer process ended after this rank's own Ctrl-C: the
-    ranks learn of a terminal's Ctrl-C a moment apart, and one that stopped at its step boundary
-    can leave another in the next step's collective. A second Ctrl-C while the run unwinds, and
+    checkpoint. So does a collective whose peer process ended after this rank's own Ctrl-C: where
+    the ranks stop on their own (an evaluation batch, the grace run out), one can leave another
+    in a collective. A second Ctrl-C while the run unwinds, and
     torchrun's SIGTERM sent as it sees its workers stop, are ignored from then on: either would
     cut the line short with a traceback or -15. (train.py exits at once for a Ctrl-C that comes
     before this.)"""

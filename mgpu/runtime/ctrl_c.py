@@ -1,12 +1,13 @@
-"""How a Ctrl-C (SIGINT) reaches a run's main thread: as a request the trainer acts on where it can
-stop cleanly (CtrlC: the step boundary, an evaluation batch), and held out of blocks that an
-exception at any point would leave broken (ctrl_c_held). What the run then says is
-mgpu.run.interrupt's.
+"""How a Ctrl-C (SIGINT) reaches a run's main thread: during training, as a request the trainer
+acts on where it can stop cleanly (CtrlC: after a step every rank agreed on, an evaluation
+batch); held out of blocks that an exception at any point would leave broken (ctrl_c_held).
+What the run then says is mgpu.run.interrupt's.
 
 Why not Python's own KeyboardInterrupt: it is raised between any two bytecodes of the main
 thread, inside whatever library code that is. Cut there, torch's zip writer wrote a broken
-checkpoint file, and TensorBoard's writer lost the wake-up of its thread, so that closing it
-waited out its 120-s flush interval.
+checkpoint file; closing TensorBoard's writer after it waited out its 120-s flush interval, by
+all signs a wake-up of its thread lost; and on several ranks, each stopped at a different
+point, one rank can be left with collectives the others never join.
 """
 
 from __future__ import annotations
@@ -17,33 +18,39 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-# How long a Ctrl-C waits for the next point where the run can stop (a step takes milliseconds
-# to a couple of seconds) before it is raised wherever the main thread is: a first step that
-# compiles for minutes, a wait for data or for another rank.
-GRACE_S = 5.0
+# How long a deferred Ctrl-C waits for the run to stop (the ranks stop together a few steps
+# later: mgpu.train.guard's agreement is read LAG steps after it was sent, and a step takes
+# milliseconds to a couple of seconds) before it is raised wherever the main thread is: a first
+# step that compiles for minutes, a wait for data or for another rank.
+GRACE_S = 10.0
 
 
 class CtrlC:
-    """Ctrl-C during a run, as a request. `with CtrlC() as ctrl_c:` installs the handler; the
-    first Ctrl-C only sets `asked`, and `stop_here()`, called by the trainer at each point where
-    stopping leaves nothing half done, raises KeyboardInterrupt from there. A second Ctrl-C, or
-    none of those points reached within `grace_s`, raises it at once wherever the main thread
-    is, as Python's default handler would. (Under torchrun the terminal's Ctrl-C reaches the
-    agent, which passes one SIGINT on to each worker.) On the way out, Ctrl-C raises
-    KeyboardInterrupt again (the previous handler is not put back: it may end the process
-    without a word).
+    """Ctrl-C during a run. `with CtrlC() as ctrl_c:` installs the handler: a Ctrl-C raises
+    KeyboardInterrupt at once, as Python's own handler does, except under `ctrl_c.defer(True)`
+    (the trainer's loop), where the first one only sets `asked`: the trainer hands it to the
+    step's agreement, so that every rank stops after the same step (stop_now()), or stops at an
+    evaluation batch (stop_here()). A second Ctrl-C, or no stop within `grace_s`, raises it at
+    once wherever the main thread is. (Under torchrun the terminal's Ctrl-C reaches the agent,
+    which passes one SIGINT on to each worker.) On the way out, Ctrl-C raises KeyboardInterrupt
+    (the previous handler is not put back: it may end the process without a word).
 
-    Only the main thread runs signal handlers; on another thread this does nothing. A watcher
-    thread, started on entering, ends the grace: it sends SIGINT to the main thread, which also
-    cuts short a blocking system call there."""
+    Only the main thread runs signal handlers; on another thread this does nothing (`active`
+    says whether it is installed). A watcher thread, started on entering, ends the grace: it
+    sends SIGINT to the main thread, which also cuts short a blocking system call there."""
 
     def __init__(self, grace_s: float = GRACE_S):
-        self.asked = False  # a Ctrl-C came; read by the main thread only
+        self.asked = False  # a deferred Ctrl-C came; read by the main thread only
         self.grace_s = grace_s
+        self._deferring = False  # defer(True)
         self._came = threading.Event()  # set by the handler: the watcher's grace starts
-        self._acted = threading.Event()  # set at stop_here() or on the way out: no grace left
+        self._acted = threading.Event()  # set at a stop or on the way out: no grace left
         self._raised = False  # raised by the handler: the grace has nothing left to end
         self._watcher: threading.Thread | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._watcher is not None
 
     def __enter__(self) -> CtrlC:
         if threading.current_thread() is threading.main_thread():
@@ -61,13 +68,18 @@ class CtrlC:
         if signal.getsignal(signal.SIGINT) == self._handle:  # not what the caller set since
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
+    def defer(self, on: bool) -> None:
+        """Turned on as the training loop starts, which acts on `asked` where it can stop
+        cleanly, and off as it ends, whichever way."""
+        self._deferring = on
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Runs on the main thread between two bytecodes, wherever it is: sets a flag and wakes
         # the watcher, nothing else. The flag first: a second signal arriving inside set() then
         # raises instead of entering set() again.
-        if self.asked:
+        if self.asked or not self._deferring:
             self._raised = True  # no lock taken here: set() may be what the signal cut into
-            raise KeyboardInterrupt  # the second Ctrl-C, or the grace ran out
+            raise KeyboardInterrupt  # not deferred, the second Ctrl-C, or the grace ran out
         self.asked = True
         self._came.set()
 
@@ -77,11 +89,16 @@ class CtrlC:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def stop_here(self) -> None:
-        """Called at a point where the run can stop cleanly: KeyboardInterrupt if a Ctrl-C
-        came. One attribute read otherwise: it is in the training loop."""
+        """At a point where this rank can stop on its own (an evaluation batch): raises
+        KeyboardInterrupt if a Ctrl-C came. One attribute read otherwise."""
         if self.asked:
-            self._acted.set()
-            raise KeyboardInterrupt
+            self.stop_now()
+
+    def stop_now(self) -> None:
+        """Stop the run: KeyboardInterrupt (mgpu.run.interrupt says it), where the ranks agreed
+        on a Ctrl-C (this rank's or another's)."""
+        self._acted.set()
+        raise KeyboardInterrupt
 
 
 @contextmanager

@@ -1,8 +1,9 @@
 """The per-step agreement: every step the ranks exchange one small flags tensor, through one
 collective, saying whether any rank's loss or the reduced gradients are NaN/inf and whether any
-rank has been asked to stop (a preemption signal, mgpu.runtime.preempt). A non-finite step's
-optimizer update is skipped on every rank; the host learns of it a couple of steps later and stops
-or goes on (`trainer.nonfinite`), and learns of a preemption at the same lag, on every rank at once.
+rank has been asked to stop (a preemption signal, mgpu.runtime.preempt; a Ctrl-C,
+mgpu.runtime.ctrl_c). A non-finite step's optimizer update is skipped on every rank; the host
+learns of it a couple of steps later and stops or goes on (`trainer.nonfinite`), and learns of a
+stop at the same lag, on every rank at once.
 
 Why the verdict is agreed and not looked up locally: a rank whose own loss went NaN poisons the
 averaged gradients of all ranks, but a rank can also see an infinite loss with finite gradients.
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 # by then in practice, so reading it costs no stall.
 LAG = 2
 
+# Why this rank asks to stop, in the flags' last slot; the exchange keeps the largest, so that a
+# Ctrl-C on any rank stops every rank without the preemption's save.
+PREEMPTION, CTRL_C = 1, 2
+
 
 class NonFiniteStep(RuntimeError, RunStopped):
     """Every rank raises it at the same step. Under trainer.nonfinite=stop no checkpoint was
@@ -41,7 +46,7 @@ class NonFiniteStep(RuntimeError, RunStopped):
 @dataclass
 class _Verdict:
     step: int
-    # per rank 1 if its loss was non-finite; then the gradients; last: preemption
+    # per rank 1 if its loss was non-finite; then the gradients; last: the stop (PREEMPTION...)
     flags: HostCopy
 
 
@@ -54,8 +59,9 @@ class NonFiniteGuard:
     """`bad = guard.check(step, loss, grads, grad_norm, stop_asked)` after backward (gradients
     reduced, clipped or not), `guard.step(optimizer, bad)` instead of `optimizer.step()`,
     `guard.poll()` after each step, `guard.settle()` before a checkpoint and at the end. All of
-    them on every rank. `guard.preempted` turns True on every rank after the same step, once
-    any rank's `stop_asked` was in an exchange that has been read."""
+    them on every rank. `guard.stop` turns from 0 to the largest reason asked (PREEMPTION,
+    CTRL_C) on every rank after the same step, once any rank's `stop_asked` was in an exchange
+    that has been read."""
 
     def __init__(
         self,
@@ -74,13 +80,13 @@ class NonFiniteGuard:
         self.scaler_owns_grads = scaler_owns_grads
         self.cuda = rt.device.type == "cuda"
         # Ranks that share parameters must agree on the verdict; ranks that train apart
-        # (dist.engine=none, the scaling baseline) decide it alone. Both agree on preemption
-        # (`preemptible`: a Preemption takes part), so that they stop and save together; with
-        # neither, the ranks stay free of any per-step collective.
+        # (dist.engine=none, the scaling baseline) decide it alone. Both agree on a stop
+        # (`preemptible`: a Preemption or a CtrlC takes part), so that they stop (and save)
+        # together; with neither, the ranks stay free of any per-step collective.
         several = rt.distributed
         self.distributed = agree and several
         self.exchanges = several and (agree or preemptible)
-        self.preempted = False
+        self.stop = 0  # the agreed reason to stop after this step: 0, PREEMPTION or CTRL_C
         self.pending: deque[_Verdict] = deque()
         self.skipped = 0  # steps skipped so far in this launch
         self.consecutive = 0
@@ -93,20 +99,21 @@ class NonFiniteGuard:
         loss: torch.Tensor,
         grads: list[torch.Tensor],
         grad_norm: torch.Tensor | None,
-        stop_asked: bool = False,
+        stop_asked: int = 0,
     ) -> torch.Tensor:
         """The agreed verdict for this step, as a device bool; no host sync (a collective).
-        `stop_asked`: this rank has had a preemption signal."""
+        `stop_asked`: why this rank asks to stop (0, PREEMPTION or CTRL_C)."""
         flags = self.exchange(loss, grad_norm, stop_asked)
         self.remember(step, flags)
         return self.verdict(flags)
 
     def exchange(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, stop: bool | torch.Tensor
+        self, loss: torch.Tensor, grad_norm: torch.Tensor | None, stop: int | torch.Tensor
     ) -> torch.Tensor:
         """The step's flags, agreed across ranks: device work and one collective, nothing the
         host reads, so that a CUDA graph can record it (mgpu.train.update_replay). `stop`: this
-        rank has had a preemption signal; a device flag (0 or 1) where a graph records this."""
+        rank's reason to stop (0, PREEMPTION or CTRL_C); a device int where a graph records
+        this."""
         world = self.rt.world_size if self.distributed else 1
         rank = self.rt.rank if self.distributed else 0
         flags = torch.zeros(world + 2, dtype=torch.int32, device=self.rt.device)
@@ -117,13 +124,13 @@ class NonFiniteGuard:
         if isinstance(stop, torch.Tensor):
             flags[world + 1] = stop
         elif stop:
-            flags[world + 1] = 1
-            # With no one to agree with, there is nothing to wait for: stop after this step.
-            self.preempted = self.preempted or not self.exchanges
+            flags[world + 1] = stop
+            if not self.exchanges:  # no one to agree with, nothing to wait for: stop now
+                self.stop = max(self.stop, stop)
         if self.exchanges:
             # The one agreement of the step: queued on the compute stream, the host does not
-            # wait for it. Ranks that decide their verdict alone exchange the preemption slot
-            # only (a contiguous view of the same tensor).
+            # wait for it. Ranks that decide their verdict alone exchange the stop slot only
+            # (a contiguous view of the same tensor).
             tdist.all_reduce(flags if self.distributed else flags[world + 1 :], op=ReduceOp.MAX)
         return flags
 
@@ -183,7 +190,7 @@ class NonFiniteGuard:
 
     def _read(self, verdict: _Verdict) -> None:
         *flags, stop = verdict.flags.read().tolist()  # a copy LAG steps old: long landed
-        self.preempted = self.preempted or bool(stop)
+        self.stop = max(self.stop, stop)
         if not any(flags):
             self.consecutive = 0
             return

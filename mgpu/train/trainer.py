@@ -45,7 +45,7 @@ from mgpu.train import watchdog
 from mgpu.train.feed import Feed, first_batch_everywhere
 from mgpu.train.fp8 import check_fp8
 from mgpu.train.graphs import GraphedLoss, ModelLoss, reduction_in_graphs, use_graphs
-from mgpu.train.guard import NonFiniteGuard
+from mgpu.train.guard import CTRL_C, PREEMPTION, NonFiniteGuard
 from mgpu.train.numerics import autocast_dtype, training_loss
 from mgpu.train.update import Update, build_scaler
 
@@ -80,7 +80,7 @@ class Trainer:
         # cost ResNet-50 ~0.17 ms of host time a step, which a launch-bound step pays in full.
         self.params = list(model.parameters())
         self.profiler, self.goodput, self.preemption = profiler, goodput, preemption
-        # Ctrl-C, acted on at the step boundary; one never entered: Python's own, at once
+        # Ctrl-C, agreed on in the steps' exchange; one never entered: Python's own, at once
         self.ctrl_c = ctrl_c if ctrl_c is not None else CtrlC()
         self.optimizer, self.schedule, self.recorder = optimizer, schedule, recorder
         if cfg.precision is Precision.fp8:
@@ -100,14 +100,9 @@ class Trainer:
         mode = None  # compiled whole in torch's default mode, for the replay below
         if not whole:
             mode = compile_mode(
-                cfg.compile_mode,
-                cfg.compile_backend,
-                unwrap(model),
-                rt.device,
-                ddp,
-                overlap,
+                cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap,
                 cfg.grad_accum_steps,
-            )
+            )  # fmt: skip
         # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
         # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
         own_loss = getattr(unwrap(model), "computes_loss", False)
@@ -141,7 +136,7 @@ class Trainer:
             scaler_owns_grads=self.scaler.is_enabled(),
             # Wrapped for data parallelism: the ranks share their parameters and must agree.
             agree=wrapped,
-            preemptible=preemption is not None,
+            preemptible=preemption is not None or self.ctrl_c.active,
             on_skip=recorder.skipped if recorder is not None else None,
         )
         # The step's end: clipping, the agreement, the optimizer (replayed too where the backward
@@ -203,8 +198,9 @@ class Trainer:
             return None
         return self.scaler.scale(torch.ones((), device=self.rt.device))
 
-    def _stop_asked(self) -> bool:
-        return self.preemption is not None and self.preemption.asked
+    def _stop_asked(self) -> int:  # this rank's reason to stop, for the step's agreement
+        asked = self.preemption is not None and self.preemption.asked
+        return CTRL_C if self.ctrl_c.asked else PREEMPTION if asked else 0
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> float:
@@ -242,15 +238,18 @@ class Trainer:
         batches = self._begin(train)
         try:
             self.watch.start()  # the stall clock and progress reports, until the end
+            self.ctrl_c.defer(True)  # a Ctrl-C rides the steps' agreement, until the end
             batches = first_batch_everywhere(batches, self.rt, self.watch, self.start_step + 1)
             for step in range(self.start_step + 1, cfg.max_steps + 1):
-                self.ctrl_c.stop_here()  # a Ctrl-C since the last step: stop after it
                 lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
                 loss, bad = self._step(batches, step)  # data, forward/backward, agree, update
                 rec.step(loss, bad)  # on the device: read a log interval later
-                # Agreed in the step's exchange: True on every rank after the same step.
-                stopping = self.guard.preempted
-                last = step == cfg.max_steps
+                # Agreed in the step's exchange: on every rank after the same step. A Ctrl-C
+                # stops without the preemption's save.
+                stopping, last = self.guard.stop != 0, step == cfg.max_steps
+                if self.guard.stop == CTRL_C and not last:
+                    self.guard.settle()  # no exchange left running when the group goes
+                    self.ctrl_c.stop_now()  # KeyboardInterrupt
                 save, evaluate = self._due(step, last, stopping, eval_loader is not None)
                 # Saves close a log interval too, so a resumed run logs the same intervals as
                 # an uninterrupted one.
@@ -273,6 +272,7 @@ class Trainer:
                 raise self.watch.timed_out(err) from err
             raise
         finally:
+            self.ctrl_c.defer(False)
             self.watch.stop()
             if self.profiler is not None:
                 self.profiler.close()

@@ -43,7 +43,7 @@ class Update:
         schedule: torch.optim.lr_scheduler.LRScheduler,
         scaler,
         guard: NonFiniteGuard,
-        stop_asked: Callable[[], bool],
+        stop_asked: Callable[[], int],
         grad_tensors: Callable[[], list[torch.Tensor] | None] | None = None,
         backward_replayed: Callable[[], bool] | None = None,
     ):
@@ -54,7 +54,7 @@ class Update:
         self.grad_tensors = grad_tensors
         self.optimizer, self.schedule, self.scaler, self.guard = optimizer, schedule, scaler, guard
         self.sharded = isinstance(optimizer, ShardedOptimizer)
-        self.stop_asked = stop_asked  # preemption asked on this rank: rides the agreement
+        self.stop_asked = stop_asked  # this rank's reason to stop (guard.CTRL_C...): agreed
         # trainer.replay_update: device_step replayed as one CUDA graph (mgpu.train.
         # update_replay), where the step's backward is replayed with its reductions
         # (`backward_replayed`, None where it never is).
@@ -134,12 +134,12 @@ class Update:
         return bad
 
     def device_step(
-        self, loss: torch.Tensor, stop: bool | torch.Tensor
+        self, loss: torch.Tensor, stop: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Unsharded: the global norm, clipping, the ranks' agreement (one collective) and the
         optimizer step or its skip; returns the agreed flags and the verdict. Nothing in it
         reads a GPU value on the host, so that with a fused optimizer a CUDA graph can record
-        it whole (mgpu.train.update_replay), `stop` then a device flag."""
+        it whole (mgpu.train.update_replay), `stop` then a device int."""
         grads = [p.grad for p in self.params if p.grad is not None]
         flat = self.grad_tensors() if self.grad_tensors is not None else None
         summed = flat or grads  # the same gradients, as few tensors where the wrapper has them

@@ -3,7 +3,7 @@ global gradient norm, clipping, the ranks' agreement on a non-finite step (one c
 fused optimizer's update, recorded once and replayed at every later step.
 
 Owns: whether a run replays its update (replays_update), the capture, and the tensors a replay
-reads (the step's loss, this rank's preemption flag, each parameter group's learning rate on the
+reads (the step's loss, this rank's reason to stop, each parameter group's learning rate on the
 device) and writes (the agreed flags, the verdict).
 
 Why: with the forward and backward replayed, the update was the largest share of the training
@@ -76,7 +76,7 @@ def replays_update(
 
 class UpdateGraph:
     """`device_step(loss, stop)` (Update.device_step) replayed: called as it is, with the
-    step's loss and this rank's preemption flag, it returns the agreed flags and the verdict.
+    step's loss and this rank's reason to stop, it returns the agreed flags and the verdict.
 
     Uncaptured until `backward_replayed()` says the step's backward replays (GraphedLoss
     captures at the first step) and one update has run uncaptured; then captured from that
@@ -98,7 +98,7 @@ class UpdateGraph:
     def captured(self) -> bool:
         return self.graph is not None and not self.released
 
-    def __call__(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, loss: torch.Tensor, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.released:
             raise RuntimeError("UpdateGraph called after release(): the process group is gone")
         if self.graph is None:
@@ -116,8 +116,8 @@ class UpdateGraph:
                 "replaced); set trainer.replay_update=false"
             )
         self.loss.copy_(loss)
-        if stop:  # once asked, asked for the rest of the run
-            self.stop.fill_(1)
+        if stop:  # once asked, asked for the rest of the run (a Ctrl-C outranks a preemption)
+            self.stop.fill_(stop)
         for rate, group in zip(self.rates, self.optimizer.param_groups, strict=True):
             rate.fill_(group["lr"])  # a kernel with the rate as its argument: no host sync
         self.graph.replay()
