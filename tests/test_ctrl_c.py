@@ -37,11 +37,11 @@ def first_ctrl_c(work_s: float = 0.3) -> None:
 def test_a_ctrl_c_only_asks_until_the_trainer_stops_there():
     with CtrlC(grace_s=3600) as ctrl_c:
         ctrl_c.defer(True)
-        ctrl_c.stop_here()  # nothing asked yet
+        assert not ctrl_c.asked
         first_ctrl_c()
         assert ctrl_c.asked
         with pytest.raises(KeyboardInterrupt):
-            ctrl_c.stop_here()
+            ctrl_c.stop_now()
     # on the way out, Python's own handler: a Ctrl-C after the run raises at once
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
@@ -60,6 +60,18 @@ def test_a_ctrl_c_before_the_training_loop_stops_at_once():
     with CtrlC(grace_s=3600), pytest.raises(KeyboardInterrupt):
         os.kill(os.getpid(), signal.SIGINT)
         busy(30)  # building the run: nothing to defer to
+
+
+def test_a_ctrl_c_the_loop_had_no_step_left_for_ends_no_grace_after_it():
+    """Asked in the last steps, the run trained to its end: its teardown is not cut short."""
+    with CtrlC(grace_s=0.3) as ctrl_c:
+        ctrl_c.defer(True)
+        first_ctrl_c(0.1)
+        ctrl_c.defer(False)
+        try:
+            busy(1.0)  # the final save, closing TensorBoard's writer
+        except KeyboardInterrupt:
+            pytest.fail("the grace raised KeyboardInterrupt after the loop had ended")
 
 
 def test_a_ctrl_c_no_step_boundary_meets_stops_after_the_grace():
@@ -107,17 +119,21 @@ class Signalling(nn.Module):
     process group; under torchrun its agent's, which passes one on to each worker) and goes on
     working for `hold_s`; a KeyboardInterrupt that cuts into it is recorded in `record`.'''
 
-    def __init__(self, at: int, hold_s: float, record: str):
+    def __init__(self, at: int, hold_s: float, record: str, only_rank0: bool = False):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))
         self.at, self.hold_s, self.record, self.calls = at, hold_s, Path(record), 0
+        self.only_rank0 = only_rank0  # SIGINT to rank 0's process alone
 
     def forward(self, x):
         self.calls += 1
         try:
             if self.calls == self.at and os.environ.get("RANK", "0") == "0":
                 launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else 0
-                os.killpg(os.getpgid(launcher), signal.SIGINT)
+                if self.only_rank0:
+                    os.kill(os.getpid(), signal.SIGINT)
+                else:
+                    os.killpg(os.getpgid(launcher), signal.SIGINT)
                 end = time.monotonic() + self.hold_s
                 while time.monotonic() < end:
                     time.sleep(0.01)
@@ -126,6 +142,16 @@ class Signalling(nn.Module):
             (self.record / f"cut-{os.getpid()}").write_text(str(self.calls))
             raise
 """
+
+
+def signalling_model(tmp_path):
+    """mypkg.nets.Signalling in the run's working directory; returns its record folder."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "nets.py").write_text(NETS)
+    record = tmp_path / "record"
+    record.mkdir()
+    return record
 
 
 @pytest.mark.parametrize(
@@ -138,11 +164,7 @@ def test_a_ctrl_c_in_a_step_stops_every_rank_after_the_same_step(tmp_path, nproc
     raised at once would cut it on every rank), and the run stops in one line: alone after step
     3, on two ranks both after the step whose agreement they read it in (3 + LAG), saving
     nothing more. A forward that goes on past the grace is cut, and the run stops after step 2."""
-    (tmp_path / "mypkg").mkdir()
-    (tmp_path / "mypkg" / "__init__.py").write_text("")
-    (tmp_path / "mypkg" / "nets.py").write_text(NETS)
-    record = tmp_path / "record"
-    record.mkdir()
+    record = signalling_model(tmp_path)
     run_dir = tmp_path / "run"
     args = ["model=custom", "model._target_=mypkg.nets.Signalling", "+model.kwargs.at=3"]
     args += [f"+model.kwargs.hold_s={hold_s}", f"+model.kwargs.record={record}"]
@@ -169,3 +191,25 @@ def test_a_ctrl_c_in_a_step_stops_every_rank_after_the_same_step(tmp_path, nproc
     assert "KeyboardInterrupt" not in text and "stopped: " not in text, text[-3000:]
     if nproc is None:  # (torchrun's agent adds a traceback of its own when it is signalled)
         assert code == 130 and "Traceback" not in text, text[-3000:]
+
+
+def test_a_ctrl_c_during_an_evaluation_stops_every_rank_after_it(tmp_path):
+    """Sent to rank 0 alone from its first evaluation batch (step 4's evaluation: forward 5):
+    rank 0 reads no more batches, the evaluation's sum carries the Ctrl-C, and both ranks stop
+    after step 4 in one line; rank 1 is not left in the sum waiting for a rank that left."""
+    record = signalling_model(tmp_path)
+    run_dir = tmp_path / "run"
+    args = ["model=custom", "model._target_=mypkg.nets.Signalling", "+model.kwargs.at=5"]
+    args += ["+model.kwargs.hold_s=0.5", f"+model.kwargs.record={record}"]
+    args += ["+model.kwargs.only_rank0=true", "data=images", "data.image_size=8"]
+    args += ["data.num_classes=10", "data.batch_size=8", "data.eval_samples=256"]
+    args += ["data.num_workers=0", "optim=sgd", "trainer.max_steps=1000", "trainer.eval_every=4"]
+    args += ["ckpt.every=100", f"hydra.run.dir={run_dir}"]
+    proc = start_in_its_own_group(args, tmp_path, 2)
+    proc.wait(timeout=240)
+    text = (tmp_path / "out.txt").read_text()
+    assert list(record.iterdir()) == [], text[-3000:]  # no forward cut
+    for rank in (0, 1):
+        log = (run_dir / f"rank{rank}.log").read_text()
+        assert "interrupted (Ctrl-C) after step 4; no checkpoint saved yet" in log, log[-2000:]
+    assert "KeyboardInterrupt" not in text and "stopped: " not in text, text[-3000:]

@@ -20,8 +20,9 @@ from types import FrameType
 
 # How long a deferred Ctrl-C waits for the run to stop (the ranks stop together a few steps
 # later: mgpu.train.guard's agreement is read LAG steps after it was sent, and a step takes
-# milliseconds to a couple of seconds) before it is raised wherever the main thread is: a first
-# step that compiles for minutes, a wait for data or for another rank.
+# milliseconds to a couple of seconds) before it is raised wherever the main thread is in
+# Python: a first step that compiles for minutes, a wait for data. (A thread blocked in C, in a
+# collective or a device sync, runs no handler until that returns; dist.timeout_s bounds it.)
 GRACE_S = 10.0
 
 
@@ -29,11 +30,11 @@ class CtrlC:
     """Ctrl-C during a run. `with CtrlC() as ctrl_c:` installs the handler: a Ctrl-C raises
     KeyboardInterrupt at once, as Python's own handler does, except under `ctrl_c.defer(True)`
     (the trainer's loop), where the first one only sets `asked`: the trainer hands it to the
-    step's agreement, so that every rank stops after the same step (stop_now()), or stops at an
-    evaluation batch (stop_here()). A second Ctrl-C, or no stop within `grace_s`, raises it at
-    once wherever the main thread is. (Under torchrun the terminal's Ctrl-C reaches the agent,
-    which passes one SIGINT on to each worker.) On the way out, Ctrl-C raises KeyboardInterrupt
-    (the previous handler is not put back: it may end the process without a word).
+    step's agreement (or an evaluation's sum), and every rank stops after the same step
+    (stop_now()). A second Ctrl-C, or no stop within `grace_s`, raises it at once wherever the
+    main thread is. (Under torchrun the terminal's Ctrl-C reaches the agent, which passes one
+    SIGINT on to each worker.) On the way out, Ctrl-C raises KeyboardInterrupt (the previous
+    handler is not put back: it may end the process without a word).
 
     Only the main thread runs signal handlers; on another thread this does nothing (`active`
     says whether it is installed). A watcher thread, started on entering, ends the grace: it
@@ -70,8 +71,11 @@ class CtrlC:
 
     def defer(self, on: bool) -> None:
         """Turned on as the training loop starts, which acts on `asked` where it can stop
-        cleanly, and off as it ends, whichever way."""
+        cleanly, and off as it ends, whichever way. A Ctrl-C the loop had no step left to act on
+        (it came in the last steps) ends no grace after it: the run trained to its end."""
         self._deferring = on
+        if not on and self.asked:
+            self._acted.set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Runs on the main thread between two bytecodes, wherever it is: sets a flag and wakes
@@ -87,12 +91,6 @@ class CtrlC:
         self._came.wait()
         if not self._acted.wait(self.grace_s) and not self._raised:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-
-    def stop_here(self) -> None:
-        """At a point where this rank can stop on its own (an evaluation batch): raises
-        KeyboardInterrupt if a Ctrl-C came. One attribute read otherwise."""
-        if self.asked:
-            self.stop_now()
 
     def stop_now(self) -> None:
         """Stop the run: KeyboardInterrupt (mgpu.run.interrupt says it), where the ranks agreed
@@ -122,5 +120,5 @@ def ctrl_c_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, before)
-        if held:
+        for _ in held:  # each one: a second Ctrl-C held here is a second one
             signal.raise_signal(signal.SIGINT)

@@ -149,13 +149,10 @@ class Trainer:
         self.timer = recorder.timer if recorder is not None else StepTimer(None)
 
     def _autocast(self) -> AbstractContextManager:
-        return torch.autocast(
-            self.rt.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None
-        )
+        on = self.amp_dtype is not None
+        return torch.autocast(self.rt.device.type, dtype=self.amp_dtype, enabled=on)
 
-    def train_step(
-        self, batches: Iterator[Any], step: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, batches: Iterator, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss and
         whether the step was skipped as non-finite, both device tensors (reading them on the
         host would stall the GPU queue).
@@ -165,9 +162,8 @@ class Trainer:
         accum = self.cfg.grad_accum_steps
         # The step's marks for the Recorder's breakdown (metrics.breakdown): CUDA events on
         # the compute stream, read a log interval later; host time on CPU.
-        timer = self.timer
+        timer, watch = self.timer, self.watch
         total = torch.zeros((), device=self.rt.device)
-        watch = self.watch
         for micro in range(accum):
             watch.beat(step, watchdog.DATA)
             timer.data_asked()
@@ -204,14 +200,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> float:
-        """Mean loss over every eval sample exactly once, summed across ranks."""
+        """Mean loss over every eval sample exactly once, summed across ranks. A Ctrl-C ends
+        this rank's batches and rides the sum: every rank stops after it (KeyboardInterrupt)."""
         # The module under DDP: eval forward must not take part in DDP's gradient bookkeeping.
         model = local_module(self.model)
         model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.rt.device)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         step = self.watch.step
         for batch in self.feed.batches(loader):
-            self.ctrl_c.stop_here()  # a Ctrl-C: before this batch, not inside it
+            if self.ctrl_c.asked:
+                break
             self.watch.beat(step, watchdog.EVAL)
             inputs, targets = self.feed.prepare(batch)
             with self._autocast():
@@ -220,8 +218,11 @@ class Trainer:
             sums[1] += targets.numel()
         model.train()
         self.watch.beat(step, watchdog.EVAL)
+        sums[2] = float(self.ctrl_c.asked)
         all_reduce_sum_(sums, self.rt)
-        total, count = sums.tolist()  # sync point: evaluation only, not the training loop
+        total, count, asked = sums.tolist()  # sync point: evaluation only, not the training loop
+        if asked:
+            self.ctrl_c.stop_now()
         return total / count
 
     def fit(self, train_loader: DeviceLoader | DataLoader, eval_loader: Iterable | None) -> None:
@@ -318,16 +319,14 @@ class Trainer:
         self.recorder.begin()
         return batches
 
-    def _evaluate_and_save(
-        self, step: int, eval_loader: Iterable | None, save: bool, required: bool
-    ) -> None:
+    def _evaluate_and_save(self, step: int, evals: Iterable | None, save: bool, required: bool):
         rec = self.recorder
         # Now, not an interval later: the record is complete up to the step that is evaluated
         # or saved (and a restart's purge_step starts right after it).
         rec.publish_pending()
-        if eval_loader is not None:
+        if evals is not None:
             self._enter("eval")  # the interval published above: its GPU work is done
-            rec.eval_loss(step, self.evaluate(eval_loader))
+            rec.eval_loss(step, self.evaluate(evals))
         if save:
             # Every verdict up to this step, now: a non-finite step is never saved.
             self.guard.settle()
