@@ -4,6 +4,7 @@ a grace with no such stop, stops at once, as does one before training. Checked o
 this process, and end to end with a user's model whose forward sends the Ctrl-C where a
 terminal's goes and records whether a KeyboardInterrupt ever cut into it."""
 
+import logging
 import os
 import signal
 import time
@@ -14,7 +15,7 @@ from conftest import free_port, gloo_runtime, spawn
 from test_one_line import start_in_its_own_group
 
 from mgpu.config.schema import NonFinite
-from mgpu.runtime.ctrl_c import GRACE_S, CtrlC
+from mgpu.runtime.ctrl_c import GRACE_S, TELL_S, CtrlC
 from mgpu.train.guard import CTRL_C, LAG, PREEMPTION, NonFiniteGuard
 
 
@@ -44,6 +45,20 @@ def test_a_ctrl_c_only_asks_until_the_trainer_stops_there():
             ctrl_c.stop_now()
     # on the way out, Python's own handler: a Ctrl-C after the run raises at once
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_not_acted_on_at_once_is_told(caplog):
+    """A first step that compiles for minutes: the user sees the Ctrl-C was heard."""
+    with CtrlC(grace_s=3600) as ctrl_c, caplog.at_level(logging.INFO, logger="mgpu"):
+        ctrl_c.defer(True)
+        first_ctrl_c(TELL_S + 0.5)
+        told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Ctrl-C")]
+        assert told == [
+            "Ctrl-C: stopping after a step every rank agrees on, within 3600 s; "
+            "Ctrl-C again stops at once"
+        ]
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.stop_now()
 
 
 def test_a_second_ctrl_c_stops_at_once():
@@ -106,6 +121,7 @@ def test_a_ctrl_c_on_any_rank_outranks_a_preemption_on_every_rank(tmp_path):
 
 
 NETS = """
+import logging
 import os
 import signal
 import time

@@ -12,6 +12,7 @@ point, one rank can be left with collectives the others never join.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -24,6 +25,10 @@ from types import FrameType
 # Python: a first step that compiles for minutes, a wait for data. (A thread blocked in C, in a
 # collective or a device sync, runs no handler until that returns; dist.timeout_s bounds it.)
 GRACE_S = 10.0
+# A deferred Ctrl-C not acted on this soon is told on the console: the user sees it was heard.
+TELL_S = 1.0
+
+log = logging.getLogger("mgpu")
 
 
 class CtrlC:
@@ -89,7 +94,16 @@ class CtrlC:
 
     def _watch(self) -> None:
         self._came.wait()
-        if not self._acted.wait(self.grace_s) and not self._raised:
+        tell = min(TELL_S, self.grace_s)
+        if self._acted.wait(tell):
+            return
+        if not self._raised:  # logged from this thread: the main one may be inside logging
+            log.info(
+                "Ctrl-C: stopping after a step every rank agrees on, within %.0f s; "
+                "Ctrl-C again stops at once",
+                self.grace_s,
+            )
+        if not self._acted.wait(self.grace_s - tell) and not self._raised:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def stop_now(self) -> None:
