@@ -10,6 +10,7 @@ import logging
 import os
 import pickle
 import random
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -735,7 +736,12 @@ def test_a_ctrl_c_during_a_write_stops_after_the_file_is_whole(tmp_path):
     the file is written, then raised as KeyboardInterrupt."""
     attempts = 100
     command = [sys.executable, "-c", INTERRUPTED_WRITES, str(tmp_path), str(attempts)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    # SIGINT at its default action, as a terminal's training process has it: a test run
+    # started in the background of a shell has it ignored, and its children with it.
+    reset = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, cwd=ROOT, preexec_fn=reset
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]  # no abort
     assert proc.stdout.split() == ["KeyboardInterrupt"] * attempts, proc.stdout[-3000:]
     written = [
