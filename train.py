@@ -99,7 +99,7 @@ def main(dcfg: DictConfig) -> None:
             # and SIGUSR1 save, then stop.
             run = None
             with hold_run_dir(run_dir, rt, cfg.dist.timeout_s), Preemption(rt) as preemption:
-                # Ctrl-C: the trainer stops at its next step boundary, and one line names the
+                # Ctrl-C: every rank stops after a step they agree on, and one line names the
                 # step reached and the newest checkpoint, exit 130
                 with interrupted(run_dir, lambda: run.trainer.step if run else None) as ctrl_c:
                     run = build_run(

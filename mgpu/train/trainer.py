@@ -8,7 +8,7 @@ state a checkpoint holds (state_dict/load_state_dict).
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later with the step's
 timing marks and the data wait; the step's agreement (mgpu.train.guard: the non-finite verdict
-and the preemption flag, one collective) is read two steps late. Saving reads everything back.
+and the reason to stop, one collective) is read two steps late. Saving reads everything back.
 """
 
 from __future__ import annotations
