@@ -7,6 +7,7 @@ terminal's goes and records whether a KeyboardInterrupt ever cut into it."""
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -95,6 +96,30 @@ def test_a_ctrl_c_no_step_boundary_meets_stops_after_the_grace():
         first_ctrl_c(0.2)
         with pytest.raises(KeyboardInterrupt):
             busy(60)  # a first step compiling, a wait for data: the grace ends it
+
+
+def test_a_stop_as_the_grace_runs_out_is_one_keyboard_interrupt(monkeypatch):
+    """The grace's end and a stop fall together: the watcher has decided to send its SIGINT when
+    the trainer's stop_now() raises. Only one KeyboardInterrupt: the watcher's, raised in place of
+    the stop's, never a second one in the code handling the first."""
+    sending, send = threading.Event(), signal.pthread_kill
+
+    def slow_send(thread_id: int, signum: int) -> None:
+        sending.set()
+        time.sleep(0.3)  # widened from the microseconds it takes
+        send(thread_id, signum)
+
+    monkeypatch.setattr(signal, "pthread_kill", slow_send)
+    with CtrlC(grace_s=0.2) as ctrl_c:
+        ctrl_c.defer(True)
+        first_ctrl_c(0.01)
+        assert sending.wait(5)
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.stop_now()
+        try:
+            busy(1.0)  # handling the stop: the line, the teardown
+        except KeyboardInterrupt:
+            pytest.fail("a second KeyboardInterrupt came after the stop")
 
 
 def reasons_worker(rank: int, port: int, out: str):

@@ -52,6 +52,10 @@ class CtrlC:
         self._came = threading.Event()  # set by the handler: the watcher's grace starts
         self._acted = threading.Event()  # set at a stop or on the way out: no grace left
         self._raised = False  # raised by the handler: the grace has nothing left to end
+        # Held by the watcher from its last look at _acted to its SIGINT, and by the main thread
+        # to set _acted: a stop can't fall between them, where the watcher's SIGINT would land
+        # as a second KeyboardInterrupt in the code handling the first (a `finally`, the line).
+        self._ending = threading.Lock()
         self._watcher: threading.Thread | None = None
 
     @property
@@ -68,7 +72,7 @@ class CtrlC:
     def __exit__(self, *exc: object) -> None:
         if self._watcher is None:
             return
-        self._acted.set()
+        self._act()
         self._came.set()  # the watcher ends without a signal
         self._watcher.join()
         if signal.getsignal(signal.SIGINT) == self._handle:  # not what the caller set since
@@ -80,6 +84,12 @@ class CtrlC:
         (it came in the last steps) ends no grace after it: the run trained to its end."""
         self._deferring = on
         if not on and self.asked:
+            self._act()
+
+    def _act(self) -> None:
+        # Waits, on the main thread, for a watcher sending its SIGINT: that one is then raised
+        # here, as the lock's wait is cut short by it (a KeyboardInterrupt either way).
+        with self._ending:
             self._acted.set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -103,13 +113,16 @@ class CtrlC:
                 "Ctrl-C again stops at once",
                 self.grace_s,
             )
-        if not self._acted.wait(self.grace_s - tell) and not self._raised:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        if self._acted.wait(self.grace_s - tell):
+            return
+        with self._ending:
+            if not self._acted.is_set() and not self._raised:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     def stop_now(self) -> None:
         """Stop the run: KeyboardInterrupt (mgpu.run.interrupt says it), where the ranks agreed
         on a Ctrl-C (this rank's or another's)."""
-        self._acted.set()
+        self._act()
         raise KeyboardInterrupt
 
 
