@@ -88,11 +88,8 @@ class MgpuDataParallel(nn.Module):
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-steps inside accumulate into the buckets without communicating."""
-        self.reducer.sync_enabled = False
-        try:
+        with self.reducer.no_sync():
             yield
-        finally:
-            self.reducer.sync_enabled = True
 
 
 def wrap_model(model: nn.Module, cfg: DistConfig, rt: Runtime) -> nn.Module:

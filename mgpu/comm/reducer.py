@@ -17,17 +17,16 @@ Stream rules (CUDA), in the order they happen in one optimizer step:
 
 Not supported: reentrant activation checkpointing (use_reentrant=True) runs an inner backward
 whose end the reducer would take for the step's; use use_reentrant=False, as GPT's
-model.activation_checkpointing does (each parameter's hook fires once, as without it).
-
-Buffers (BatchNorm statistics) follow rank 0's: see buckets.FlatBuffers.
-"""
+model.activation_checkpointing does (each parameter's hook fires once, as without it). Buffers
+(BatchNorm statistics) follow rank 0's: see buckets.FlatBuffers."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -66,21 +65,18 @@ class GradReducer:
         self.reduce_dtype = torch.bfloat16 if cfg.reduce_dtype is ReduceDtype.bf16 else None
         self.cfg = cfg
         self._set_caps(cfg.bucket_cap(large=False))
-        # Unique trainable parameters: a tied weight is one Parameter, reduced once.
-        seen: dict[int, nn.Parameter] = {}
-        for p in module.parameters():
-            if p.requires_grad:
-                seen.setdefault(id(p), p)
-        self.params = list(seen.values())
+        # Unique trainable parameters, in registration order: a tied weight is reduced once.
+        self.params = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
         self.names = {id(p): n for n, p in module.named_parameters()}
-        buffers = [b for b in module.buffers() if b.numel() > 0] if cfg.broadcast_buffers else []
-        self.buffers = FlatBuffers(buffers)
+        # Rank 0's buffers into every rank's (none to send in a world of one)
+        share = cfg.broadcast_buffers and rt.distributed
+        self.buffers = FlatBuffers([b for b in module.buffers() if b.numel() > 0] if share else [])
         self.cuda = rt.device.type == "cuda"
         self.stream = comm_stream(rt, cfg)
         self.op = tdist.ReduceOp.AVG if rt.backend == "nccl" else tdist.ReduceOp.SUM
         self.group = group if group is not None else comm_group(rt, cfg)
         self.communicate = communicate
-        self.sync_enabled = True
+        self._sync = True
         self.step_done = True  # the last synchronised backward finished: next forward is new
         self.steps_started, self.whole = 0, False  # whole: the model is compiled whole
         # ids of parameters whose .grad is their bucket slice in this step
@@ -193,11 +189,9 @@ class GradReducer:
         produced them (the compute stream), before anything reads the bucket. A parameter with
         no gradient (unused, under find_unused) gets a zeroed slice: it contributes zeros. A
         bucket of its own (Bucket.own) keeps its fresh gradient as it is (zeros if none came).
-
         One copy (autograd's fresh gradient read and written once) rather than zeroed buckets
         accumulated into (twice each); one per bucket keeps the host's work small (ResNet-50:
-        161 parameters, a handful of buckets). Later micro-steps accumulate in place.
-        """
+        161 parameters, a handful of buckets). Later micro-steps accumulate in place."""
         if not bucket.arrived:
             return
         if bucket.own:  # its gradient is reduced where autograd put it
@@ -251,17 +245,26 @@ class GradReducer:
             )
             self._build(order)
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside (accumulation's micro-steps) add into the buckets, not reducing."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: runs in the autograd thread once p.grad is final. Host
         time here is paid per parameter per backward: bookkeeping only, no kernel launch."""
         if id(p) not in self.attached:
             self.bucket_of[id(p)].arrived.append(p)  # copied in by _flush
-        if self.observed is not None and self.sync_enabled:
+        if self.observed is not None and self._sync:
             self.observed.append(self._index[id(p)])
         if not self.callback_queued:
             self.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        if not self.sync_enabled:
+        if not self._sync:
             return
         self.ready.add(id(p))
         self.bucket_of[id(p)].pending -= 1
@@ -306,7 +309,7 @@ class GradReducer:
     def _on_backward_end(self) -> None:
         """Autograd final callback: every hook of this backward has run."""
         self.callback_queued = False
-        if not self.sync_enabled:
+        if not self._sync:
             for b in self.buckets:  # accumulation micro-step: slices hold the gradients now
                 self._flush(b)
             return
@@ -348,7 +351,7 @@ class GradReducer:
             self.stream.wait_event(start)
             with torch.cuda.stream(self.stream):
                 self._wait_all()
-                self._broadcast_buffers()
+                self.buffers.broadcast(self.group)
             # The optimizer and the next backward, queued later on the compute stream, run
             # only after every reduction and copy-back has finished.
             torch.cuda.current_stream().wait_stream(self.stream)
@@ -359,7 +362,7 @@ class GradReducer:
                 stamped.end()
         else:
             self._wait_all()
-            self._broadcast_buffers()
+            self.buffers.broadcast(self.group)
             end = time.perf_counter()
         if captured:
             self.observed = None
@@ -367,11 +370,6 @@ class GradReducer:
             self.exposed.append((start, end))
         self._reset()
         self.step_done = True
-
-    def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers into every rank's, on the current stream (communication)."""
-        if self.rt.distributed:
-            self.buffers.broadcast(self.group)
 
     def _wait_launched(self) -> None:
         """Wait for the reductions already launched and order the compute stream after them."""
