@@ -17,27 +17,27 @@ class ConfigError(ValueError, RunStopped):
         super().__init__(f"{key}={value!r}: {why}")
 
 
-def _require(ok: bool, key: str, value: Any, why: str) -> None:
+def require(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(key, value, why)
 
 
-def _positive(key: str, value: float, example: str) -> None:
-    _require(value > 0, key, value, f"must be > 0, e.g. {key}={example}")
+def positive(key: str, value: float, example: str) -> None:
+    require(value > 0, key, value, f"must be > 0, e.g. {key}={example}")
 
 
-def _non_negative(key: str, value: float, example: str) -> None:
-    _require(value >= 0, key, value, f"must be >= 0, e.g. {key}={example}")
+def non_negative(key: str, value: float, example: str) -> None:
+    require(value >= 0, key, value, f"must be >= 0, e.g. {key}={example}")
 
 
-def _auto_or_bool(key: str, value: Any) -> bool | str:
+def auto_or_bool(key: str, value: Any) -> bool | str:
     """A key that takes auto, true or false (as typed, or as Hydra parsed it): auto or a bool."""
     text = str(value).lower()
-    _require(text in ("auto", "true", "false"), key, value, "must be auto, true or false")
+    require(text in ("auto", "true", "false"), key, value, "must be auto, true or false")
     return "auto" if text == "auto" else text == "true"
 
 
-def _auto_or_positive_int(key: str, value: Any, auto: str) -> None:
+def auto_or_positive_int(key: str, value: Any, auto: str) -> None:
     """A count that may be left to mgpu: auto (which `auto` explains) or an integer > 0."""
     ok = value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0)
-    _require(ok, key, value, f"must be auto ({auto}) or a positive integer")
+    require(ok, key, value, f"must be auto ({auto}) or a positive integer")

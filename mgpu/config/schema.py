@@ -17,7 +17,7 @@ from typing import Any
 
 from hydra.utils import get_object
 
-from mgpu.config.checks import ConfigError, _auto_or_bool, _non_negative, _positive, _require
+from mgpu.config.checks import ConfigError, auto_or_bool, non_negative, positive, require
 
 log = logging.getLogger(__name__)
 
@@ -144,29 +144,29 @@ class TrainerConfig:
     peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("trainer.max_steps", self.max_steps, "1000")
-        _positive("trainer.max_consecutive_skips", self.max_consecutive_skips, "5")
-        _positive("trainer.loss_scale_init", self.loss_scale_init, "65536")
-        _non_negative("trainer.stall_timeout_s", self.stall_timeout_s, "300 (0 turns it off)")
-        _positive("trainer.profile_start", self.profile_start, "10")
-        _positive("trainer.profile_steps", self.profile_steps, "5")
-        _non_negative("trainer.peak_tflops", self.peak_tflops, "989 (0: mgpu's table)")
-        _positive("trainer.grad_accum_steps", self.grad_accum_steps, "4")
-        _non_negative("trainer.grad_clip", self.grad_clip, "1.0 (0 turns clipping off)")
-        _positive("trainer.log_every", self.log_every, "10")
-        _non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
-        _non_negative("trainer.seed", self.seed, "0")
-        _require(
+        positive("trainer.max_steps", self.max_steps, "1000")
+        positive("trainer.max_consecutive_skips", self.max_consecutive_skips, "5")
+        positive("trainer.loss_scale_init", self.loss_scale_init, "65536")
+        non_negative("trainer.stall_timeout_s", self.stall_timeout_s, "300 (0 turns it off)")
+        positive("trainer.profile_start", self.profile_start, "10")
+        positive("trainer.profile_steps", self.profile_steps, "5")
+        non_negative("trainer.peak_tflops", self.peak_tflops, "989 (0: mgpu's table)")
+        positive("trainer.grad_accum_steps", self.grad_accum_steps, "4")
+        non_negative("trainer.grad_clip", self.grad_clip, "1.0 (0 turns clipping off)")
+        positive("trainer.log_every", self.log_every, "10")
+        non_negative("trainer.eval_every", self.eval_every, "500 (0: only at the end)")
+        non_negative("trainer.seed", self.seed, "0")
+        require(
             not (self.deterministic and self.cudnn_benchmark),
             "trainer.cudnn_benchmark",
             self.cudnn_benchmark,
             "picks cuDNN's convolution algorithms by their speed in this process, which "
             "trainer.deterministic=true cannot repeat; set trainer.cudnn_benchmark=false with it",
         )
-        self.compile = _auto_or_bool("trainer.compile", self.compile)
-        self.cuda_graphs = _auto_or_bool("trainer.cuda_graphs", self.cuda_graphs)
-        self.replay_update = _auto_or_bool("trainer.replay_update", self.replay_update)
-        _require(
+        self.compile = auto_or_bool("trainer.compile", self.compile)
+        self.cuda_graphs = auto_or_bool("trainer.cuda_graphs", self.cuda_graphs)
+        self.replay_update = auto_or_bool("trainer.replay_update", self.replay_update)
+        require(
             self.compile_mode in COMPILE_MODES,
             "trainer.compile_mode",
             self.compile_mode,
@@ -177,7 +177,7 @@ class TrainerConfig:
         # micro-batch overwrites the first's gradients before they are summed (GPT-2 XL with 16
         # micro-batches stopped at its first step on one H100, torch 2.11: "accessing tensor
         # output of CUDAGraphs that has been overwritten"). auto leaves the graphs out there.
-        _require(
+        require(
             self.compile_mode not in CUDA_GRAPH_MODES or self.grad_accum_steps == 1,
             "trainer.compile_mode",
             self.compile_mode,
@@ -186,34 +186,34 @@ class TrainerConfig:
             "trainer.compile_mode=auto or max-autotune-no-cudagraphs, or "
             "trainer.grad_accum_steps=1",
         )
-        _require(
+        require(
             self.compile_mode in ("auto", "default") or self.compile_backend == "inductor",
             "trainer.compile_mode",
             self.compile_mode,
             f"needs trainer.compile_backend=inductor (it is {self.compile_backend}); "
             "or set trainer.compile_mode=default",
         )
-        _require(
+        require(
             self.fp8_recipe in FP8_RECIPES,
             "trainer.fp8_recipe",
             self.fp8_recipe,
             f"must be one of {', '.join(FP8_RECIPES)}",
         )
-        _require(
+        require(
             not isinstance(self.fp8_skip, str | bytes),
             "trainer.fp8_skip",
             self.fp8_skip,
             "is a list of names, e.g. trainer.fp8_skip=[attn.c_proj]",
         )
         for name in self.fp8_skip:
-            _require(
+            require(
                 isinstance(name, str) and name.strip(".") == name and bool(name),
                 "trainer.fp8_skip",
                 name,
                 "each entry names a linear layer by the end of its name, e.g. "
                 "trainer.fp8_skip=[attn.c_proj]",
             )
-        _require(
+        require(
             bool(self.compile_backend),
             "trainer.compile_backend",
             self.compile_backend,
@@ -283,29 +283,29 @@ class DistConfig:
     powersgd_start_step: int = 10
 
     def __post_init__(self) -> None:
-        _positive("dist.timeout_s", self.timeout_s, "600")
+        positive("dist.timeout_s", self.timeout_s, "600")
         cap = self.bucket_cap_mb
         number = isinstance(cap, int | float) and not isinstance(cap, bool)
         ok = cap == "auto" or (number and cap > 0)
-        _require(ok, "dist.bucket_cap_mb", cap, "must be auto or a size in MB > 0, e.g. 25")
-        _positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
-        self.cpu_affinity = _auto_or_bool("dist.cpu_affinity", self.cpu_affinity)
-        _non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
+        require(ok, "dist.bucket_cap_mb", cap, "must be auto or a size in MB > 0, e.g. 25")
+        positive("dist.first_bucket_mb", self.first_bucket_mb, "1")
+        self.cpu_affinity = auto_or_bool("dist.cpu_affinity", self.cpu_affinity)
+        non_negative("dist.nccl_max_ctas", self.nccl_max_ctas, "4 (0: NCCL's choice)")
         ok = not self.nccl_high_priority or self.engine is Engine.mgpu
         why = f"sets mgpu's reducer only (dist.engine={self.engine.value}); set it false"
-        _require(ok, "dist.nccl_high_priority", self.nccl_high_priority, why)
+        require(ok, "dist.nccl_high_priority", self.nccl_high_priority, why)
         ok = not self.shard_optimizer or self.engine is Engine.mgpu
         why = f"needs dist.engine=mgpu (not {self.engine.value}); or set dist.shard_optimizer=false"
-        _require(ok, "dist.shard_optimizer", self.shard_optimizer, why)
+        require(ok, "dist.shard_optimizer", self.shard_optimizer, why)
         ok = self.compression is Compression.none or self.engine is Engine.torch_ddp
         why = (
             "runs as torch DDP's communication hook; set dist.engine=torch_ddp (mgpu's reducer "
             "compresses only to bf16: dist.reduce_dtype=bf16), or dist.compression=none"
         )
-        _require(ok, "dist.compression", self.compression.value, why)
-        _positive("dist.powersgd_rank", self.powersgd_rank, "4")
+        require(ok, "dist.compression", self.compression.value, why)
+        positive("dist.powersgd_rank", self.powersgd_rank, "4")
         start, why = self.powersgd_start_step, "must be >= 2 (torch's PowerSGD needs 2 plain steps)"
-        _require(start >= 2, "dist.powersgd_start_step", start, why)
+        require(start >= 2, "dist.powersgd_start_step", start, why)
 
     def recordable(self) -> bool:
         """Whether mgpu reduces the same buckets every step, which a CUDA graph can then record
@@ -344,16 +344,16 @@ class OptimConfig:
     momentum: float = 0.9  # sgd
 
     def __post_init__(self) -> None:
-        _positive("optim.lr", self.lr, "3e-4")
-        _non_negative("optim.weight_decay", self.weight_decay, "0.1")
-        _non_negative("optim.warmup_steps", self.warmup_steps, "100")
+        positive("optim.lr", self.lr, "3e-4")
+        non_negative("optim.weight_decay", self.weight_decay, "0.1")
+        non_negative("optim.warmup_steps", self.warmup_steps, "100")
         ok = 0 <= self.min_lr_ratio <= 1
-        _require(ok, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1], e.g. 0.1")
+        require(ok, "optim.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1], e.g. 0.1")
         ok = len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)
-        _require(ok, "optim.betas", self.betas, "must be two numbers in [0, 1), e.g. [0.9,0.95]")
-        _positive("optim.eps", self.eps, "1e-8")
+        require(ok, "optim.betas", self.betas, "must be two numbers in [0, 1), e.g. [0.9,0.95]")
+        positive("optim.eps", self.eps, "1e-8")
         ok = 0 <= self.momentum < 1
-        _require(ok, "optim.momentum", self.momentum, "must be in [0, 1), e.g. 0.9")
+        require(ok, "optim.momentum", self.momentum, "must be in [0, 1), e.g. 0.9")
 
 
 @dataclass
@@ -369,18 +369,18 @@ class CheckpointConfig:
     max_failed_saves: int = 3
 
     def __post_init__(self) -> None:
-        _non_negative("ckpt.every", self.every, "100 (0: only the final checkpoint)")
-        _positive("ckpt.keep_last", self.keep_last, "3")
-        _positive("ckpt.max_failed_saves", self.max_failed_saves, "3")
+        non_negative("ckpt.every", self.every, "100 (0: only the final checkpoint)")
+        positive("ckpt.keep_last", self.keep_last, "3")
+        positive("ckpt.max_failed_saves", self.max_failed_saves, "3")
         if self.resume not in ("auto", "never") and not os.path.exists(self.resume):
             why = "does not exist; name a run directory or one of its checkpoints"
-            _require(False, "ckpt.resume", self.resume, why)
+            require(False, "ckpt.resume", self.resume, why)
         ok = self.resume in ("auto", "never") or os.path.isdir(self.resume)
         why = (
             "must be auto, never, a run directory (its newest valid checkpoint) or one of its "
             "checkpoints, <run dir>/checkpoints/step-NNNNNNNN"
         )
-        _require(ok, "ckpt.resume", self.resume, why)
+        require(ok, "ckpt.resume", self.resume, why)
         path = Path(self.resume)
         if ok and self.resume not in ("auto", "never") and not path.name.startswith("step-"):
             has = (path / "checkpoints").is_dir() or path.name == "checkpoints"
@@ -388,7 +388,7 @@ class CheckpointConfig:
                 "is a directory with no checkpoints/ (it is not a run directory, or its run "
                 "saved none yet); name a run directory or <run dir>/checkpoints/step-NNNNNNNN"
             )
-            _require(has or (path / "manifest.json").is_file(), "ckpt.resume", self.resume, why)
+            require(has or (path / "manifest.json").is_file(), "ckpt.resume", self.resume, why)
 
 
 def build_from_target(key: str, target: str, kwargs: dict[str, Any], **extra: Any) -> Any:

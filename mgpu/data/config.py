@@ -13,10 +13,10 @@ from omegaconf import MISSING
 
 from mgpu.config.checks import (
     ConfigError,
-    _auto_or_positive_int,
-    _non_negative,
-    _positive,
-    _require,
+    auto_or_positive_int,
+    non_negative,
+    positive,
+    require,
 )
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_folder import (
@@ -69,22 +69,22 @@ class DataConfig:
     worker_nice: int = 0
 
     def __post_init__(self) -> None:
-        _positive("data.batch_size", self.batch_size, "32")
+        positive("data.batch_size", self.batch_size, "32")
         if self.num_workers != "auto":
             ok = isinstance(self.num_workers, int) and not isinstance(self.num_workers, bool)
             why = "must be auto or a number of worker processes >= 0, e.g. data.num_workers=8"
-            _require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
-        _positive("data.prefetch_factor", self.prefetch_factor, "2")
+            require(ok and self.num_workers >= 0, "data.num_workers", self.num_workers, why)
+        positive("data.prefetch_factor", self.prefetch_factor, "2")
         nice_ok = isinstance(self.worker_nice, int) and not isinstance(self.worker_nice, bool)
-        _require(
+        require(
             nice_ok and 0 <= self.worker_nice <= 19,
             "data.worker_nice",
             self.worker_nice,
             "must be a niceness from 0 (the trainer's priority) to 19 (the lowest), "
             "e.g. data.worker_nice=10",
         )
-        _positive("data.prefetch_depth", self.prefetch_depth, "2")
-        _require(
+        positive("data.prefetch_depth", self.prefetch_depth, "2")
+        require(
             self.device_transform in ("auto", "none"),
             "data.device_transform",
             self.device_transform,
@@ -111,8 +111,8 @@ class NgramDataConfig(DataConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-        _require(
+            positive(f"data.{key}", getattr(self, key), "a positive integer")
+        require(
             self.branching <= self.vocab_size,
             "data.branching",
             self.branching,
@@ -134,15 +134,15 @@ class ImageDataConfig(DataConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
-            _positive(f"data.{key}", getattr(self, key), "a positive integer")
-        _non_negative("data.noise", self.noise, "48")
+            positive(f"data.{key}", getattr(self, key), "a positive integer")
+        non_negative("data.noise", self.noise, "48")
 
 
 def _no_extra_classes(eval_path: str, found, classes: list[str], what: str, fix: str) -> None:
     """data.eval_path holds no class that training lacks (its labels would not exist)."""
     extra = sorted(set(found) - set(classes))
     why = f"has {what} {extra} that are not among the classes; {fix} them or add them to data.path"
-    _require(not extra, "data.eval_path", eval_path, why)
+    require(not extra, "data.eval_path", eval_path, why)
 
 
 @dataclass
@@ -199,22 +199,22 @@ class ImageFolderDataConfig(DataConfig):
         # Built in code (tests, benchmarks) these may come as the names users type.
         self.decode = Decode(getattr(self.decode, "value", self.decode))
         self.bad_files = BadFiles(getattr(self.bad_files, "value", self.bad_files))
-        _positive("data.image_size", self.image_size, "224")
-        _auto_or_positive_int("data.eval_samples", self.eval_samples, "a share of data.path")
+        positive("data.image_size", self.image_size, "224")
+        auto_or_positive_int("data.eval_samples", self.eval_samples, "a share of data.path")
         ok = len(self.scale) == 2 and 0 < self.scale[0] <= self.scale[1] <= 1
-        _require(ok, "data.scale", self.scale, "must be [min,max] in (0, 1], e.g. [0.08,1.0]")
+        require(ok, "data.scale", self.scale, "must be [min,max] in (0, 1], e.g. [0.08,1.0]")
         ok = len(self.ratio) == 2 and 0 < self.ratio[0] <= self.ratio[1]
-        _require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
+        require(ok, "data.ratio", self.ratio, "must be [min,max] > 0, e.g. [0.75,1.3333]")
         ok = 0 < self.eval_crop <= 1
-        _require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
+        require(ok, "data.eval_crop", self.eval_crop, "must be in (0, 1], e.g. 0.875")
         share = self.cpu_decode_share
         number = isinstance(share, int | float) and not isinstance(share, bool)
         ok = share == "auto" or (number and 0 <= share < 1)
         why = "must be auto or in [0, 1), e.g. 0.25 (every image on the CPU is data.decode=cpu)"
-        _require(ok, "data.cpu_decode_share", share, why)
+        require(ok, "data.cpu_decode_share", share, why)
         if self.decode is Decode.gpu:
             why = gpu_decode_unavailable()
-            _require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
+            require(why is None, "data.decode", "gpu", f"{why}; use data.decode=cpu")
         self._check_folders()
 
     def _check_folders(self) -> None:
@@ -240,7 +240,7 @@ class ImageFolderDataConfig(DataConfig):
         many would stop the run as it builds its data, after the run directory exists)."""
         if self.eval_samples == "auto":
             self.eval_samples = auto_eval_samples(images)
-        _require(
+        require(
             self.eval_samples < images,
             "data.eval_samples",
             self.eval_samples,

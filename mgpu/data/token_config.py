@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from mgpu.config.checks import ConfigError, _auto_or_positive_int, _positive, _require
+from mgpu.config.checks import ConfigError, auto_or_positive_int, positive, require
 from mgpu.data.config import DataConfig
 from mgpu.data.token_file import check_token_file, looks_like_text, max_token, text_error
 from mgpu.data.tokenizer import (
@@ -47,9 +47,9 @@ class TokenFileDataConfig(DataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _auto_or_positive_int("data.seq_len", self.seq_len, "the model's context, model.block_size")
-        _positive("data.eval_samples", self.eval_samples, "256")
-        _auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
+        auto_or_positive_int("data.seq_len", self.seq_len, "the model's context, model.block_size")
+        positive("data.eval_samples", self.eval_samples, "256")
+        auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
         self._resolve_tokenizer()
         if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
             self._check_ids()
@@ -64,7 +64,7 @@ class TokenFileDataConfig(DataConfig):
             f"follows the model's context (model.block_size; model.kwargs.block_size for "
             f"model=custom), which {model_name} does not give; set data.seq_len"
         )
-        _require(block_size is not None, "data.seq_len", "auto", why)
+        require(block_size is not None, "data.seq_len", "auto", why)
         self.seq_len = block_size
         self._check_windows()
 
@@ -80,7 +80,7 @@ class TokenFileDataConfig(DataConfig):
         """Every token id has a row: an id at or above the vocabulary would fail deep in the
         first step (or only on the batch that holds it), after the run directory exists."""
         highest = max_token(self.path)
-        _require(
+        require(
             highest < self.vocab_size,
             "data.vocab_size",
             self.vocab_size,
@@ -109,7 +109,7 @@ class TokenFileDataConfig(DataConfig):
                 "data.vocab_size to the number of token ids of the tool that made the file "
                 "(50257 for GPT-2's)"
             )
-            _require(self.vocab_size != "auto", "data.vocab_size", "auto", why)
+            require(self.vocab_size != "auto", "data.vocab_size", "auto", why)
         if self.tokenizer == "auto":
             found = meta_path(self.path)
             why = (
@@ -118,7 +118,7 @@ class TokenFileDataConfig(DataConfig):
                 "set data.tokenizer=bytes (byte-level tokens), data.tokenizer=TOKENIZER.json, "
                 "or data.tokenizer=none data.vocab_size=N (token ids only; N=50257 for GPT-2's)"
             )
-            _require(meta is not None, "data.tokenizer", "auto", why)
+            require(meta is not None, "data.tokenizer", "auto", why)
             self.tokenizer = meta.tokenizer_path(self.path)
             if self.tokenizer != BYTES:
                 self.tokenizer_sha256 = self._hash("data.tokenizer")
@@ -128,7 +128,7 @@ class TokenFileDataConfig(DataConfig):
             self._check_meta(meta)
         if self.vocab_size == "auto":
             why = "follows data.tokenizer, and none is recorded; set data.vocab_size"
-            _require(self.tokenizer not in UNDECODED, "data.vocab_size", "auto", why)
+            require(self.tokenizer not in UNDECODED, "data.vocab_size", "auto", why)
             self.vocab_size = meta.vocab_size if meta else self._tokenizer_size()
 
     def _tokenizer_size(self) -> int:
@@ -138,7 +138,7 @@ class TokenFileDataConfig(DataConfig):
             raise ConfigError("data.tokenizer", self.tokenizer, str(err)) from None
 
     def _hash(self, key: str) -> str:
-        _require(os.path.isfile(self.tokenizer), key, self.tokenizer, "no such file")
+        require(os.path.isfile(self.tokenizer), key, self.tokenizer, "no such file")
         return sha256_file(self.tokenizer)
 
     def _check_meta(self, meta: TokenMeta) -> None:
@@ -148,10 +148,10 @@ class TokenFileDataConfig(DataConfig):
             f"holds {size // 2:,} tokens, and its metadata ({meta_path(self.path)}) says "
             f"{meta.tokens:,}: it was rewritten since; prepare it again"
         )
-        _require(size == 2 * meta.tokens, "data.path", self.path, why)
+        require(size == 2 * meta.tokens, "data.path", self.path, why)
         theirs = meta.tokenizer if meta.tokenizer == BYTES else meta.tokenizer_sha256
         ours = self.tokenizer if self.tokenizer == BYTES else self.tokenizer_sha256
-        _require(
+        require(
             ours == theirs,
             "data.tokenizer",
             self.tokenizer,
@@ -162,7 +162,7 @@ class TokenFileDataConfig(DataConfig):
             "tokenizer leave data.tokenizer=auto",
         )
         if self.vocab_size != "auto":
-            _require(
+            require(
                 self.vocab_size >= meta.vocab_size,
                 "data.vocab_size",
                 self.vocab_size,

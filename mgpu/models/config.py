@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from mgpu.config.checks import ConfigError, _auto_or_positive_int, _positive, _require
+from mgpu.config.checks import ConfigError, auto_or_positive_int, positive, require
 from mgpu.models.gpt import (  # the choices live with the model
     ATTENTION,
     HEAD_LOSS,
@@ -57,34 +57,34 @@ class GPTModelConfig(ModelConfig):
     residual: str = "fp32"
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.residual in RESIDUAL,
             "model.residual",
             self.residual,
             f"must be one of {', '.join(RESIDUAL)}",
         )
-        _require(
+        require(
             self.head_loss in HEAD_LOSS,
             "model.head_loss",
             self.head_loss,
             f"must be one of {', '.join(HEAD_LOSS)}",
         )
-        _require(
+        require(
             self.attention in ATTENTION,
             "model.attention",
             self.attention,
             f"must be one of {', '.join(ATTENTION)}",
         )
-        _auto_or_positive_int("model.vocab_size", self.vocab_size, "follows data.vocab_size")
+        auto_or_positive_int("model.vocab_size", self.vocab_size, "follows data.vocab_size")
         for key in ("block_size", "n_layer", "n_head", "n_embd"):
-            _positive(f"model.{key}", getattr(self, key), "a positive integer")
-        _require(
+            positive(f"model.{key}", getattr(self, key), "a positive integer")
+        require(
             self.n_embd % self.n_head == 0,
             "model.n_embd",
             self.n_embd,
             f"must be divisible by model.n_head ({self.n_head})",
         )
-        _require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
+        require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         try:
             checkpointed_blocks(self.activation_checkpointing, self.n_layer)
         except ValueError:
@@ -104,10 +104,10 @@ class GPTModelConfig(ModelConfig):
                 f"data=custom), which {data_name} does not give; set model.vocab_size to its "
                 "number of token ids"
             )
-            _require(data_vocab is not None, "model.vocab_size", "auto", why)
+            require(data_vocab is not None, "model.vocab_size", "auto", why)
             self.vocab_size = -(-data_vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         elif data_vocab is not None:
-            _require(
+            require(
                 self.vocab_size >= data_vocab,
                 "model.vocab_size",
                 self.vocab_size,
@@ -139,10 +139,10 @@ class ClassifierConfig(ModelConfig):
                 f"data=image_folder, data.kwargs.num_classes for data=custom), which "
                 f"{data_name} does not give; set model.num_classes"
             )
-            _require(data_classes is not None, "model.num_classes", "auto", why)
+            require(data_classes is not None, "model.num_classes", "auto", why)
             self.num_classes = data_classes
         elif data_classes is not None:
-            _require(
+            require(
                 self.num_classes >= data_classes,
                 "model.num_classes",
                 self.num_classes,
@@ -173,25 +173,25 @@ class ResNetModelConfig(ClassifierConfig):
         return kwargs
 
     def __post_init__(self) -> None:
-        _require(
+        require(
             self.activation_checkpointing in ("none", 0),
             "model.activation_checkpointing",
             self.activation_checkpointing,
             "is implemented for GPT's transformer blocks only, not for ResNet's residual "
             "stages; set model.activation_checkpointing=none",
         )
-        _auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
-        _positive("model.width", self.width, "64")
-        _require(
+        auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
+        positive("model.width", self.width, "64")
+        require(
             self.block in ("basic", "bottleneck"),
             "model.block",
             self.block,
             "must be basic or bottleneck",
         )
-        _require(
+        require(
             self.stem in ("cifar", "imagenet"), "model.stem", self.stem, "must be cifar or imagenet"
         )
-        _require(
+        require(
             len(self.layers) > 0 and all(n > 0 for n in self.layers),
             "model.layers",
             self.layers,
@@ -207,9 +207,9 @@ class MLPModelConfig(ClassifierConfig):
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("model.in_features", self.in_features, "3072")
-        _auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
-        _require(
+        positive("model.in_features", self.in_features, "3072")
+        auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
+        require(
             all(h > 0 for h in self.hidden),
             "model.hidden",
             self.hidden,

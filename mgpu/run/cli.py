@@ -31,7 +31,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from mgpu.config.checks import ConfigError, _require
+from mgpu.config.checks import ConfigError, require
 from mgpu.config.schema import Precision
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
@@ -88,7 +88,7 @@ def _import_target(key: str, target: str) -> None:
     except Exception as err:  # noqa: BLE001 - whatever the user's module raised, in one line
         why = f"cannot be imported: {type(err).__name__}: {dist.first_line(err)}"
         raise ConfigError(key, target, f"{why}; name an importable module.Class") from None
-    _require(
+    require(
         not name or hasattr(module, name),
         key,
         target,

@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, read_write
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from mgpu.config.checks import ConfigError, _require
+from mgpu.config.checks import ConfigError, require
 from mgpu.config.schema import CheckpointConfig, DistConfig, Engine, OptimConfig, TrainerConfig
 from mgpu.data.config import (
     CustomDataConfig,
@@ -76,7 +76,7 @@ def check_dist_fits_trainer(dist_cfg: DistConfig, trainer: TrainerConfig) -> Non
     stops the first such backward with an internal assertion (torch 2.11 and 2.13), after the
     run directory exists. Said here, before anything starts."""
     if dist_cfg.engine is Engine.torch_ddp and dist_cfg.ddp_static_graph:
-        _require(
+        require(
             trainer.grad_accum_steps == 1,
             "dist.ddp_static_graph",
             True,
@@ -111,7 +111,7 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
         vocab = data.kwargs.get("vocab_size") if custom else getattr(data, "vocab_size", None)
         model.follow_data(vocab, data._target_)
         if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
-            _require(
+            require(
                 data.seq_len <= model.block_size,
                 "data.seq_len",
                 data.seq_len,
@@ -119,7 +119,7 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
                 "data.seq_len=auto (follows it), lower it, or raise model.block_size",
             )
     if isinstance(model, ResNetModelConfig) and isinstance(data, ImageDataConfig):
-        _require(
+        require(
             model.in_channels == data.channels,
             "model.in_channels",
             model.in_channels,
@@ -127,7 +127,7 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
         )
     if isinstance(model, MLPModelConfig) and isinstance(data, ImageDataConfig):
         pixels = data.channels * data.image_size**2
-        _require(
+        require(
             model.in_features == pixels,
             "model.in_features",
             model.in_features,
@@ -149,10 +149,10 @@ def _check_model_fits_folder(model: ModelConfig, data: ImageFolderDataConfig) ->
     if isinstance(model, ClassifierConfig):
         model.follow_classes(classes, f"data.path={data.path}")
     if isinstance(model, ResNetModelConfig):
-        _require(model.in_channels == 3, "model.in_channels", model.in_channels, "must be 3 (RGB)")
+        require(model.in_channels == 3, "model.in_channels", model.in_channels, "must be 3 (RGB)")
     if isinstance(model, MLPModelConfig):
         pixels = 3 * data.image_size**2
-        _require(
+        require(
             model.in_features == pixels,
             "model.in_features",
             model.in_features,
@@ -187,7 +187,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
     """`+optim.lrr=1` adds a key the schema lacks; OmegaConf would drop it without a word."""
     top = {f.name for f in fields(Config)} | {"hydra"}
     for key in cfg.keys():
-        _require(key in top, str(key), cfg[key], f"is not an mgpu setting; known: {sorted(top)}")
+        require(key in top, str(key), cfg[key], f"is not an mgpu setting; known: {sorted(top)}")
     for group in top - {"hydra"}:
         schema = OmegaConf.get_type(cfg[group])
         known = {f.name for f in fields(schema)}
@@ -195,7 +195,7 @@ def _reject_unknown_keys(cfg: DictConfig) -> None:
             close = difflib.get_close_matches(str(key), known, n=1)
             fix = f"did you mean {group}.{close[0]}?" if close else f"known: {sorted(known)}"
             why = f"is not a key of {group} ({schema.__name__}); {fix}"
-            _require(key in known, f"{group}.{key}", cfg[group][key], why)
+            require(key in known, f"{group}.{key}", cfg[group][key], why)
 
 
 def describe_error(err: Exception) -> str:
