@@ -267,6 +267,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session) -> None:
+    """Once the tests are selected (-m applied). Tests not marked gpu are the CPU suite, CI's:
+    beside visible CUDA GPUs the processes they start train on the GPUs (two processes of a
+    node need two; train.py stops otherwise) and are compared with what this process computes,
+    so on one H200 62 of them failed or erred. They run as on CI with the GPUs hidden: this
+    says how, instead of failing them one by one."""
+    if not torch.cuda.is_available():
+        return
+    cpu = [i for i in session.items if "gpu" not in i.keywords and not i.get_closest_marker("skip")]
+    if cpu:
+        raise pytest.UsageError(
+            f"{len(cpu)} of the selected tests are CPU tests (not marked gpu, e.g. "
+            f"{cpu[0].nodeid}) and this machine's CUDA GPUs are visible. Run them with the GPUs "
+            "hidden, as CI does: CUDA_VISIBLE_DEVICES= python -m pytest -q -m 'not gpu'; and "
+            "the GPU tests with: python -m pytest -q -m gpu"
+        )
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for a process group's rendezvous."""
     with socket.socket() as s:
