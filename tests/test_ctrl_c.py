@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import free_port, gloo_runtime, spawn
+from conftest import NCCL_ENV, free_port, gloo_runtime, spawn
 from test_one_line import start_in_its_own_group
 
 from mgpu.config.schema import NonFinite
@@ -195,6 +195,10 @@ def signalling_model(tmp_path):
     return record
 
 
+# On GPUs the Python forward must run every step to send its Ctrl-C: not compiled, not replayed.
+EAGER_ON_GPUS = ("trainer.compile=false", "trainer.cuda_graphs=false")
+
+
 @pytest.mark.parametrize(
     "nproc, hold_s",
     [(None, 1.0), (2, 1.0), (None, 60.0)],
@@ -205,14 +209,26 @@ def test_a_ctrl_c_in_a_step_stops_every_rank_after_the_same_step(tmp_path, nproc
     raised at once would cut it on every rank), and the run stops in one line: alone after step
     3, on two ranks both after the step whose agreement they read it in (3 + LAG), saving
     nothing more. A forward that goes on past the grace is cut, and the run stops after step 2."""
+    stops_after_the_same_step(tmp_path, nproc, hold_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_ctrl_c_in_a_step_stops_both_gpus_after_the_same_step(tmp_path):
+    """The same over NCCL: the agreement's collective runs on the GPUs, and a rank's host may
+    wait in a device sync rather than in the collective itself."""
+    stops_after_the_same_step(tmp_path, 2, 1.0, EAGER_ON_GPUS, NCCL_ENV)
+
+
+def stops_after_the_same_step(tmp_path, nproc, hold_s, settings=(), env=None):
     record = signalling_model(tmp_path)
     run_dir = tmp_path / "run"
     args = ["model=custom", "model._target_=mypkg.nets.Signalling", "+model.kwargs.at=3"]
     args += [f"+model.kwargs.hold_s={hold_s}", f"+model.kwargs.record={record}"]
     args += ["data=images", "data.image_size=8", "data.num_classes=10", "data.batch_size=8"]
     args += ["data.num_workers=1", "optim=sgd", "trainer.max_steps=1000", "trainer.eval_every=0"]
-    args += ["ckpt.every=2", f"hydra.run.dir={run_dir}"]
-    proc = start_in_its_own_group(args, tmp_path, nproc)
+    args += ["ckpt.every=2", f"hydra.run.dir={run_dir}", *settings]
+    proc = start_in_its_own_group(args, tmp_path, nproc, env)
     code = proc.wait(timeout=240)
     text = (tmp_path / "out.txt").read_text()
     said = [line for line in text.splitlines() if "interrupted (Ctrl-C)" in line]
@@ -238,6 +254,17 @@ def test_a_ctrl_c_during_an_evaluation_stops_every_rank_after_it(tmp_path):
     """Sent to rank 0 alone from its first evaluation batch (step 4's evaluation: forward 5):
     rank 0 reads no more batches, the evaluation's sum carries the Ctrl-C, and both ranks stop
     after step 4 in one line; rank 1 is not left in the sum waiting for a rank that left."""
+    stops_after_the_evaluation(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_ctrl_c_during_an_evaluation_stops_both_gpus_after_it(tmp_path):
+    """The same over NCCL (rank 1, which got no Ctrl-C, reads all its batches first)."""
+    stops_after_the_evaluation(tmp_path, EAGER_ON_GPUS, NCCL_ENV)
+
+
+def stops_after_the_evaluation(tmp_path, settings=(), env=None):
     record = signalling_model(tmp_path)
     run_dir = tmp_path / "run"
     args = ["model=custom", "model._target_=mypkg.nets.Signalling", "+model.kwargs.at=5"]
@@ -245,8 +272,8 @@ def test_a_ctrl_c_during_an_evaluation_stops_every_rank_after_it(tmp_path):
     args += ["+model.kwargs.only_rank0=true", "data=images", "data.image_size=8"]
     args += ["data.num_classes=10", "data.batch_size=8", "data.eval_samples=256"]
     args += ["data.num_workers=0", "optim=sgd", "trainer.max_steps=1000", "trainer.eval_every=4"]
-    args += ["ckpt.every=100", f"hydra.run.dir={run_dir}"]
-    proc = start_in_its_own_group(args, tmp_path, 2)
+    args += ["ckpt.every=100", f"hydra.run.dir={run_dir}", *settings]
+    proc = start_in_its_own_group(args, tmp_path, 2, env)
     proc.wait(timeout=240)
     text = (tmp_path / "out.txt").read_text()
     assert list(record.iterdir()) == [], text[-3000:]  # no forward cut

@@ -120,10 +120,10 @@ def test_a_run_directory_on_a_read_only_filesystem_is_one_line(tmp_path):
     assert "choose a run directory that can be written: hydra.run.dir=PATH" in lines[0], lines[0]
 
 
-def start_in_its_own_group(args: list[str], tmp: Path, nproc: int | None):
+def start_in_its_own_group(args: list[str], tmp: Path, nproc: int | None, env=None):
     """train.py started as from a terminal: in a process group of its own (the one a terminal's
-    Ctrl-C signals), SIGINT at its default action."""
-    command, env = train_command(args, nproc=nproc)
+    Ctrl-C signals), SIGINT at its default action; `env` added to its environment."""
+    command, env = train_command(args, nproc=nproc, env=env)
     log = open(tmp / "out.txt", "w")  # noqa: SIM115 - closed by the caller's wait
     return subprocess.Popen(
         command,
