@@ -517,6 +517,20 @@ def test_a_rank_stuck_in_its_first_batch_is_the_one_named(tmp_path):
     assert re.search(r"lagging: rank 1; rank 1: step 1, data loading", text), text[-3000:]
 
 
+def test_a_compiled_runs_first_step_is_not_timed_by_the_stall_clock(tmp_path):
+    """The first step of a compiled run compiles (here ~2.5 s on one idle core, the stall clock
+    at 1 s; minutes for a large model): not a stall. The clock runs again after it and finds
+    the loader that never yields at step 3."""
+    hang = faulty("hang", rank=0, step=3, marker=tmp_path / "m")
+    settings = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
+    settings += ["trainer.stall_timeout_s=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_train([*RUN, *hang, *settings], cwd=tmp_path, nproc=None, timeout=240)
+    text = output(proc)
+    assert proc.returncode != 0 and os.path.exists(tmp_path / "m"), text[-3000:]
+    said = r"rank 0: no progress for \d+ s \(trainer.stall_timeout_s=1\) in step (\d+), (.+?)[.:]"
+    assert re.findall(said, text) == [("3", "data loading")], text[-3000:]
+
+
 # ---- the pieces: signal agreement, restart hazard ----
 
 

@@ -239,9 +239,11 @@ class Trainer:
         batches = self._begin(train)
         try:
             self.watch.start()  # the stall clock and progress reports, until the end
+            first = self.start_step + 1  # where a compiled model compiles: the clock waits
+            self.watch.compiles_in(first if cfg.compiles(self.rt.device.type) else 0)
             self.ctrl_c.defer(True)  # a Ctrl-C rides the steps' agreement, until the end
-            batches = first_batch_everywhere(batches, self.rt, self.watch, self.start_step + 1)
-            for step in range(self.start_step + 1, cfg.max_steps + 1):
+            batches = first_batch_everywhere(batches, self.rt, self.watch, first)
+            for step in range(first, cfg.max_steps + 1):
                 lr = self.schedule.get_last_lr()[0]  # the rate this step trains with
                 loss, bad = self._step(batches, step)  # data, forward/backward, agree, update
                 rec.step(loss, bad)  # on the device: read a log interval later
@@ -291,9 +293,7 @@ class Trainer:
         with ticking("trainer.compile: compiling the first step") if compiling else nullcontext():
             loss, bad = self.train_step(batches, step)
         self.step = step
-        if first:
-            # From here on: the first step is where a compiled model compiles, so start-up
-            # includes it.
+        if first:  # start-up includes the first step, where a compiled model compiles
             self._enter("training")
         return loss, bad
 

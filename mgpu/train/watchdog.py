@@ -5,7 +5,9 @@ and that rank ends first, so that torchrun's "Root Cause" is the rank that hung.
 
 Two clocks. Collectives are bounded by dist.timeout_s (the process group's own timeout); the
 stall clock here (trainer.stall_timeout_s) catches what no collective bounds, such as a data
-loader that never yields, and a host blocked behind a hung NCCL collective.
+loader that never yields, and a host blocked behind a hung NCCL collective; not a compiled
+run's first forward/backward, where torch.compile takes minutes (max-autotune far more): a rank
+that never ends it is found by the ranks that wait for it.
 
 Which rank did not arrive: every rank counts the collectives it has issued, per process group,
 in torch's flight recorder; the rank with fewer than another is the one the others wait for.
@@ -51,7 +53,6 @@ UPDATE = "optimizer step and the step's agreement all_reduce (non-finite, preemp
 LOG = "logging: the loss all_reduce and rank all_gather"
 EVAL = "evaluation and its loss all_reduce"
 SAVE = "checkpoint save and its barriers"
-
 
 # A step's phases in the order the loop goes through them: ranks at the same step are ordered
 # by phase, so the one still loading data lags the one waiting in the gradient all_reduce.
@@ -131,6 +132,7 @@ class Watchdog:
     def __init__(self, rt: Runtime, stall_s: float, *, publish_every_s: float = 2.0):
         self.rt, self.stall_s = rt, stall_s
         self.step, self.phase, self.at = 0, "start-up", time.monotonic()
+        self.compile_step = 0  # compiles_in(): the step whose STEP phase the clock leaves alone
         self.publish_every_s = min(publish_every_s, stall_s / 4) if stall_s else publish_every_s
         # How long a report waits for the other ranks' answers, then for the named rank's stacks:
         # each rank's thread looks at the store once every publish_every_s.
@@ -142,6 +144,10 @@ class Watchdog:
 
     def beat(self, step: int, phase: str) -> None:
         self.step, self.phase, self.at = step, phase, time.monotonic()
+
+    def compiles_in(self, step: int) -> None:
+        """`step` compiles the model (the run's first): its STEP phase is not timed."""
+        self.compile_step = step
 
     def __enter__(self) -> Watchdog:
         self.start()
@@ -173,7 +179,8 @@ class Watchdog:
             if self._ask_nccl:  # the training thread, not waiting in NCCL, hears nothing
                 lost_peer_stop(self.rt, self._store)  # returns only if no peer is lost
             idle = time.monotonic() - self.at
-            if self.stall_s and idle > self.stall_s:
+            compiling = self.step == self.compile_step and self.phase == STEP
+            if self.stall_s and idle > self.stall_s and not compiling:
                 self._end_stalled(idle)
 
     # ---- the store: keys per torchrun restart (a store that outlives one holds the last's) ----
