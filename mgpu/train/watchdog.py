@@ -9,13 +9,11 @@ loader that never yields, and a host blocked behind a hung NCCL collective; not 
 run's first forward/backward, where torch.compile takes minutes (max-autotune far more): a rank
 that never ends it is found by the ranks that wait for it.
 
-Which rank did not arrive: every rank counts the collectives it has issued, per process group,
-in torch's flight recorder; the rank with fewer than another is the one the others wait for.
-Where no count tells (a hang outside collectives, a recorder turned off), the rank furthest
-behind in step and phase is. A report asks every rank for its count and place through the
-store (a side channel, not a collective, which would hang too), and asks the rank it names to
-write its stacks and end itself.
-"""
+Which rank did not arrive: the one with fewer collectives issued (per process group, in torch's
+flight recorder) than another; where no count tells (a hang outside collectives, no recorder),
+the one furthest behind in step and phase. A report asks every rank for its count and place
+through the store (a side channel: a collective would hang too), and the rank it names to write
+its stacks and end itself."""
 
 from __future__ import annotations
 
@@ -276,11 +274,8 @@ class Watchdog:
             last = records.get(self._key("progress", rank))
             seen = f"; last seen in step {last['step']}, {last['phase']}" if last else ""
             return f"rank {rank} did not answer within {self.answer_s:.0f} s{seen}"
-        answer = answers[rank]
-        where = (
-            f"in step {answer['step']}, {answer['phase']} for {time.time() - answer['since']:.0f} "
-            f"s, {answer['at']}"
-        )
+        a = answers[rank]
+        where = f"in step {a['step']}, {a['phase']} for {time.time() - a['since']:.0f} s, {a['at']}"
         if rank not in late:
             return f"rank {rank} is furthest behind: it is {where}"
         group, count = late[rank]
@@ -354,14 +349,12 @@ class Watchdog:
                 path = None
         if path is None:
             sys.stderr.write(head)
-            sys.stderr.flush()
+            sys.stderr.flush()  # faulthandler writes to the file descriptor, after it
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         where = str(path) if path is not None else "on its stderr"
         if self._store is not None:
             self._put(self._key("hang/stacks", self.rt.rank), where)
         return where
-
-    # ---- endings ----
 
     def _end_stalled(self, idle: float) -> None:
         head = (
@@ -402,6 +395,5 @@ class Watchdog:
         report, hung = self._report()
         if hung is False:
             time.sleep(GRACE_S)  # the hung rank ends first
-        return CollectiveTimeout(
-            f"{head}, {self.phase}. {report}. The backend said: {first_line(err)}"
-        )
+        said = first_line(err)
+        return CollectiveTimeout(f"{head}, {self.phase}. {report}. The backend said: {said}")
