@@ -267,6 +267,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.hookimpl(tryfirst=True)  # in an xdist worker, before it sends the controller its tests
 def pytest_collection_finish(session) -> None:
     """Once the tests are selected (-m applied). Tests not marked gpu are the CPU suite, CI's:
     beside visible CUDA GPUs the processes they start train on the GPUs (two processes of a
@@ -276,13 +277,21 @@ def pytest_collection_finish(session) -> None:
     if not torch.cuda.is_available():
         return
     cpu = [i for i in session.items if "gpu" not in i.keywords and not i.get_closest_marker("skip")]
-    if cpu:
-        raise pytest.UsageError(
-            f"{len(cpu)} of the selected tests are CPU tests (not marked gpu, e.g. "
-            f"{cpu[0].nodeid}) and this machine's CUDA GPUs are visible. Run them with the GPUs "
-            "hidden, as CI does: CUDA_VISIBLE_DEVICES= python -m pytest -q -m 'not gpu'; and "
-            "the GPU tests with: python -m pytest -q -m gpu"
-        )
+    if not cpu:
+        return
+    why = (
+        f"{len(cpu)} of the selected tests are CPU tests (not marked gpu, e.g. "
+        f"{cpu[0].nodeid}) and this machine's CUDA GPUs are visible. Run them with the GPUs "
+        "hidden, as CI does: CUDA_VISIBLE_DEVICES= python -m pytest -q -m 'not gpu'; and "
+        "the GPU tests with: python -m pytest -q -m gpu"
+    )
+    if _WORKER is None:
+        raise pytest.UsageError(why)
+    # A UsageError raised in a pytest-xdist worker reaches its controller as an internal error
+    # that does not say why. Run nothing and stop the session: the controller ends it as
+    # interrupted, with this message, and exits non-zero.
+    session.items.clear()
+    session.shouldstop = why
 
 
 def free_port() -> int:

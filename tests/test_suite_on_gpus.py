@@ -1,38 +1,51 @@
 """The test suite itself on a machine whose CUDA GPUs are visible (stood in for here by a CUDA
-check that answers yes): the CPU tests are refused in one message that says how to run them, and
-a selection of GPU tests alone goes ahead."""
+check that answers yes, in every pytest process): the CPU tests are refused in one message that
+says how to run them, also under pytest-xdist (README's command runs a worker per CPU), and a
+selection of GPU tests alone goes ahead."""
 
+import os
 import re
 import subprocess
 import sys
 
 from conftest import ROOT
 
-AS_IF_GPUS = """
-import sys, torch
-torch.cuda.is_available = lambda: True  # this machine's GPUs, as conftest asks for them
-import pytest
-sys.exit(pytest.main(["-q", "-n", "0", "-p", "no:cacheprovider", "--co", *sys.argv[1:]]))
-"""
+# A pytest plugin (-p), so that xdist's workers load it too: this machine's GPUs, as conftest
+# asks for them.
+AS_IF_GPUS = "import torch\ntorch.cuda.is_available = lambda: True\n"
+REFUSED = re.compile(r"\d+ of the selected tests are CPU tests \(not marked gpu")
+HOW = ("CUDA_VISIBLE_DEVICES= python -m pytest -q -m 'not gpu'", "python -m pytest -q -m gpu")
 
 
-def collect(*args: str) -> subprocess.CompletedProcess:
+def pytest_as_if_gpus(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    (tmp_path / "as_if_gpus.py").write_text(AS_IF_GPUS)
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
     return subprocess.run(
-        [sys.executable, "-c", AS_IF_GPUS, *args, "tests/test_fused_loss.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "as_if_gpus", "-p", "no:cacheprovider",
+         *args, "tests/test_fused_loss.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
 
 
-def test_cpu_tests_beside_gpus_are_refused_saying_how_to_run_them():
-    proc = collect()
+def test_cpu_tests_beside_gpus_are_refused_saying_how_to_run_them(tmp_path):
+    proc = pytest_as_if_gpus(tmp_path, "-n", "0", "--co")
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
     said = proc.stderr.strip()
-    assert re.match(r"ERROR: \d+ of the selected tests are CPU tests \(not marked gpu", said), said
-    assert "CUDA_VISIBLE_DEVICES= python -m pytest -q -m 'not gpu'" in said
-    assert "python -m pytest -q -m gpu" in said
+    assert said.startswith("ERROR: ") and REFUSED.match(said.removeprefix("ERROR: ")), said
+    assert all(how in said for how in HOW), said
 
 
-def test_the_gpu_tests_alone_are_collected():
-    proc = collect("-m", "gpu")
+def test_a_worker_per_cpu_refuses_them_in_the_same_words(tmp_path):
+    proc = pytest_as_if_gpus(tmp_path, "-n", "2")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 3), said[-3000:]  # 3: an internal error, saying nothing
+    assert "INTERNALERROR" not in said, said[-3000:]
+    assert REFUSED.search(said) and all(how in said for how in HOW), said[-3000:]
+    assert not re.search(r"\d+ (passed|failed)", said), said[-3000:]
+
+
+def test_the_gpu_tests_alone_are_collected(tmp_path):
+    proc = pytest_as_if_gpus(tmp_path, "-n", "0", "--co", "-m", "gpu")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert re.search(r"\d+/\d+ tests collected \(\d+ deselected\)", proc.stdout), proc.stdout
