@@ -1,7 +1,9 @@
 """Faults for end-to-end tests, injected through the plug-in points users have (`data=custom`,
 `model=custom`): n-gram token datasets that, on one rank and once (a marker file remembers),
 kill their own process, signal it or the torchrun agent, or hang, at a chosen sample; a dataset
-that records the indices it served; a GPT whose loss turns NaN; a GPT that hangs in a forward."""
+that records the indices it served; a GPT whose loss turns NaN; a GPT that hangs in a forward.
+Importing it (as `data._target_=tests.faults...` does) also registers a torch.compile backend,
+`trainer.compile_backend=slow_compile`: a compile that takes SLOW_COMPILE_S a graph."""
 
 import os
 import signal
@@ -12,6 +14,16 @@ import torch
 
 from mgpu.data import NgramTokens
 from mgpu.models import GPT
+
+SLOW_COMPILE_S = 2.5
+
+
+@torch._dynamo.register_backend(name="slow_compile")  # torch's documented way to add a backend
+def slow_compile(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+    """A compile that takes SLOW_COMPILE_S a graph (as a large model's does minutes), then runs
+    the graph as traced, as torch's eager backend does."""
+    time.sleep(SLOW_COMPILE_S)
+    return graph.forward
 
 
 def first_sample_of_step(step: int, batch_size: int) -> int:

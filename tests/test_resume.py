@@ -531,6 +531,23 @@ def test_a_compiled_runs_first_step_is_not_timed_by_the_stall_clock(tmp_path):
     assert re.findall(said, text) == [("3", "data loading")], text[-3000:]
 
 
+def test_a_compiled_models_first_evaluation_is_not_timed_by_the_stall_clock(tmp_path):
+    """The first evaluation of a compiled model compiles it again (eval mode, no grad): here
+    2.5 s a graph (tests.faults.slow_compile) under a 1-s stall clock, not a stall. The clock
+    runs again after it and finds the loader that never yields at step 3."""
+    hang = faulty("hang", rank=0, step=3, marker=tmp_path / "m")
+    settings = ["trainer.compile=true", "trainer.compile_backend=slow_compile"]
+    settings += ["trainer.eval_every=2", "trainer.stall_timeout_s=1"]
+    proc = run_train(
+        [*RUN, *hang, *settings, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=None
+    )
+    text = output(proc)
+    assert proc.returncode != 0 and os.path.exists(tmp_path / "m"), text[-3000:]
+    said = r"rank 0: no progress for \d+ s \(trainer.stall_timeout_s=1\) in step (\d+), (.+?)[.:]"
+    assert re.findall(said, text) == [("3", "data loading")], text[-3000:]
+    assert re.search(r"step 2/\d+ \| eval loss", text), text[-3000:]  # the evaluation ended
+
+
 # ---- the pieces: signal agreement, restart hazard ----
 
 

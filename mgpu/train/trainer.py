@@ -1,9 +1,8 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
-precision (the forward and loss eager, or replayed as CUDA graphs: mgpu.train.graphs; the
-optimizer step with its clipping and loss scaling: mgpu.train.update; batches fed to it:
-mgpu.train.feed), periodic and final evaluation, when to record metrics, when all ranks save a
-checkpoint together (mgpu.ckpt.resume says how), and stopping on preemption or at a Ctrl-C; the
-state a checkpoint holds (state_dict/load_state_dict).
+precision (forward and loss eager or replayed as CUDA graphs: mgpu.train.graphs; the update with
+its clipping and loss scaling: mgpu.train.update; batches: mgpu.train.feed), periodic and final
+evaluation, when to record metrics, when all ranks save a checkpoint together (mgpu.ckpt.resume),
+stopping on preemption or at a Ctrl-C; the state a checkpoint holds (state_dict).
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later with the step's
@@ -75,9 +74,8 @@ class Trainer:
         goodput: Goodput | None = None,
     ):
         self.cfg, self.model, self.rt = cfg, model, rt
-        # The parameter objects, listed once: the same objects for the whole run (sharding and
-        # checkpoint loads change their data), and walking the module tree for them every step
-        # cost ResNet-50 ~0.17 ms of host time a step, which a launch-bound step pays in full.
+        # The parameter objects, listed once (sharding and loads change only their data): walking
+        # the module tree every step cost ResNet-50 ~0.17 ms of host time, paid in full.
         self.params = list(model.parameters())
         self.profiler, self.goodput, self.preemption = profiler, goodput, preemption
         # Ctrl-C, agreed on in the steps' exchange; one never entered: Python's own, at once
@@ -108,7 +106,8 @@ class Trainer:
         own_loss = getattr(unwrap(model), "computes_loss", False)
         loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
         wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
-        compiled = cfg.compiles(rt.device.type)
+        self.compiles = compiled = cfg.compiles(rt.device.type)
+        self.evaluated = False  # evaluate(): the first evaluation of a compiled model compiles
         own_graphs = compiled and mode in CUDA_GRAPH_MODES
         reduces = reduction_in_graphs(model, rt.distributed, cfg.grad_accum_steps, own_graphs)
         graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed, reduces)
@@ -188,8 +187,7 @@ class Trainer:
         return loss, bad
 
     def loss_scale(self) -> torch.Tensor | None:
-        """fp16's current loss scale as a device scalar (no host sync), else None: the scaler
-        multiplies a one by its scale, through its public API."""
+        """fp16's loss scale on the device (no host sync; the scaler's API), else None."""
         if not self.scaler.is_enabled():
             return None
         return self.scaler.scale(torch.ones((), device=self.rt.device))
@@ -207,16 +205,21 @@ class Trainer:
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         step = self.watch.step
+        # A compiled model compiles again for its first evaluation (eval mode, no grad, a last
+        # batch of its own size): minutes for a large model, which the stall clock leaves alone.
+        forward = watchdog.EVAL_COMPILE if self.compiles and not self.evaluated else watchdog.EVAL
         for batch in self.feed.batches(loader):
             if self.ctrl_c.asked:
                 break
-            self.watch.beat(step, watchdog.EVAL)
+            self.watch.beat(step, forward)
             inputs, targets = self.feed.prepare(batch)
             with self._autocast():
                 logits = model(inputs)
             sums[0] += cross_entropy(logits, targets, reduction="sum").double()
             sums[1] += targets.numel()
+            self.watch.beat(step, watchdog.EVAL)  # from here the next batch's loading is timed
         model.train()
+        self.evaluated = True
         self.watch.beat(step, watchdog.EVAL)
         sums[2] = float(self.ctrl_c.asked)
         all_reduce_sum_(sums, self.rt)
@@ -230,17 +233,17 @@ class Trainer:
         agreement inside, read LAG steps later) -> log -> maybe evaluate and save; all ranks
         stop together after the step their agreement names on preemption."""
         cfg, rec = self.cfg, self.recorder
+        if rec is None:
+            raise ValueError("Trainer.fit records its steps: build the Trainer with a recorder")
         if self.start_step >= cfg.max_steps:
-            log.info(
-                "resumed at step %d, trainer.max_steps=%d: done", self.start_step, cfg.max_steps
-            )
+            log.info("resumed at step %d, trainer.max_steps=%d: done", self.step, cfg.max_steps)
             return
         train, owned = self.feed.prefetcher(train_loader)
         batches = self._begin(train)
         try:
             self.watch.start()  # the stall clock and progress reports, until the end
             first = self.start_step + 1  # where a compiled model compiles: the clock waits
-            self.watch.compiles_in(first if cfg.compiles(self.rt.device.type) else 0)
+            self.watch.compiles_in(first if self.compiles else 0)
             self.ctrl_c.defer(True)  # a Ctrl-C rides the steps' agreement, until the end
             batches = first_batch_everywhere(batches, self.rt, self.watch, first)
             for step in range(first, cfg.max_steps + 1):
@@ -286,10 +289,9 @@ class Trainer:
     def _step(self, batches: Iterator[Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.profiler is not None:
             self.profiler.begin_step(step)
-        # The first step is where a compiled model compiles, minutes for a large one: rank 0
-        # says it is still at it, on a terminal.
+        # A compiled model compiles in the first step (minutes when large): rank 0 says so.
         first = step == self.start_step + 1
-        compiling = first and self.rt.is_primary and self.cfg.compiles(self.rt.device.type)
+        compiling = first and self.rt.is_primary and self.compiles
         with ticking("trainer.compile: compiling the first step") if compiling else nullcontext():
             loss, bad = self.train_step(batches, step)
         self.step = step
@@ -364,9 +366,8 @@ class Trainer:
         return self._state(self.step, self._data)
 
     def _state(self, step: int, data: DataLoader) -> dict:
-        # A data set with state of its own (image_folder's decode share: checkpoint_state, not
-        # state_dict, which a user's data set may have for other ends) keeps it in the
-        # checkpoint; build_run hands it back to the resumed run's data sets.
+        # A data set's own state (image_folder's decode share: checkpoint_state, not a user's
+        # state_dict) goes in the checkpoint; build_run hands it back to the resumed run's.
         dataset_state = getattr(data.dataset, "checkpoint_state", None)
         return training_state(
             model=unwrap(self.model), optimizer=self.optimizer, schedule=self.schedule,
@@ -376,8 +377,7 @@ class Trainer:
 
     def save(self, step: int, loader: DeviceLoader | DataLoader, *, required: bool) -> Path | None:
         """Every rank together saves the state after `step`, trained from `loader` (its cursor
-        and generator state go in the checkpoint, not the loader). A collective; fit saves
-        through the same checkpointer."""
+        and generator state, not the loader). A collective, through fit's checkpointer."""
         data = loader.loader if isinstance(loader, DeviceLoader) else loader
         return self.checkpointer.save(
             step, lambda: self._state(step, data), generators(data), required=required

@@ -6,8 +6,8 @@ and that rank ends first, so that torchrun's "Root Cause" is the rank that hung.
 Two clocks. Collectives are bounded by dist.timeout_s (the process group's own timeout); the
 stall clock here (trainer.stall_timeout_s) catches what no collective bounds, such as a data
 loader that never yields, and a host blocked behind a hung NCCL collective; not a compiled
-run's first forward/backward, where torch.compile takes minutes (max-autotune far more): a rank
-that never ends it is found by the ranks that wait for it.
+run's first forward/backward, nor the forwards of its first evaluation, where torch.compile takes
+minutes (max-autotune far more): a rank that never ends it is found by the ranks that wait for it.
 
 Which rank did not arrive: the one with fewer collectives issued (per process group, in torch's
 flight recorder) than another; where no count tells (a hang outside collectives, no recorder),
@@ -49,12 +49,13 @@ FIRST_BATCH = "agreeing that every rank read its first batch (all_reduce)"  # be
 STEP = "forward/backward and the gradient all_reduce"
 UPDATE = "optimizer step and the step's agreement all_reduce (non-finite, preemption)"
 LOG = "logging: the loss all_reduce and rank all_gather"
+EVAL_COMPILE = "the first evaluation's forward, compiling the model for evaluation (not timed)"
 EVAL = "evaluation and its loss all_reduce"
 SAVE = "checkpoint save and its barriers"
 
 # A step's phases in the order the loop goes through them: ranks at the same step are ordered
 # by phase, so the one still loading data lags the one waiting in the gradient all_reduce.
-ORDER = (DATA, FIRST_BATCH, STEP, UPDATE, LOG, EVAL, SAVE)
+ORDER = (DATA, FIRST_BATCH, STEP, UPDATE, LOG, EVAL_COMPILE, EVAL, SAVE)
 
 
 def progress(record: dict) -> tuple[int, int]:
@@ -144,7 +145,8 @@ class Watchdog:
         self.step, self.phase, self.at = step, phase, time.monotonic()
 
     def compiles_in(self, step: int) -> None:
-        """`step` compiles the model (the run's first): its STEP phase is not timed."""
+        """`step` compiles the model (the run's first): its STEP phase is not timed (nor is
+        EVAL_COMPILE, which evaluate() beats around the first evaluation's forwards)."""
         self.compile_step = step
 
     def __enter__(self) -> Watchdog:
@@ -177,7 +179,8 @@ class Watchdog:
             if self._ask_nccl:  # the training thread, not waiting in NCCL, hears nothing
                 lost_peer_stop(self.rt, self._store)  # returns only if no peer is lost
             idle = time.monotonic() - self.at
-            compiling = self.step == self.compile_step and self.phase == STEP
+            first_step = self.step == self.compile_step and self.phase == STEP
+            compiling = first_step or self.phase == EVAL_COMPILE
             if self.stall_s and idle > self.stall_s and not compiling:
                 self._end_stalled(idle)
 
@@ -333,10 +336,8 @@ class Watchdog:
     def _write_stacks(self) -> str:
         """Every thread's stack, in this rank's hang-rank<N>.txt (else stderr); where, for the
         store and the line. The training loop's thread is named in the file's first line."""
-        head = (
-            f"rank {self.rt.rank}: no progress for {self._waited()}; the training loop's thread "
-            f"is 0x{self._loop:016x}\n"
-        )
+        loop = f"the training loop's thread is 0x{self._loop:016x}"
+        head = f"rank {self.rt.rank}: no progress for {self._waited()}; {loop}\n"
         path = stacks_path(self.rt.rank)
         if path is not None:
             try:
