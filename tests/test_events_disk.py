@@ -3,6 +3,7 @@ names the file, the OS error and the fix; not a traceback from TensorBoard's wri
 writes fail for real: the event file is swapped for a link to /dev/full (ENOSPC), or for a
 directory (EISDIR: any OSError takes the same way)."""
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -11,8 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, train_command
+from hydra import compose, initialize_config_dir
 
+from mgpu.run.build import Run, build_run
+from mgpu.run.config import resolved_yaml, to_config
+from mgpu.runtime.dist import Runtime
 from mgpu.telemetry.board import EventsUnwritable, TensorBoard
 
 FULL = "No space left on device"
@@ -127,3 +133,37 @@ def test_train_py_on_a_full_disk_stops_in_one_line_and_keeps_its_checkpoints(tmp
     assert len(said) == 1 and str(events) in said[0] and FULL in said[0], out[-3000:]
     assert "Traceback" not in out and "Exception in thread" not in out, out[-3000:]
     assert list(run_dir.glob("checkpoints/step-*/manifest.json")), "the checkpoints went"
+
+
+class FirstBatches:
+    """In place of the Trainer: starts both loaders' DataLoader workers (a batch from each) and
+    ends, as a run that trained does."""
+
+    def fit(self, train, evals) -> None:
+        for loader in (train, evals):
+            batches = iter(loader)
+            next(batches)
+            batches.close()
+        self.workers = multiprocessing.active_children()
+
+
+def test_a_failed_last_write_still_stops_the_loaders_workers(tmp_path):
+    """The run ended, and the events' last write fails as the board closes (a full disk): that
+    error is the run's, and the DataLoader workers, persistent for the training loader, are
+    stopped all the same (left running they keep `python train.py` from exiting)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = ["data.num_workers=1", "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        dcfg = compose(config_name="config", overrides=args)
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    built = build_run(to_config(dcfg), rt, run_dir, resolved_yaml(dcfg))
+    trainer = FirstBatches()
+    run = Run(trainer, built.train_loader, built.eval_loader, built.board, built.goodput)
+    swap(built.board.events, full=True)
+    built.board.scalars(1, {"train/loss": 1.0})  # queued; the writer's thread fails on it
+    with pytest.raises(EventsUnwritable, match=FULL):
+        run.fit()
+    assert trainer.workers, "the loaders started no worker: nothing was tested"
+    assert not multiprocessing.active_children(), "the DataLoader workers still run"
+    assert (run_dir / "goodput.json").is_file()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,16 +249,16 @@ class Run:
 
     def fit(self) -> None:
         ended = False
-        try:
+        # Every way out (the end, preemption, an error) runs each of these, last first, even
+        # where one before it raised (the events' last write on a full disk): persistent
+        # DataLoader workers left running would keep a plain `python train.py` from exiting.
+        with ExitStack() as on_the_way_out:
+            on_the_way_out.callback(self.eval_loader.close)
+            on_the_way_out.callback(self.train_loader.close)
+            on_the_way_out.callback(lambda: self.board.close(failing=not ended))
+            on_the_way_out.callback(self.goodput.save)
             self.trainer.fit(self.train_loader, self.eval_loader)
             ended = True
-        finally:
-            self.goodput.save()  # every way out: the end, preemption, an error
-            self.board.close(failing=not ended)
-            # Persistent DataLoader workers left running after an error (a bad image file)
-            # would keep a plain `python train.py` from exiting.
-            self.train_loader.close()
-            self.eval_loader.close()
 
 
 def build_run(
