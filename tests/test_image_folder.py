@@ -446,6 +446,21 @@ def test_decode_gpu_workers_hand_over_jpeg_bytes_and_png_pixels(tmp_path):
         assert torch.equal(pixels, reference_train(files, key)[0])
 
 
+@pytest.mark.gpu
+def test_every_tensor_the_decode_step_moves_to_the_gpu_is_pinned(tmp_path):
+    """DataLoader(pin_memory=True) pins a batch through EncodedBatch.pin_memory: each tensor the
+    decode step copies to the GPU, so that no copy waits on the host (pageable memory would)."""
+    from mgpu.data.encoded import collate_encoded
+
+    write_tree(tmp_path / "train")
+    kwargs = folder(tmp_path / "train", tmp_path / "train", decode="gpu")
+    dataset = ImageFolder("train", **{**kwargs, "classes": CLASSES})
+    keys = [SampleKey(i, 4, 2) for i in (5, 0, 3, 6)]  # png, jpg, png, jpg
+    batch = collate_encoded([dataset[k] for k in keys]).pin_memory()
+    for name in ("data", "pixels", "pixels_at", "flips", "labels"):
+        assert getattr(batch, name).is_pinned(), name
+
+
 @pytest.fixture(scope="module")
 def folder_run(tmp_path_factory) -> tuple[Path, list[str], subprocess.CompletedProcess]:
     """18 images of 3 classes and `python train.py` over them with neither the holdout nor the

@@ -73,6 +73,7 @@ class EncodedBatch:
         H100)."""
         self.pixels, self.labels = self.pixels.pin_memory(), self.labels.pin_memory()
         self.flips, self.data = self.flips.pin_memory(), self.data.pin_memory()
+        self.pixels_at = self.pixels_at.pin_memory()
         return self
 
     @property

@@ -172,7 +172,10 @@ class BatchDecoder:
             return batch.pixels.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         out = torch.empty(len(labels), 3, size, size, dtype=torch.uint8, device=device)
         if len(batch.pixels_at):
-            out[batch.pixels_at.to(device)] = batch.pixels.to(device, non_blocking=True)
+            # pinned (EncodedBatch.pin_memory): from pageable memory the copy thread would wait
+            # for the side stream's earlier work before the copy
+            at = batch.pixels_at.to(device, non_blocking=True)
+            out[at] = batch.pixels.to(device, non_blocking=True)
         if batch.lengths:
             images, boxes, flips, labels = self._decoded(batch)
             # Every crop of the batch in at most 6 launches (gpu_resize.resize_into), whatever
