@@ -285,7 +285,7 @@ def pytest_collection_finish(session) -> None:
         "hidden, as CI does: CUDA_VISIBLE_DEVICES= python -m pytest -q -m 'not gpu'; and "
         "the GPU tests with: python -m pytest -q -m gpu"
     )
-    if _WORKER is None:
+    if not hasattr(session.config, "workerinput"):  # not a pytest-xdist worker
         raise pytest.UsageError(why)
     # A UsageError raised in a pytest-xdist worker reaches its controller as an internal error
     # that does not say why. Run nothing and stop the session: the controller ends it as
