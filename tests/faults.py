@@ -18,12 +18,17 @@ from mgpu.models import GPT
 SLOW_COMPILE_S = 2.5
 
 
-@torch._dynamo.register_backend(name="slow_compile")  # torch's documented way to add a backend
 def slow_compile(graph: torch.fx.GraphModule, example_inputs: list) -> object:
     """A compile that takes SLOW_COMPILE_S a graph (as a large model's does minutes), then runs
     the graph as traced, as torch's eager backend does."""
     time.sleep(SLOW_COMPILE_S)
     return graph.forward
+
+
+# torch's documented way to add a backend; once a process, where this module is imported under
+# two names (faults, tests.faults), since a second registration of a name raises.
+if "slow_compile" not in torch.compiler.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(slow_compile, name="slow_compile")
 
 
 def first_sample_of_step(step: int, batch_size: int) -> int:
@@ -45,7 +50,8 @@ def agent_pid() -> int:
 
 class FaultyTokens(NgramTokens):
     """NgramTokens whose rank `rank` (RANK, 0 without torchrun) meets `fault` while fetching its
-    `at_sample`-th training sample, unless `marker` exists; the fault creates it first.
+    `at_sample`-th sample of split `in_split` (training's by default), unless `marker` exists;
+    the fault creates it first.
 
     kill: SIGKILL to itself, as the OOM killer or a node failure would.
     kill_job: SIGKILL to the torchrun agent, then to itself: the whole job dies at once, as when
@@ -57,15 +63,18 @@ class FaultyTokens(NgramTokens):
     never comes, and torchrun would end this process only after its 30-s shutdown timeout.
     """
 
-    def __init__(self, split: str, *, fault: str, rank: int, at_sample: int, marker: str, **kw):
+    def __init__(
+        self, split: str, *, fault: str, rank: int, at_sample: int, marker: str,
+        in_split: str = "train", **kw,
+    ):  # fmt: skip
         super().__init__(split, **kw)
-        self.train = split == "train"
+        self.faulty = split == in_split
         self.fault, self.fault_rank, self.at_sample = fault, rank, at_sample
         self.marker = Path(marker)
         self.served = 0
 
     def __getitem__(self, index: int):
-        if self.train and int(os.environ.get("RANK", "0")) == self.fault_rank:
+        if self.faulty and int(os.environ.get("RANK", "0")) == self.fault_rank:
             self.served += 1
             if self.served == self.at_sample and not self.marker.exists():
                 self.marker.touch()

@@ -548,6 +548,20 @@ def test_a_compiled_models_first_evaluation_is_not_timed_by_the_stall_clock(tmp_
     assert re.search(r"step 2/\d+ \| eval loss", text), text[-3000:]  # the evaluation ended
 
 
+def test_an_evaluation_loader_that_never_yields_is_named_as_such(tmp_path):
+    """The stall clock's report names the phase: an evaluation's batch that never comes is its
+    data loading (its workers start with each evaluation), not the logging before it."""
+    hang = faulty("hang", rank=0, step=1, marker=tmp_path / "m")  # the first eval sample
+    settings = ["+data.kwargs.in_split=eval", "trainer.eval_every=2", "trainer.stall_timeout_s=1"]
+    proc = run_train(
+        [*RUN, *hang, *settings, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=None
+    )
+    text = output(proc)
+    assert proc.returncode != 0 and os.path.exists(tmp_path / "m"), text[-3000:]
+    said = r"rank 0: no progress for \d+ s \(trainer.stall_timeout_s=1\) in step (\d+), (.+?)[.:]"
+    assert re.findall(said, text) == [("2", "evaluation's data loading")], text[-3000:]
+
+
 # ---- the pieces: signal agreement, restart hazard ----
 
 

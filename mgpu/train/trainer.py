@@ -107,7 +107,7 @@ class Trainer:
         loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
         wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
         self.compiles = compiled = cfg.compiles(rt.device.type)
-        self.evaluated = False  # evaluate(): the first evaluation of a compiled model compiles
+        self.eval_shapes: set[torch.Size] = set()  # evaluate(): the input shapes it has run
         own_graphs = compiled and mode in CUDA_GRAPH_MODES
         reduces = reduction_in_graphs(model, rt.distributed, cfg.grad_accum_steps, own_graphs)
         graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed, reduces)
@@ -205,21 +205,22 @@ class Trainer:
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         step = self.watch.step
-        # A compiled model compiles again for its first evaluation (eval mode, no grad, a last
-        # batch of its own size): minutes for a large model, which the stall clock leaves alone.
-        forward = watchdog.EVAL_COMPILE if self.compiles and not self.evaluated else watchdog.EVAL
+        self.watch.beat(step, watchdog.EVAL_DATA)  # the first batch's: the workers start
         for batch in self.feed.batches(loader):
             if self.ctrl_c.asked:
                 break
-            self.watch.beat(step, forward)
             inputs, targets = self.feed.prepare(batch)
+            # A compiled model compiles again for evaluation (eval mode, no grad) and for a shape
+            # new there (a last, smaller batch): minutes for a large model, not timed.
+            new = self.compiles and inputs.shape not in self.eval_shapes
+            self.eval_shapes.add(inputs.shape)
+            self.watch.beat(step, watchdog.EVAL_COMPILE if new else watchdog.EVAL)
             with self._autocast():
                 logits = model(inputs)
             sums[0] += cross_entropy(logits, targets, reduction="sum").double()
             sums[1] += targets.numel()
-            self.watch.beat(step, watchdog.EVAL)  # from here the next batch's loading is timed
+            self.watch.beat(step, watchdog.EVAL_DATA)  # the next batch's loading and moving
         model.train()
-        self.evaluated = True
         self.watch.beat(step, watchdog.EVAL)
         sums[2] = float(self.ctrl_c.asked)
         all_reduce_sum_(sums, self.rt)

@@ -6,8 +6,8 @@ and that rank ends first, so that torchrun's "Root Cause" is the rank that hung.
 Two clocks. Collectives are bounded by dist.timeout_s (the process group's own timeout); the
 stall clock here (trainer.stall_timeout_s) catches what no collective bounds, such as a data
 loader that never yields, and a host blocked behind a hung NCCL collective; not a compiled
-run's first forward/backward, nor the forwards of its first evaluation, where torch.compile takes
-minutes (max-autotune far more): a rank that never ends it is found by the ranks that wait for it.
+run's first forward/backward, nor an evaluation forward of a shape new to it, where torch.compile
+takes minutes (max-autotune far more): a rank that never ends is found by the ranks that wait.
 
 Which rank did not arrive: the one with fewer collectives issued (per process group, in torch's
 flight recorder) than another; where no count tells (a hang outside collectives, no recorder),
@@ -38,9 +38,8 @@ log = logging.getLogger(__name__)
 # The exit code of the rank that hung, and of a rank whose stall clock fired and no other rank
 # could be named (sysexits.h EX_SOFTWARE). A rank that waited for the hung one exits 1 after it.
 STALLED_EXIT_CODE = 70
-# How long a rank that waited for the hung one outlives it: torchrun polls its workers every
-# 0.1 s by default (--monitor-interval), and names the first one it finds ended as the "Root
-# Cause", which must be the rank that hung.
+# How long a rank that waited outlives the hung one: torchrun (polling every 0.1 s by default)
+# names the first worker it finds ended as the "Root Cause", which must be the rank that hung.
 GRACE_S = 2.0
 
 # Phases the training loop reports; those that wait in a collective say which one.
@@ -49,13 +48,14 @@ FIRST_BATCH = "agreeing that every rank read its first batch (all_reduce)"  # be
 STEP = "forward/backward and the gradient all_reduce"
 UPDATE = "optimizer step and the step's agreement all_reduce (non-finite, preemption)"
 LOG = "logging: the loss all_reduce and rank all_gather"
-EVAL_COMPILE = "the first evaluation's forward, compiling the model for evaluation (not timed)"
+EVAL_DATA = "evaluation's data loading"
+EVAL_COMPILE = "an evaluation forward that compiles the model for its input's shape (not timed)"
 EVAL = "evaluation and its loss all_reduce"
 SAVE = "checkpoint save and its barriers"
 
 # A step's phases in the order the loop goes through them: ranks at the same step are ordered
 # by phase, so the one still loading data lags the one waiting in the gradient all_reduce.
-ORDER = (DATA, FIRST_BATCH, STEP, UPDATE, LOG, EVAL_COMPILE, EVAL, SAVE)
+ORDER = (DATA, FIRST_BATCH, STEP, UPDATE, LOG, EVAL_DATA, EVAL_COMPILE, EVAL, SAVE)
 
 
 def progress(record: dict) -> tuple[int, int]:
@@ -146,7 +146,7 @@ class Watchdog:
 
     def compiles_in(self, step: int) -> None:
         """`step` compiles the model (the run's first): its STEP phase is not timed (nor is
-        EVAL_COMPILE, which evaluate() beats around the first evaluation's forwards)."""
+        EVAL_COMPILE, which evaluate() beats around a forward of a shape new to it)."""
         self.compile_step = step
 
     def __enter__(self) -> Watchdog:
