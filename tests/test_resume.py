@@ -517,49 +517,43 @@ def test_a_rank_stuck_in_its_first_batch_is_the_one_named(tmp_path):
     assert re.search(r"lagging: rank 1; rank 1: step 1, data loading", text), text[-3000:]
 
 
-def test_a_compiled_runs_first_step_is_not_timed_by_the_stall_clock(tmp_path):
-    """The first step of a compiled run compiles (here ~2.5 s on one idle core, the stall clock
-    at 1 s; minutes for a large model): not a stall. The clock runs again after it and finds
-    the loader that never yields at step 3."""
-    hang = faulty("hang", rank=0, step=3, marker=tmp_path / "m")
-    settings = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
-    settings += ["trainer.stall_timeout_s=1", f"hydra.run.dir={tmp_path / 'run'}"]
+def stalled_alone(tmp_path, step: int, settings: list[str]) -> tuple[list[tuple[str, str]], str]:
+    """A world of one whose loader hangs at `step` under a 1-s stall clock: where each stall
+    report said it stopped (step, phase), and the run's output."""
+    hang = faulty("hang", rank=0, step=step, marker=tmp_path / "m")
+    settings = [*settings, "trainer.stall_timeout_s=1", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = run_train([*RUN, *hang, *settings], cwd=tmp_path, nproc=None, timeout=240)
     text = output(proc)
     assert proc.returncode != 0 and os.path.exists(tmp_path / "m"), text[-3000:]
     said = r"rank 0: no progress for \d+ s \(trainer.stall_timeout_s=1\) in step (\d+), (.+?)[.:]"
-    assert re.findall(said, text) == [("3", "data loading")], text[-3000:]
+    return re.findall(said, text), text
+
+
+def test_a_compiled_runs_first_step_is_not_timed_by_the_stall_clock(tmp_path):
+    """The first step of a compiled run compiles (here ~2.5 s on one idle core, the stall clock
+    at 1 s; minutes for a large model): not a stall. The clock runs again after it and finds
+    the loader that never yields at step 3."""
+    settings = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
+    stops, text = stalled_alone(tmp_path, 3, settings)
+    assert stops == [("3", "data loading")], text[-3000:]
 
 
 def test_a_compiled_models_first_evaluation_is_not_timed_by_the_stall_clock(tmp_path):
     """The first evaluation of a compiled model compiles it again (eval mode, no grad): here
     2.5 s a graph (tests.faults.slow_compile) under a 1-s stall clock, not a stall. The clock
     runs again after it and finds the loader that never yields at step 3."""
-    hang = faulty("hang", rank=0, step=3, marker=tmp_path / "m")
     settings = ["trainer.compile=true", "trainer.compile_backend=slow_compile"]
-    settings += ["trainer.eval_every=2", "trainer.stall_timeout_s=1"]
-    proc = run_train(
-        [*RUN, *hang, *settings, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=None
-    )
-    text = output(proc)
-    assert proc.returncode != 0 and os.path.exists(tmp_path / "m"), text[-3000:]
-    said = r"rank 0: no progress for \d+ s \(trainer.stall_timeout_s=1\) in step (\d+), (.+?)[.:]"
-    assert re.findall(said, text) == [("3", "data loading")], text[-3000:]
+    stops, text = stalled_alone(tmp_path, 3, [*settings, "trainer.eval_every=2"])
+    assert stops == [("3", "data loading")], text[-3000:]
     assert re.search(r"step 2/\d+ \| eval loss", text), text[-3000:]  # the evaluation ended
 
 
 def test_an_evaluation_loader_that_never_yields_is_named_as_such(tmp_path):
     """The stall clock's report names the phase: an evaluation's batch that never comes is its
     data loading (its workers start with each evaluation), not the logging before it."""
-    hang = faulty("hang", rank=0, step=1, marker=tmp_path / "m")  # the first eval sample
-    settings = ["+data.kwargs.in_split=eval", "trainer.eval_every=2", "trainer.stall_timeout_s=1"]
-    proc = run_train(
-        [*RUN, *hang, *settings, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=None
-    )
-    text = output(proc)
-    assert proc.returncode != 0 and os.path.exists(tmp_path / "m"), text[-3000:]
-    said = r"rank 0: no progress for \d+ s \(trainer.stall_timeout_s=1\) in step (\d+), (.+?)[.:]"
-    assert re.findall(said, text) == [("2", "evaluation's data loading")], text[-3000:]
+    settings = ["+data.kwargs.in_split=eval", "trainer.eval_every=2"]
+    stops, text = stalled_alone(tmp_path, 1, settings)  # step 1's first sample: eval's first
+    assert stops == [("2", "evaluation's data loading")], text[-3000:]
 
 
 # ---- the pieces: signal agreement, restart hazard ----
