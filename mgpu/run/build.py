@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import random
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,16 +248,33 @@ class Run:
 
     def fit(self) -> None:
         ended = False
-        # Every way out (the end, preemption, an error) runs each of these, last first, even
-        # where one before it raised (the events' last write on a full disk): persistent
-        # DataLoader workers left running would keep a plain `python train.py` from exiting.
-        with ExitStack() as on_the_way_out:
-            on_the_way_out.callback(self.eval_loader.close)
-            on_the_way_out.callback(self.train_loader.close)
-            on_the_way_out.callback(lambda: self.board.close(failing=not ended))
-            on_the_way_out.callback(self.goodput.save)
+        try:
             self.trainer.fit(self.train_loader, self.eval_loader)
             ended = True
+        finally:
+            self._close(failing=not ended)
+
+    def _close(self, *, failing: bool) -> None:
+        """Every way out (the end, preemption, an error) runs each of these, even where one
+        before it raised (the events' last write on a full disk): persistent DataLoader workers
+        left running would keep a plain `python train.py` from exiting. A run that ended raises
+        the first error met here; a failing run's own error stays the one said, these logged."""
+        first: Exception | None = None
+        closes = (
+            self.goodput.save,
+            lambda: self.board.close(failing=failing),
+            self.train_loader.close,
+            self.eval_loader.close,
+        )
+        for close in closes:
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - each close runs; the first is raised
+                if failing or first is not None:
+                    log.error("while the run ends: %s: %s", type(err).__name__, err)
+                first = first or err
+        if first is not None and not failing:
+            raise first
 
 
 def build_run(
