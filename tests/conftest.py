@@ -276,7 +276,11 @@ def pytest_collection_finish(session) -> None:
     says how, instead of failing them one by one."""
     if not torch.cuda.is_available():
         return
-    cpu = [i for i in session.items if "gpu" not in i.keywords and not i.get_closest_marker("skip")]
+    cpu = [
+        i
+        for i in session.items
+        if i.get_closest_marker("gpu") is None and i.get_closest_marker("skip") is None
+    ]
     if not cpu:
         return
     why = (
