@@ -1,6 +1,6 @@
 """The test suite itself on a machine whose CUDA GPUs are visible (stood in for here by a CUDA
 check that answers yes, in every pytest process): the CPU tests are refused in one message that
-says how to run them, also under pytest-xdist (README's command runs a worker per CPU), and a
+says how to run them, also under pytest-xdist (README's command on 4 or more GPUs), and a
 selection of GPU tests alone goes ahead."""
 
 import os
