@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 from collections import Counter, defaultdict
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from mgpu.data import NgramTokens, SyntheticImages, TokenFile
 from mgpu.data.images import normalize_uint8
+from mgpu.data.loader import worker_context
 from mgpu.data.prepare import main as prepare_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +185,7 @@ def corr(a, b):
 
 def test_images_class_means_match_templates():
     ds = SyntheticImages("train", num_classes=5, image_size=16, num_samples=1000, noise=12.0)
-    t = ds.templates
+    t = ds.templates.numpy()
     assert t.shape == (5, 3, 16, 16)
     for a in range(5):
         for b in range(a + 1, 5):
@@ -200,12 +202,25 @@ def test_images_class_means_match_templates():
         assert all(own > corr(mean, t[j]) + 0.3 for j in range(5) if j != k)
 
 
+def test_images_reach_dataloader_workers_as_handles_and_give_the_same_samples():
+    """A worker gets the dataset pickled as multiprocessing pickles it: the template and noise
+    banks (here 2.4 MB) travel as shared-memory handles, and the worker's samples are the
+    process's own."""
+    ds = SyntheticImages("eval", num_classes=100, image_size=64, eval_samples=8)
+    assert len(ForkingPickler.dumps(ds)) < ds.templates.nbytes / 100
+    loader = DataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context=worker_context(ds))
+    ((x, y),) = list(loader)
+    expected = [ds[i] for i in range(8)]
+    assert torch.equal(x, torch.stack([e[0] for e in expected]))
+    assert torch.equal(y, torch.stack([e[1] for e in expected]))
+
+
 def test_images_without_noise_are_shifted_templates():
     ds = SyntheticImages("eval", num_classes=3, image_size=10, noise=0.0)
     shifts = set()
     for i in range(20):
         x, y = ds[i]
-        diff = x.numpy().astype(np.float64) - ds.templates[int(y)]
+        diff = x.numpy().astype(np.float64) - ds.templates[int(y)].numpy()
         assert np.ptp(diff) <= 1.0 + 1e-4  # one brightness shift for the whole image, +-rounding
         assert abs(diff.mean()) <= 16.5
         shifts.add(round(float(diff.mean()), 3))
