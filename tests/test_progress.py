@@ -2,6 +2,7 @@
 here), none when the output is piped, so scripts and logs read as before."""
 
 import io
+import logging
 import os
 import pty
 import re
@@ -10,11 +11,17 @@ import sys
 import time
 
 import numpy as np
+import torch
 from conftest import ROOT
 from PIL import Image
+from torch.utils.data import DataLoader, TensorDataset
 
+from mgpu.config.schema import Precision, TrainerConfig
 from mgpu.data import progress
 from mgpu.data.progress import Progress
+from mgpu.models import MLP
+from mgpu.runtime.dist import Runtime
+from mgpu.train.trainer import Trainer
 
 # The command with progress lines at every update, so that a short run shows them.
 EVERY_UPDATE = "import sys, runpy, mgpu.data.progress as p; p.EVERY_S = 0; "
@@ -132,3 +139,31 @@ def test_the_compile_ticks_stay_off_a_pipe(capsys, monkeypatch):
     with progress.ticking(TICK.removesuffix(": ")):
         time.sleep(0.1)  # the step the lines would come during
     assert capsys.readouterr().out == ""
+
+
+def evaluation_log(compile: bool, caplog) -> list[list[str]]:
+    """What rank 0 logs in two evaluations of 10 samples in batches of 4 (input shapes (4, 8),
+    (4, 8) and (2, 8) each time), the model compiled or not."""
+    torch.manual_seed(0)
+    model = MLP(in_features=8, num_classes=5, hidden=[16])
+    cfg = TrainerConfig(precision=Precision.fp32, compile=compile, compile_backend="eager")
+    trainer = Trainer(cfg, model, None, None, Runtime(0, 0, 1, "gloo", torch.device("cpu"), False))
+    data = TensorDataset(torch.randn(10, 8), torch.randint(0, 5, (10,)))
+    said = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mgpu.train.evaluation"):
+            trainer.evaluate(DataLoader(data, batch_size=4))
+        said.append([r.getMessage() for r in caplog.records])
+    return said
+
+
+def test_evaluation_says_it_compiles_once_for_each_new_input_shape(caplog):
+    """A compiled model compiles again for evaluation, and for each input shape new there; that
+    pause (minutes for a large model) is announced, once a shape, and not for an eager model."""
+    first, second = evaluation_log(True, caplog)
+    assert len(first) == 2, first
+    assert "compiles the model for input shape (4, 8)" in first[0]
+    assert "compiles the model for input shape (2, 8)" in first[1]
+    assert second == []  # both shapes run before: nothing compiles
+    assert evaluation_log(False, caplog) == [[], []]

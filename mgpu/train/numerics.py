@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -22,6 +23,11 @@ def autocast_dtype(precision: Precision, device: torch.device) -> torch.dtype | 
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     bf16 = torch.bfloat16
     return {Precision.bf16: bf16, Precision.fp8: bf16, Precision.fp16: torch.float16}.get(precision)
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> AbstractContextManager:
+    """torch.autocast to `dtype` (autocast_dtype's answer) on `device`; off for None."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def training_loss(cfg: TrainerConfig, device: torch.device, mode: str | None) -> Callable:

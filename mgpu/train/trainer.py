@@ -1,8 +1,9 @@
 """The training loop: one optimizer step over `grad_accum_steps` micro-batches under the chosen
 precision (forward and loss eager or replayed as CUDA graphs: mgpu.train.graphs; the update with
-its clipping and loss scaling: mgpu.train.update; batches: mgpu.train.feed), periodic and final
-evaluation, when to record metrics, when all ranks save a checkpoint together (mgpu.ckpt.resume),
-stopping on preemption or at a Ctrl-C; the state a checkpoint holds (state_dict).
+its clipping and loss scaling: mgpu.train.update; batches: mgpu.train.feed), when to evaluate
+(mgpu.train.evaluation), when to record metrics, when all ranks save a checkpoint together
+(mgpu.ckpt.resume), stopping on preemption or at a Ctrl-C; the state a checkpoint holds
+(state_dict).
 
 Hot-loop rule: nothing here reads a GPU value on the host during training steps. The loss stays
 on the device and is handed to the Recorder, which reads it a log interval later with the step's
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +26,27 @@ from torch.utils.data import DataLoader
 
 from mgpu.ckpt.resume import Checkpointer, check_resumable
 from mgpu.ckpt.state import restore_training_state, training_state
-from mgpu.comm.engine import MgpuDataParallel, local_module, sync_gradients, unwrap
+from mgpu.comm.engine import MgpuDataParallel, sync_gradients, unwrap
 from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import CUDA_GRAPH_MODES, Precision, TrainerConfig
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.progress import ticking
 from mgpu.data.sampler import DataCursor, advance, epochs
 from mgpu.models import compile_mode, whole_for_mgpu
-from mgpu.models.loss import cross_entropy
 from mgpu.runtime.ctrl_c import CtrlC
-from mgpu.runtime.dist import Runtime, all_reduce_sum_, is_timeout
+from mgpu.runtime.dist import Runtime, is_timeout
 from mgpu.runtime.preempt import Preempted, Preemption
 from mgpu.telemetry.goodput import Goodput
 from mgpu.telemetry.metrics import Recorder
 from mgpu.telemetry.profiling import BACKWARD, DATA, FORWARD, OPTIMIZER, StepProfiler, phase
 from mgpu.telemetry.timing import StepTimer
 from mgpu.train import watchdog
+from mgpu.train.evaluation import Evaluation
 from mgpu.train.feed import Feed, first_batch_everywhere
 from mgpu.train.fp8 import check_fp8
 from mgpu.train.graphs import GraphedLoss, ModelLoss, reduction_in_graphs, use_graphs
 from mgpu.train.guard import CTRL_C, PREEMPTION, NonFiniteGuard
-from mgpu.train.numerics import autocast_dtype, training_loss
+from mgpu.train.numerics import autocast, autocast_dtype, training_loss
 from mgpu.train.update import Update, build_scaler
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,6 @@ class Trainer:
         loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
         wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
         self.compiles = compiled = cfg.compiles(rt.device.type)
-        self.eval_shapes: set[torch.Size] = set()  # evaluate(): the input shapes it has run
         own_graphs = compiled and mode in CUDA_GRAPH_MODES
         reduces = reduction_in_graphs(model, rt.distributed, cfg.grad_accum_steps, own_graphs)
         graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed, reduces)
@@ -128,6 +128,8 @@ class Trainer:
         self.feed = Feed(rt.device, channels_last, input_transform)
         # Where this rank is, for hang reports; started by fit (trainer.stall_timeout_s).
         self.watch = watchdog.Watchdog(rt, cfg.stall_timeout_s)
+        args = (self.ctrl_c, self.amp_dtype, compiled)
+        self.evaluation = Evaluation(model, self.feed, rt, self.watch, *args)
         self.guard = NonFiniteGuard(
             cfg.nonfinite,
             cfg.max_consecutive_skips,
@@ -146,10 +148,6 @@ class Trainer:
         self.update = Update(cfg, self.params, optimizer, schedule, *args)
         # Where train_step marks the parts of each step for the Recorder's breakdown.
         self.timer = recorder.timer if recorder is not None else StepTimer(None)
-
-    def _autocast(self) -> AbstractContextManager:
-        on = self.amp_dtype is not None
-        return torch.autocast(self.rt.device.type, dtype=self.amp_dtype, enabled=on)
 
     def train_step(self, batches: Iterator, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over `grad_accum_steps` micro-batches; returns the mean loss and
@@ -173,7 +171,7 @@ class Trainer:
             # Gradients are averaged across ranks on the last micro-step only; the earlier
             # ones accumulate locally (forward and backward both inside the no-sync region).
             with sync_gradients(self.model, enabled=micro == accum - 1):
-                with phase(FORWARD), self._autocast():
+                with phase(FORWARD), autocast(self.rt.device, self.amp_dtype):
                     loss = self.forward_loss(inputs, targets)
                 with phase(BACKWARD):
                     self.scaler.scale(loss / accum).backward()
@@ -196,38 +194,10 @@ class Trainer:
         asked = self.preemption is not None and self.preemption.asked
         return CTRL_C if self.ctrl_c.asked else PREEMPTION if asked else 0
 
-    @torch.no_grad()
     def evaluate(self, loader: DataLoader) -> float:
-        """Mean loss over every eval sample exactly once, summed across ranks. A Ctrl-C ends
-        this rank's batches and rides the sum: every rank stops after it (KeyboardInterrupt)."""
-        # The module under DDP: eval forward must not take part in DDP's gradient bookkeeping.
-        model = local_module(self.model)
-        model.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
-        step = self.watch.step
-        self.watch.beat(step, watchdog.EVAL_DATA)  # the first batch's: the workers start
-        for batch in self.feed.batches(loader):
-            if self.ctrl_c.asked:
-                break
-            inputs, targets = self.feed.prepare(batch)
-            # A compiled model compiles again for evaluation (eval mode, no grad) and for a shape
-            # new there (a last, smaller batch): minutes for a large model, not timed.
-            new = self.compiles and inputs.shape not in self.eval_shapes
-            self.eval_shapes.add(inputs.shape)
-            self.watch.beat(step, watchdog.EVAL_COMPILE if new else watchdog.EVAL)
-            with self._autocast():
-                logits = model(inputs)
-            sums[0] += cross_entropy(logits, targets, reduction="sum").double()
-            sums[1] += targets.numel()
-            self.watch.beat(step, watchdog.EVAL_DATA)  # the next batch's loading and moving
-        model.train()
-        self.watch.beat(step, watchdog.EVAL)
-        sums[2] = float(self.ctrl_c.asked)
-        all_reduce_sum_(sums, self.rt)
-        total, count, asked = sums.tolist()  # sync point: evaluation only, not the training loop
-        if asked:
-            self.ctrl_c.stop_now()
-        return total / count
+        """The mean loss over every eval sample exactly once, summed across ranks
+        (mgpu.train.evaluation)."""
+        return self.evaluation(loader)
 
     def fit(self, train_loader: DeviceLoader | DataLoader, eval_loader: Iterable | None) -> None:
         """Train from start_step to trainer.max_steps. Each step reads: data -> step (its
