@@ -11,7 +11,7 @@ from torch import nn
 from mgpu.comm.engine import MgpuDataParallel
 from mgpu.config.checks import ConfigError
 from mgpu.config.schema import DistConfig, Engine, TrainerConfig
-from mgpu.models import GPT, whole_for_mgpu
+from mgpu.models import GPT, CompilePlan, ResNet, compile_plan, whole_for_mgpu
 from mgpu.run.build import compiled_for
 from mgpu.runtime.dist import Runtime
 from mgpu.train.trainer import Trainer
@@ -142,6 +142,25 @@ def test_compiled_for_compiles_a_gpt_whole_for_the_replay_or_accumulation_else_b
         "blocks.1",
     ]
     assert compiled_parts(compiled_for(trainer(), mgpu, gpt(), CUDA, False)) == ["<model>"]
+
+
+def test_compile_plan_answers_whole_overlap_and_mode_together():
+    """The one decision build and the Trainer share: whole and replayed by mgpu (torch's default
+    mode), block by block while buckets are reduced, or whole under torch's own CUDA graphs."""
+    gpt = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    several = dict(distributed=True, reduces=True, ddp=False, recordable=True)
+    assert compile_plan(trainer(), gpt, CUDA, **several) == CompilePlan(True, False, None)
+    by_block = CompilePlan(False, True, None)
+    assert compile_plan(trainer(), gpt, CUDA, **{**several, "recordable": False}) == by_block
+    one = dict(distributed=False, reduces=True, ddp=False, recordable=True)
+    assert compile_plan(trainer(), gpt, CUDA, **one) == CompilePlan(False, False, "reduce-overhead")
+    # torch DDP: never torch's CUDA graphs unasked (its graph is split at DDP's buckets)
+    resnet = ResNet(num_classes=10)  # no repeated blocks: one graph either way
+    ddp = dict(distributed=True, reduces=True, ddp=True, recordable=False)
+    assert compile_plan(trainer(), resnet, CUDA, **ddp) == CompilePlan(False, True, None)
+    ddp_one = {**ddp, "distributed": False}  # a world of one is not wrapped for DDP
+    plan = compile_plan(trainer(), resnet, CUDA, **ddp_one)
+    assert plan == CompilePlan(False, False, "reduce-overhead")
 
 
 def test_replay_update_auto_replays_only_where_every_condition_holds():

@@ -5,6 +5,8 @@ their training-FLOP counts (flops), and how a model is compiled (here).
 May import: config, runtime.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -19,10 +21,12 @@ from mgpu.models.resnet import ResNet
 __all__ = [
     "GPT",
     "MLP",
+    "CompilePlan",
     "ResNet",
     "build_model",
     "compile_mode",
     "compile_model",
+    "compile_plan",
     "compiled_whole",
     "count_training_flops",
     "repeated_blocks",
@@ -125,6 +129,42 @@ def compile_mode(
         return setting
     graphs = whole and not ddp and accum == 1 and device.type == "cuda" and backend == "inductor"
     return "reduce-overhead" if graphs else None
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """How trainer.compile compiles a model for a run (compile_plan)."""
+
+    whole: bool  # one graph, its gradients reduced after backward (whole_for_mgpu)
+    overlap: bool  # buckets reduced while backward runs: compiled block by block
+    mode: str | None  # torch.compile's mode (compile_mode); None: torch's default
+
+
+def compile_plan(
+    tc: TrainerConfig,
+    model: nn.Module,
+    device: torch.device,
+    *,
+    distributed: bool,
+    reduces: bool,
+    ddp: bool,
+    recordable: bool,
+) -> CompilePlan:
+    """The one decision that mgpu.run.build compiles `model` (unwrapped) by, and that the Trainer
+    then compiles the loss and replays the step by. `reduces`: its gradients are averaged across
+    processes (dist.engine is not none), `ddp` by torch DDP; `recordable`: by mgpu's reducer,
+    the same buckets every step (DistConfig.recordable)."""
+    # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
+    checkpointed = getattr(model, "checkpointed", 0)
+    whole = whole_for_mgpu(tc, device, distributed, recordable, checkpointed)
+    # A world of one (wrapped only under dist.shard_optimizer) reduces nothing during backward.
+    overlap = reduces and distributed and not whole
+    mode = None  # compiled whole in torch's default mode (mgpu replays the step: train.graphs)
+    if not whole:
+        ddp = ddp and distributed
+        args = (model, device, ddp, overlap, tc.grad_accum_steps)
+        mode = compile_mode(tc.compile_mode, tc.compile_backend, *args)
+    return CompilePlan(whole, overlap, mode)
 
 
 def compile_model(

@@ -32,7 +32,7 @@ from mgpu.data import decode_split
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.tokenizer import BYTES, UNDECODED, copy_to_run
-from mgpu.models import build_model, compile_mode, compile_model, whole_for_mgpu
+from mgpu.models import build_model, compile_model, compile_plan, whole_for_mgpu
 from mgpu.models.config import VOCAB_MULTIPLE, GPTModelConfig
 from mgpu.models.gpt import (
     FUSED_HEAD_MAX_COMPILED_WIDTH,
@@ -96,16 +96,11 @@ def compiled_for(
     default mode, where mgpu reduces every gradient after backward (models.whole_for_mgpu); else
     block by block where buckets are reduced while backward runs (models.compile_model), in
     trainer.compile_mode's mode (models.compile_mode)."""
-    ddp = dc.engine is Engine.torch_ddp and distributed
-    checkpointed = getattr(model, "checkpointed", 0)
-    whole = whole_for_mgpu(tc, device, distributed, dc.recordable(), checkpointed)
-    overlap = dc.engine is not Engine.none and distributed and not whole
-    mode = None
-    if not whole:
-        mode = compile_mode(
-            tc.compile_mode, tc.compile_backend, model, device, ddp, overlap, tc.grad_accum_steps
-        )
-    model = compile_model(model, tc.compile_backend, mode, overlap)
+    reduces, ddp = dc.engine is not Engine.none, dc.engine is Engine.torch_ddp
+    args = dict(distributed=distributed, reduces=reduces, ddp=ddp, recordable=dc.recordable())
+    plan = compile_plan(tc, model, device, **args)
+    whole, mode = plan.whole, plan.mode
+    model = compile_model(model, tc.compile_backend, mode, plan.overlap)
     # torch.compile works inside the first step and prints nothing meanwhile: say so, or a
     # large model looks hung for minutes before the first progress line.
     log.info(

@@ -32,7 +32,7 @@ from mgpu.config.schema import CUDA_GRAPH_MODES, Precision, TrainerConfig
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.progress import ticking
 from mgpu.data.sampler import DataCursor, advance, epochs
-from mgpu.models import compile_mode, whole_for_mgpu
+from mgpu.models import compile_plan
 from mgpu.runtime.ctrl_c import CtrlC
 from mgpu.runtime.dist import Runtime, is_timeout
 from mgpu.runtime.preempt import Preempted, Preemption
@@ -85,31 +85,24 @@ class Trainer:
         if cfg.precision is Precision.fp8:
             check_fp8(rt.device)  # train.py checked before starting; a Trainer built in Python
         self.amp_dtype = autocast_dtype(cfg.precision, rt.device)
-        # The loss is compiled in the mode of the model it follows (CUDA graphs or not).
+        # The loss is compiled in the mode of the model it follows (CUDA graphs or not), decided
+        # as build_parallel_model decided it for the model.
+        wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
         ddp = isinstance(model, DistributedDataParallel)
-        # As build_parallel_model compiled the model: a world of one (wrapped only under
-        # dist.shard_optimizer) reduces nothing during backward.
-        overlap = isinstance(model, MgpuDataParallel | DistributedDataParallel) and rt.distributed
-        # GPT's checkpointed blocks (model.activation_checkpointing); 0 for other models
-        checkpointed = getattr(unwrap(model), "checkpointed", 0)
         recordable = isinstance(model, MgpuDataParallel) and model.reducer.capturable()
-        whole = whole_for_mgpu(cfg, rt.device, rt.distributed, recordable, checkpointed)
-        if whole:  # every gradient comes at backward's end: no early bucket to start
+        args = dict(distributed=rt.distributed, reduces=wrapped, ddp=ddp, recordable=recordable)
+        plan = compile_plan(cfg, unwrap(model), rt.device, **args)
+        mode = plan.mode
+        if plan.whole:  # every gradient comes at backward's end: no early bucket to start
             model.use_large_buckets(whole=True)
-        mode = None  # compiled whole in torch's default mode, for the replay below
-        if not whole:
-            mode = compile_mode(
-                cfg.compile_mode, cfg.compile_backend, unwrap(model), rt.device, ddp, overlap,
-                cfg.grad_accum_steps,
-            )  # fmt: skip
         # A model that takes its own loss (`computes_loss`, as GPT does to fuse its head with
         # the cross-entropy) is called as model(inputs, targets); any other as loss_fn(model(x)).
         own_loss = getattr(unwrap(model), "computes_loss", False)
         loss_fn = None if own_loss else training_loss(cfg, rt.device, mode)
-        wrapped = isinstance(model, MgpuDataParallel | DistributedDataParallel)
         self.compiles = compiled = cfg.compiles(rt.device.type)
         own_graphs = compiled and mode in CUDA_GRAPH_MODES
         reduces = reduction_in_graphs(model, rt.distributed, cfg.grad_accum_steps, own_graphs)
+        checkpointed = getattr(unwrap(model), "checkpointed", 0)  # GPT's recomputed blocks
         graphs = use_graphs(cfg.cuda_graphs, rt.device, compiled, wrapped, checkpointed, reduces)
         # The step's forward and loss: eager kernels launched from Python, or replayed as CUDA
         # graphs (mgpu.train.graphs), with mgpu's gradient reduction inside where it can be.
