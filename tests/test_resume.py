@@ -548,6 +548,24 @@ def test_a_compiled_models_first_evaluation_is_not_timed_by_the_stall_clock(tmp_
     assert re.search(r"step 2/\d+ \| eval loss", text), text[-3000:]  # the evaluation ended
 
 
+def test_a_first_evaluation_waits_untimed_for_a_rank_still_compiling(tmp_path):
+    """In a compiled model's first evaluation each rank compiles for its own input shapes: 65
+    eval samples over 2 ranks in batches of 32 give rank 0 a last batch of 1, one compile more
+    (2.5 s, tests.faults.slow_compile) than rank 1, which waits for it in the loss sum under a
+    1-s stall clock: not a stall."""
+    never = faulty("hang", rank=0, step=10_000, marker=tmp_path / "m")  # imports slow_compile
+    settings = ["trainer.compile=true", "trainer.compile_backend=slow_compile"]
+    settings += ["trainer.max_steps=2", "trainer.eval_every=2", "ckpt.every=0"]
+    settings += ["data.kwargs.eval_samples=65", "trainer.stall_timeout_s=1"]
+    command = [*RUN, *never, *settings, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_train(command, cwd=tmp_path, nproc=2, timeout=240)
+    text = output(proc)
+    assert proc.returncode == 0, text[-3000:]
+    assert re.search(r"step 2/2 \| eval loss", text), text[-3000:]
+    compiles = re.findall(r"evaluation compiles the model for input shape \((\d+),", text)
+    assert compiles == ["32", "1"], text[-3000:]  # rank 0's (rank 1's are not logged)
+
+
 def test_an_evaluation_loader_that_never_yields_is_named_as_such(tmp_path):
     """The stall clock's report names the phase: an evaluation's batch that never comes is its
     data loading (its workers start with each evaluation), not the logging before it."""

@@ -52,6 +52,9 @@ class Evaluation:
         model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)
         step = watch.step
+        # Every rank compiles in its first evaluation, each for its own shapes (a rank's last,
+        # smaller batch may be one the others never see).
+        first = self.compiles and not self.shapes
         watch.beat(step, watchdog.EVAL_DATA)  # the first batch's: the workers start
         for batch in self.feed.batches(loader):
             if self.ctrl_c.asked:
@@ -67,7 +70,8 @@ class Evaluation:
             sums[1] += targets.numel()
             watch.beat(step, watchdog.EVAL_DATA)  # the next batch's loading and moving
         model.train()
-        watch.beat(step, watchdog.EVAL)
+        # The sum waits for every rank: in a first evaluation, for ranks that may still compile.
+        watch.beat(step, watchdog.EVAL_FIRST_SUM if first else watchdog.EVAL)
         sums[2] = float(self.ctrl_c.asked)
         all_reduce_sum_(sums, self.rt)
         total, count, asked = sums.tolist()  # sync point: evaluation only, not the training loop

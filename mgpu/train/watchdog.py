@@ -7,7 +7,8 @@ Two clocks. Collectives are bounded by dist.timeout_s (the process group's own t
 stall clock here (trainer.stall_timeout_s) catches what no collective bounds, such as a data
 loader that never yields, and a host blocked behind a hung NCCL collective; not a compiled
 run's first forward/backward, nor an evaluation forward of a shape new to it, where torch.compile
-takes minutes (max-autotune far more): a rank that never ends is found by the ranks that wait.
+takes minutes (max-autotune far more), nor the loss sum of a first evaluation, where ranks wait
+for those still compiling: a rank that never ends is found by the ranks that wait.
 
 Which rank did not arrive: the one with fewer collectives issued (per process group, in torch's
 flight recorder) than another; where no count tells (a hang outside collectives, no recorder),
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch.distributed as tdist
 
 from mgpu.runtime.dist import RunStopped, Runtime, first_line
+from mgpu.runtime.flight import behind, issued, recorded_collectives
 from mgpu.runtime.launch import launch_env
 from mgpu.runtime.peers import nccl_lost_peer, store_client
 from mgpu.runtime.stops import lost_peer_stop, record_for_torchrun
@@ -51,61 +53,20 @@ LOG = "logging: the loss all_reduce and rank all_gather"
 EVAL_DATA = "evaluation's data loading"
 EVAL_COMPILE = "an evaluation forward that compiles the model for its input's shape (not timed)"
 EVAL = "evaluation and its loss all_reduce"
+# A compiled model's first evaluation: each rank compiles for its own shapes, and the sum waits
+# for the slowest one.
+EVAL_FIRST_SUM = "a first evaluation's loss all_reduce, waiting for ranks compiling (not timed)"
 SAVE = "checkpoint save and its barriers"
+UNTIMED = (EVAL_COMPILE, EVAL_FIRST_SUM)  # torch.compile at work here, or on a rank waited for
 
 # A step's phases in the order the loop goes through them: ranks at the same step are ordered
 # by phase, so the one still loading data lags the one waiting in the gradient all_reduce.
-ORDER = (DATA, FIRST_BATCH, STEP, UPDATE, LOG, EVAL_DATA, EVAL_COMPILE, EVAL, SAVE)
+ORDER = (DATA, FIRST_BATCH, STEP, UPDATE, LOG, EVAL_DATA, EVAL_COMPILE, EVAL, EVAL_FIRST_SUM, SAVE)
 
 
 def progress(record: dict) -> tuple[int, int]:
     phase = record["phase"]
     return record["step"], ORDER.index(phase) if phase in ORDER else -1
-
-
-def recorded_collectives() -> list[tuple[str, int, str]]:
-    """(process group, sequence number, name) of each collective issued that torch's flight
-    recorders (gloo's; NCCL's in CUDA builds) still hold; empty with TORCH_FR_BUFFER_SIZE=0. Read
-    defensively (underscore-named API; without it reports use step and phase), on reports only."""
-    from torch._C import _distributed_c10d as c10d
-
-    found = []
-    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
-        dump = getattr(c10d, name, None)
-        try:
-            entries = json.loads(dump(True, False))["entries"] if dump is not None else []
-            for e in entries:
-                if not e.get("is_p2p"):
-                    found.append(
-                        (str(e["process_group"][0]), e["collective_seq_id"], e["profiling_name"])
-                    )
-        except Exception as err:  # noqa: BLE001 - a diagnostic: never the reason a report fails
-            log.debug("flight recorder %s not read: %s", name, err)
-    return found
-
-
-def issued(found: list[tuple[str, int, str]]) -> dict[str, int]:
-    """Collectives issued per process group (sequence numbers count from 1 in each group)."""
-    counts: dict[str, int] = {}
-    for group, seq, _ in found:
-        counts[group] = max(counts.get(group, 0), seq)
-    return counts
-
-
-def behind(answers: dict[int, dict]) -> dict[int, tuple[str, int]]:
-    """The ranks that did not arrive at a collective another rank issued: rank -> (process
-    group, how many it issued there). Ranks whose recorder is off are not counted."""
-    counted = {r: a["issued"] for r, a in answers.items() if a.get("issued")}
-    late: dict[int, tuple[str, int]] = {}
-    for group in sorted({g for c in counted.values() for g in c}):
-        counts = {r: c.get(group, 0) for r, c in counted.items()}
-        low = min(counts.values())
-        if low == max(counts.values()):
-            continue
-        for rank, count in counts.items():
-            if count == low:
-                late.setdefault(rank, (group, low))
-    return late
 
 
 def stacks_path(rank: int) -> Path | None:
@@ -145,8 +106,9 @@ class Watchdog:
         self.step, self.phase, self.at = step, phase, time.monotonic()
 
     def compiles_in(self, step: int) -> None:
-        """`step` compiles the model (the run's first): its STEP phase is not timed (nor is
-        EVAL_COMPILE, which evaluate() beats around a forward of a shape new to it)."""
+        """`step` compiles the model (the run's first): its STEP phase is not timed (nor are the
+        UNTIMED phases, which an evaluation beats around a forward of a shape new to it and
+        its first sum)."""
         self.compile_step = step
 
     def __enter__(self) -> Watchdog:
@@ -180,7 +142,7 @@ class Watchdog:
                 lost_peer_stop(self.rt, self._store)  # returns only if no peer is lost
             idle = time.monotonic() - self.at
             first_step = self.step == self.compile_step and self.phase == STEP
-            compiling = first_step or self.phase == EVAL_COMPILE
+            compiling = first_step or self.phase in UNTIMED
             if self.stall_s and idle > self.stall_s and not compiling:
                 self._end_stalled(idle)
 
