@@ -396,7 +396,9 @@ def test_resume_from_a_corrupt_path_stops_and_writes_nothing(tmp_path, reference
 REFUSED = {
     "shape": (
         ["model.n_embd=16", "ckpt.resume={ref}/checkpoints/step-00000020"],
-        "wte.weight [256, 32] in the checkpoint, [256, 16] in the model",
+        # the shapes are named (the torchrun twin below checks them), then how to go on
+        "model.n_embd 32 -> 16. Resume with the model settings it was trained with, or train "
+        "this model afresh without ckpt.resume",
         2,
     ),
     "never-over-newer": (
@@ -473,6 +475,7 @@ def test_a_resume_refused_for_a_changed_model_says_so_in_one_line_and_changes_no
     assert f"does not match {newest}: " in said[0]
     assert "wte.weight [256, 32] in the checkpoint, [256, 64] in the model" in said[0]
     assert "more parameters differ" in said[0] and "model.n_embd 32 -> 64" in said[0]
+    assert said[0].endswith("afresh in another run directory (hydra.run.dir=...)"), said[0]
     assert len(said[0].replace(str(newest), "")) < 400, said[0]  # the path named once
     assert output(proc).count("Traceback") == 1, output(proc)[-3000:]  # torchrun's summary only
     # config.yaml, goodput.json, the event files and the checkpoints as they were, none added

@@ -162,11 +162,12 @@ def restore_model(model: nn.Module, state_dict: Mapping, *, source: str = "check
     model.load_state_dict(state_dict, strict=True)
 
 
-def check_same_model(loaded: Loaded, model: nn.Module, config: str) -> None:
+def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str) -> None:
     """The model this run built against the one its checkpoint holds, before the run writes
     anything (a refused resume leaves the run directory as it was): one line naming the first
     parameter that differs, both shapes, and the model settings that changed since
-    (`config`: this run's resolved config, as YAML)."""
+    (`config`: this run's resolved config, as YAML), and how to go on (`resume`: ckpt.resume,
+    auto for the run directory's own checkpoint)."""
     source = str(loaded.path)
     missing, unexpected, reshaped = model_differences(
         model.state_dict(), loaded.shared["model"], "the checkpoint"
@@ -181,10 +182,13 @@ def check_same_model(loaded: Loaded, model: nn.Module, config: str) -> None:
     more = f" (and {len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
     changed = _changed_model_settings(loaded.shared.get("config"), config)
     since = f"; changed since: {changed}" if changed else ""
+    # Its own checkpoint: another directory trains afresh. One named by ckpt.resume: without it.
+    fresh = "without ckpt.resume"
+    if resume == "auto":
+        fresh = "in another run directory (hydra.run.dir=...)"
     raise CheckpointMismatch(
         f"the model does not match {source}: {differ[0]}{more}{since}. Resume with the model "
-        "settings it was trained with, or start this run in another run directory "
-        "(hydra.run.dir=...)"
+        f"settings it was trained with, or train this model afresh {fresh}"
     )
 
 

@@ -321,7 +321,7 @@ def build_run(
         layout = torch.channels_last
         model = model.to(memory_format=layout)
     if loaded is not None:
-        check_same_model(loaded, model, config_text)
+        check_same_model(loaded, model, config_text, cfg.ckpt.resume)
     seed_everything(cfg.trainer.seed + rt.rank)  # then independent dropout per rank
     train_set = build_dataset(cfg.data, "train")
     eval_set = build_dataset(cfg.data, "eval")
