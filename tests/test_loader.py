@@ -237,3 +237,25 @@ def test_a_worker_keeps_quiet_only_about_the_trainer_hanging_up_mid_batch(monkey
     printed = capsys.readouterr().err
     assert printed.count("Traceback") == 2, printed
     assert "BrokenPipeError" in printed and "ValueError: a bad batch" in printed
+
+
+def test_a_data_set_smaller_than_a_batch_per_process_is_one_config_line():
+    """Known only once the data set is built, after the run directory is: a ConfigError (train.py
+    says one line, exit 2) naming data.batch_size and the most that fits, not a traceback."""
+    from mgpu.config.checks import ConfigError
+    from mgpu.data.config import DataConfig
+    from mgpu.data.loader import build_dataloader
+
+    two = Runtime(0, 0, 2, "gloo", torch.device("cpu"), has_process_group=False)
+    data = TensorDataset(torch.arange(50))  # 25 samples a process
+    with pytest.raises(ConfigError) as err:
+        build_dataloader(
+            DataConfig(_target_="unused", batch_size=32), data, two, seed=0, train=True
+        )
+    said = str(err.value)
+    assert said.startswith("data.batch_size=32: each of the 2 processes gets only 25 "), said
+    assert "at most 25 here" in said and err.value.exit_code == 2, said
+    fits = build_dataloader(
+        DataConfig(_target_="unused", batch_size=25), data, two, seed=0, train=True
+    )
+    assert len(next(iter(fits))[0]) == 25

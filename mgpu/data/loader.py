@@ -61,10 +61,13 @@ def build_dataloader(
     keyed = train and getattr(dataset, "sample_keys", False)
     stream = train if stream is None else stream and train
     per_rank = len(dataset) // rt.world_size  # a training shard's samples an epoch
-    if train and per_rank < cfg.batch_size:
-        raise ValueError(
-            f"data.batch_size={cfg.batch_size}: each of the {rt.world_size} processes gets only "
-            f"{per_rank} training samples, less than one batch; lower data.batch_size"
+    if train and per_rank < cfg.batch_size:  # the data set is known only now: one line, exit 2
+        raise ConfigError(
+            "data.batch_size",
+            cfg.batch_size,
+            f"each of the {rt.world_size} processes gets only {per_rank} training samples, "
+            f"less than one batch; lower data.batch_size (at most {max(per_rank, 1)} here), run "
+            "fewer processes, or train on more data",
         )
     sampler = ShardedSampler(
         len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed,

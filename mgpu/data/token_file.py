@@ -82,10 +82,10 @@ def check_token_file(path: str, seq_len: int, eval_samples: int) -> int:
     if windows <= eval_samples:
         empty = "is empty" if n_tokens == 0 else f"has {n_tokens} tokens"
         raise ValueError(
-            f"token file {path!r} {empty}, too few for seq_len={seq_len} and "
-            f"eval_samples={eval_samples}: that needs more than {eval_samples} windows of "
+            f"token file {path!r} {empty}, too few for data.seq_len={seq_len} and "
+            f"data.eval_samples={eval_samples}: that needs more than {eval_samples} windows of "
             f"{seq_len}+1 tokens, i.e. at least {(eval_samples + 1) * seq_len + 1} tokens; "
-            f"use a bigger file or lower seq_len / eval_samples"
+            f"use a bigger file or lower data.seq_len or data.eval_samples"
         )
     return n_tokens
 
