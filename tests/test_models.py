@@ -59,6 +59,18 @@ def test_gpt_rejects_bad_args():
         model(torch.zeros(1, 40, dtype=torch.long))
 
 
+def test_a_head_count_that_does_not_divide_the_width_names_one_that_does():
+    from mgpu.config.checks import ConfigError
+    from mgpu.models.config import GPTModelConfig
+
+    for n_embd, n_head, fix in [(128, 3, 4), (768, 7, 8), (96, 5, 6), (33, 4, 3)]:
+        with pytest.raises(ConfigError) as err:
+            GPTModelConfig(n_embd=n_embd, n_head=n_head)
+        said = str(err.value)
+        assert said.startswith(f"model.n_embd={n_embd}: must be divisible by model.n_head"), said
+        assert said.endswith(f"e.g. model.n_head={fix}") and n_embd % fix == 0, said
+
+
 def test_gpt_init_scales_residual_projections():
     torch.manual_seed(0)
     model = GPT(vocab_size=512, block_size=64, n_layer=8, n_head=4, n_embd=128)

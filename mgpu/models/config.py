@@ -78,12 +78,14 @@ class GPTModelConfig(ModelConfig):
         auto_or_positive_int("model.vocab_size", self.vocab_size, "follows data.vocab_size")
         for key in ("block_size", "n_layer", "n_head", "n_embd"):
             positive(f"model.{key}", getattr(self, key), "a positive integer")
-        require(
-            self.n_embd % self.n_head == 0,
-            "model.n_embd",
-            self.n_embd,
-            f"must be divisible by model.n_head ({self.n_head})",
-        )
+        if self.n_embd % self.n_head:  # the nearest head count that divides it, the larger
+            divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
+            heads = min(divisors, key=lambda h: (abs(h - self.n_head), -h))
+            raise ConfigError(
+                "model.n_embd",
+                self.n_embd,
+                f"must be divisible by model.n_head ({self.n_head}), e.g. model.n_head={heads}",
+            )
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "must be in [0, 1)")
         try:
             checkpointed_blocks(self.activation_checkpointing, self.n_layer)
