@@ -6,6 +6,7 @@ files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same cro
 import io
 import math
 import re
+import shutil
 import subprocess
 import sys
 from itertools import islice
@@ -334,6 +335,22 @@ def test_bad_trees_are_config_errors(tmp_path, make, needle):
     make(root)
     with pytest.raises(ConfigError, match=needle):
         ImageFolderDataConfig(path=str(root))
+
+
+def test_one_class_is_a_config_error_naming_how_to_give_more(tmp_path):
+    """A classifier of one class learns nothing (its loss is 0 from the first step)."""
+    write_tree(tmp_path / "train", per_class=1)
+    for name in CLASSES[1:]:  # one class folder left
+        shutil.rmtree(tmp_path / "train" / name)
+    with pytest.raises(ConfigError) as err:
+        ImageFolderDataConfig(path=str(tmp_path / "train"))
+    said = str(err.value)
+    assert said.startswith(f"data.path='{tmp_path / 'train'}': gives one class ('{CLASSES[0]}')")
+    assert said.endswith("put each class's images in a subfolder of its own"), said
+    write_tree(tmp_path / "both", per_class=1)  # every class: fine, but not one asked alone
+    assert ImageFolderDataConfig(path=str(tmp_path / "both")).classes == CLASSES
+    with pytest.raises(ConfigError, match=r"^data.classes=\['.+'\]: .*name two or more$"):
+        ImageFolderDataConfig(path=str(tmp_path / "both"), classes=CLASSES[:1])
 
 
 def test_empty_class_folder_is_one_line_before_training(tmp_path):

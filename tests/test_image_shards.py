@@ -203,6 +203,12 @@ def test_schema_checks_a_set_in_one_line(unresized, tmp_path, lose, classes, key
     assert "\n" not in str(err.value)
 
 
+def test_a_set_trained_on_one_class_is_one_line(unresized):
+    args = dict(path=str(unresized[0] / "train-set"), classes=["ant"])
+    with pytest.raises(ConfigError, match=r"^data.classes=\['ant'\]: gives one class"):
+        ImageShardsDataConfig(**args)
+
+
 # ---- resized and converted images ----
 
 

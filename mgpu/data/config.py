@@ -138,6 +138,14 @@ class ImageDataConfig(DataConfig):
         non_negative("data.noise", self.noise, "48")
 
 
+def _two_classes_or_more(path: str, classes: list[str], asked: bool) -> None:
+    """A classifier of one class learns nothing (its loss is 0 from the first step)."""
+    key, value = ("data.classes", classes) if asked else ("data.path", path)
+    why = f"gives one class ({classes[0]!r}), and a classifier learns nothing from one"
+    fix = "name two or more" if asked else "put each class's images in a subfolder of its own"
+    require(len(classes) > 1, key, value, f"{why}; {fix}")
+
+
 def _no_extra_classes(eval_path: str, found, classes: list[str], what: str, fix: str) -> None:
     """data.eval_path holds no class that training lacks (its labels would not exist)."""
     extra = sorted(set(found) - set(classes))
@@ -223,9 +231,11 @@ class ImageFolderDataConfig(DataConfig):
         try:
             check_root("data.path", self.path)
             discovered = class_folders(self.path)
-            if not self.classes:
+            asked = bool(self.classes)
+            if not asked:
                 self.classes = discovered
             check_layout("data.path", self.path, self.classes)
+            _two_classes_or_more(self.path, self.classes, asked)
             if self.eval_path:
                 check_layout("data.eval_path", self.eval_path, self.classes)
                 found = class_folders(self.eval_path)
@@ -295,8 +305,10 @@ class ImageShardsDataConfig(ImageFolderDataConfig):
         process group exists. Empty classes: the index's (SRC's class folders, sorted)."""
         try:
             index = load_index("data.path", self.path)
+            asked = bool(self.classes)
             self.classes = self.classes or list(index.classes)
             labels = index.labels_for("data.path", self.classes)
+            _two_classes_or_more(self.path, self.classes, asked)
             if not self.eval_path:
                 self._hold_out(int((labels >= 0).sum()))
             if self.eval_path:
