@@ -4,6 +4,7 @@ that all ranks resolved one config. Two torchrun agents acting as two nodes of o
 launched in tests/test_two_nodes.py (its lost-node test checks what they share)."""
 
 import ipaddress
+import logging
 import os
 import re
 import shlex
@@ -23,6 +24,7 @@ from torch.distributed.run import parse_args
 
 from mgpu.runtime.launch import (
     LaunchError,
+    check_launch,
     check_sweep_launch,
     describe_config_mismatch,
     launch_run_name,
@@ -95,6 +97,21 @@ def test_multirun_is_refused_under_torchrun_with_several_processes():
     check_sweep_launch(multirun=False, env=two)
     check_sweep_launch(multirun=True, env=parse_launch_env({}))
     check_sweep_launch(multirun=True, env=parse_launch_env({"RANK": "0", "WORLD_SIZE": "1"}))
+
+
+def test_more_cpu_processes_than_cores_is_said_once_a_node(caplog):
+    """On CPUs (CUDA hidden, as in the suite), a node's processes beyond its cores: rank 0 of
+    the node says so and names the count that gives each a core; nothing stops."""
+    cores = len(os.sched_getaffinity(0))
+    many = {"RANK": "0", "WORLD_SIZE": str(cores + 1), "LOCAL_RANK": "0"}
+    with caplog.at_level(logging.WARNING, logger="mgpu.runtime.launch"):
+        assert check_launch("auto", parse_launch_env(many)) == "gloo"
+        check_launch("auto", parse_launch_env({**many, "RANK": "1", "LOCAL_RANK": "1"}))
+        check_launch("auto", parse_launch_env({**many, "WORLD_SIZE": str(cores)}))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"{cores + 1} processes on this node share its {cores} CPU cores")
+    assert said[0].endswith(f"torchrun --nproc_per_node={cores} gives each a core"), said[0]
 
 
 def test_a_config_mismatch_names_the_ranks_and_the_first_key_that_differs():

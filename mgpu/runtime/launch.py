@@ -245,6 +245,13 @@ def check_launch(backend: str, env: LaunchEnv | None = None) -> str:
             f"{env.local_world_size} processes on this node but {n} visible CUDA GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={visible}); start at most {n}: torchrun --nproc_per_node={n}"
         )
+    cores = len(os.sched_getaffinity(0))
+    if not cuda and env.local_world_size > cores and env.local_rank == 0:  # said once a node
+        log.warning(
+            "%d processes on this node share its %d CPU cores (no GPU): each trains on a "
+            "fraction of a core, and each with its DataLoader workers holds its own memory; "
+            "torchrun --nproc_per_node=%d gives each a core", env.local_world_size, cores, cores,
+        )  # fmt: skip
     return backend
 
 
