@@ -330,15 +330,21 @@ def test_prepare_command_round_trip(tmp_path):
 
 
 def test_prepare_errors(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        prepare_main([str(tmp_path / "missing.txt"), str(tmp_path / "o.bin")])
-    assert "missing.txt" in str(exc.value.code) and "\n" not in str(exc.value.code)
+    """Input that cannot work: exit 2 and the reason as the last line, as for bad arguments."""
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    with pytest.raises(SystemExit) as exc:
-        prepare_main([str(empty), str(tmp_path / "o.bin")])
-    assert "empty" in str(exc.value.code)
-    assert not (tmp_path / "o.bin").exists()
+    text = tmp_path / "in.txt"
+    text.write_text("some text")
+    for args, said in [
+        ([str(tmp_path / "missing.txt"), str(tmp_path / "o.bin")], "missing.txt' not found"),
+        ([str(empty), str(tmp_path / "o.bin")], "is empty; there is nothing to tokenize"),
+        ([str(text), str(tmp_path / "no" / "o.bin")], "does not exist; create it first"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            prepare_main(args)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert exc.value.code == 2 and last.endswith(said), last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.txt", "in.txt"]  # nothing made
     with pytest.raises(SystemExit) as exc:
         prepare_main(["--help"])
     assert exc.value.code == 0 and "byte-level" in capsys.readouterr().out

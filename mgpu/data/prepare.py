@@ -184,18 +184,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"plus merges, and token files hold at most {MAX_VOCAB} tokens: give N in "
             f"({BYTE_VOCAB}, {MAX_VOCAB}], e.g. 8192"
         )
+    # Input that cannot work: one line and exit 2, as for the arguments above, before any work.
+    if not os.path.isfile(args.input):
+        parser.error(f"input file {args.input!r} not found")
+    if os.path.getsize(args.input) == 0:
+        parser.error(f"input file {args.input!r} is empty; there is nothing to tokenize")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        parser.error(f"output directory {out_dir!r} does not exist; create it first")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if not os.path.isfile(args.input):
-        sys.exit(f"error: input file {args.input!r} not found")
-    if os.path.getsize(args.input) == 0:
-        sys.exit(f"error: input file {args.input!r} is empty; there is nothing to tokenize")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        sys.exit(f"error: output directory {out_dir!r} does not exist; create it first")
     try:
         meta = prepare(args)
     except TokenizerError as err:
