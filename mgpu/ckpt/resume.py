@@ -300,7 +300,8 @@ class Checkpointer:
         if loaded.world_size == rt.world_size:
             self._rng_state = loaded.rank_state["rng"]
             return
-        log.warning(
+        say = log.warning if rt.is_primary else log.info  # the same on every rank: said once
+        say(
             "%s was saved by %d process(es), this run has %d: every training sample is still "
             "seen exactly once, but the run does not match an uninterrupted one bit for bit "
             "(other batches, fresh RNG streams seeded from trainer.seed, rank and step)",
