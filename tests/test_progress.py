@@ -21,6 +21,7 @@ from mgpu.data import progress
 from mgpu.data.progress import Progress
 from mgpu.models import MLP
 from mgpu.runtime.dist import Runtime
+from mgpu.train import watchdog
 from mgpu.train.trainer import Trainer
 
 # The command with progress lines at every update, so that a short run shows them.
@@ -155,6 +156,8 @@ def evaluation_log(compile: bool, caplog) -> list[list[str]]:
         with caplog.at_level(logging.INFO, logger="mgpu.train.evaluation"):
             trainer.evaluate(DataLoader(data, batch_size=4))
         said.append([r.getMessage() for r in caplog.records])
+        # the stall clock times what follows an evaluation (its first sum is not timed)
+        assert trainer.watch.phase == watchdog.EVAL, trainer.watch.phase
     return said
 
 

@@ -75,6 +75,7 @@ class Evaluation:
         sums[2] = float(self.ctrl_c.asked)
         all_reduce_sum_(sums, self.rt)
         total, count, asked = sums.tolist()  # sync point: evaluation only, not the training loop
+        watch.beat(step, watchdog.EVAL)  # every rank is here: what follows is timed again
         if asked:
             self.ctrl_c.stop_now()
         return total / count

@@ -8,7 +8,8 @@ stall clock here (trainer.stall_timeout_s) catches what no collective bounds, su
 loader that never yields, and a host blocked behind a hung NCCL collective; not a compiled
 run's first forward/backward, nor an evaluation forward of a shape new to it, where torch.compile
 takes minutes (max-autotune far more), nor the loss sum of a first evaluation, where ranks wait
-for those still compiling: a rank that never ends is found by the ranks that wait.
+for those still compiling: a rank that never ends is found by the ranks that wait (in that sum,
+by their collective timeout only).
 
 Which rank did not arrive: the one with fewer collectives issued (per process group, in torch's
 flight recorder) than another; where no count tells (a hang outside collectives, no recorder),
