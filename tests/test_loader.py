@@ -246,16 +246,17 @@ def test_a_data_set_smaller_than_a_batch_per_process_is_one_config_line():
     from mgpu.data.config import DataConfig
     from mgpu.data.loader import build_dataloader
 
-    two = Runtime(0, 0, 2, "gloo", torch.device("cpu"), has_process_group=False)
-    data = TensorDataset(torch.arange(50))  # 25 samples a process
+    def loader(batch_size: int, world_size: int) -> DataLoader:
+        cfg = DataConfig(_target_="unused", batch_size=batch_size, num_workers=0)
+        rt = Runtime(0, 0, world_size, "gloo", torch.device("cpu"), has_process_group=False)
+        return build_dataloader(cfg, data, rt, seed=0, train=True)
+
+    data = TensorDataset(torch.arange(50))  # 25 samples a process of 2
     with pytest.raises(ConfigError) as err:
-        build_dataloader(
-            DataConfig(_target_="unused", batch_size=32), data, two, seed=0, train=True
-        )
+        loader(32, 2)
     said = str(err.value)
     assert said.startswith("data.batch_size=32: each of the 2 processes gets only 25 "), said
     assert "at most 25 here" in said and err.value.exit_code == 2, said
-    fits = build_dataloader(
-        DataConfig(_target_="unused", batch_size=25), data, two, seed=0, train=True
-    )
-    assert len(next(iter(fits))[0]) == 25
+    with pytest.raises(ConfigError, match="only 0 training samples, less than one batch; run"):
+        loader(1, 64)  # fewer samples than processes: no batch size fits
+    assert len(next(iter(loader(25, 2)))[0]) == 25

@@ -398,7 +398,7 @@ REFUSED = {
         ["model.n_embd=16", "ckpt.resume={ref}/checkpoints/step-00000020"],
         # the shapes are named (the torchrun twin below checks them), then how to go on
         "model.n_embd 32 -> 16. Resume with the model settings it was trained with, or train "
-        "this model afresh without ckpt.resume",
+        "this model afresh in another run directory (hydra.run.dir=...), without ckpt.resume",
         2,
     ),
     "never-over-newer": (

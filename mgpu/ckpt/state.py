@@ -182,10 +182,11 @@ def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str)
     more = f" (and {len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
     changed = _changed_model_settings(loaded.shared.get("config"), config)
     since = f"; changed since: {changed}" if changed else ""
-    # Its own checkpoint: another directory trains afresh. One named by ckpt.resume: without it.
-    fresh = "without ckpt.resume"
-    if resume == "auto":
-        fresh = "in another run directory (hydra.run.dir=...)"
+    # Afresh means a run directory with no checkpoint of its own (ckpt.resume=auto would find
+    # it, =never refuses to start over it), and no checkpoint named.
+    fresh = "in another run directory (hydra.run.dir=...)"
+    if resume != "auto":
+        fresh += ", without ckpt.resume"
     raise CheckpointMismatch(
         f"the model does not match {source}: {differ[0]}{more}{since}. Resume with the model "
         f"settings it was trained with, or train this model afresh {fresh}"

@@ -138,12 +138,12 @@ class ImageDataConfig(DataConfig):
         non_negative("data.noise", self.noise, "48")
 
 
-def _two_classes_or_more(path: str, classes: list[str], asked: bool) -> None:
-    """A classifier of one class learns nothing (its loss is 0 from the first step)."""
+def _two_classes_or_more(path: str, classes: list[str], asked: bool, fix: str) -> None:
+    """A classifier of one class learns nothing (its loss is 0 from the first step). `fix`:
+    what gives data.path more classes; `asked`: data.classes named them."""
     key, value = ("data.classes", classes) if asked else ("data.path", path)
     why = f"gives one class ({classes[0]!r}), and a classifier learns nothing from one"
-    fix = "name two or more" if asked else "put each class's images in a subfolder of its own"
-    require(len(classes) > 1, key, value, f"{why}; {fix}")
+    require(len(classes) > 1, key, value, f"{why}; {'name two or more' if asked else fix}")
 
 
 def _no_extra_classes(eval_path: str, found, classes: list[str], what: str, fix: str) -> None:
@@ -235,7 +235,8 @@ class ImageFolderDataConfig(DataConfig):
             if not asked:
                 self.classes = discovered
             check_layout("data.path", self.path, self.classes)
-            _two_classes_or_more(self.path, self.classes, asked)
+            fix = "put each class's images in a subfolder of its own"
+            _two_classes_or_more(self.path, self.classes, asked, fix)
             if self.eval_path:
                 check_layout("data.eval_path", self.eval_path, self.classes)
                 found = class_folders(self.eval_path)
@@ -308,7 +309,8 @@ class ImageShardsDataConfig(ImageFolderDataConfig):
             asked = bool(self.classes)
             self.classes = self.classes or list(index.classes)
             labels = index.labels_for("data.path", self.classes)
-            _two_classes_or_more(self.path, self.classes, asked)
+            fix = "prepare it again from a folder of two or more class subfolders"
+            _two_classes_or_more(self.path, self.classes, asked, fix)
             if not self.eval_path:
                 self._hold_out(int((labels >= 0).sum()))
             if self.eval_path:

@@ -66,8 +66,9 @@ def build_dataloader(
             "data.batch_size",
             cfg.batch_size,
             f"each of the {rt.world_size} processes gets only {per_rank} training samples, "
-            f"less than one batch; lower data.batch_size (at most {max(per_rank, 1)} here), run "
-            "fewer processes, or train on more data",
+            "less than one batch; "
+            + (f"lower data.batch_size (at most {per_rank} here), " if per_rank else "")
+            + "run fewer processes, or train on more data",
         )
     sampler = ShardedSampler(
         len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed,
