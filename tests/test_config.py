@@ -222,3 +222,22 @@ def test_a_bad_swept_value_stops_its_sweep_in_one_line(tmp_path):
     assert out.returncode == 2, text[-2000:]
     assert text.count("mgpu: config error: optim.lr=-1.0") == 1 and "Traceback" not in text
     assert "#0 : optim.lr=-1" in text and "#1 :" not in text  # the sweep stopped at job 0
+
+
+def test_help_lists_each_groups_choices_then_the_config_the_overrides_compose(tmp_path):
+    """`train.py --help`: mgpu's usage, every config group with its YAML files as its choices
+    (not the schemas stored under the same groups in Hydra's ConfigStore), then the composed
+    config; exit 0 and nothing written."""
+    proc = run_train(["model=gpt2_small", "--help"], cwd=tmp_path, nproc=None, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    assert "torchrun --nproc_per_node=N train.py" in text and "--hydra-help" in text
+    listed = text.split("== Config groups", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    groups = dict(line.split(": ", 1) for line in listed)
+    on_disk = sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir())
+    assert sorted(groups) == [d.name for d in on_disk]
+    for group_dir in on_disk:
+        assert groups[group_dir.name] == ", ".join(sorted(p.stem for p in group_dir.glob("*.yaml")))
+    config = text.split("== Config (", 1)[1]
+    assert "n_embd: 768" in config and "block_size: 1024" in config  # gpt2_small's
+    assert list(tmp_path.iterdir()) == []

@@ -162,9 +162,25 @@ def _override_error(arg: str, said: str) -> ConfigError:
     return ConfigError("override", arg, why)
 
 
+def group_choices(group_dir: Path) -> list[str]:
+    """A config group's choices: its YAML files' names. Not the schemas mgpu stores in Hydra's
+    ConfigStore under the same group (gpt_schema, ...), which Hydra lists among them."""
+    return sorted(p.stem for p in group_dir.glob("*.yaml"))
+
+
+def config_groups(conf_dir: Path = CONF_DIR) -> str:
+    """`train.py --help`'s list of the config groups and their choices, a line each (conf/
+    config.yaml's hydra.help.template: Hydra's own list would offer the schemas as choices)."""
+    groups = sorted(p for p in conf_dir.iterdir() if p.is_dir())
+    return "\n".join(f"{g.name}: {', '.join(group_choices(g))}" for g in groups)
+
+
+if not OmegaConf.has_resolver("mgpu_config_groups"):
+    OmegaConf.register_new_resolver("mgpu_config_groups", config_groups)
+
+
 def _check_group_choice(override: Override, conf_dir: Path) -> None:
-    """`model=gpt2`: the choices are the group's YAML files, not the schemas mgpu stores in
-    Hydra's ConfigStore under the same group (gpt_schema, ...), which Hydra would list too."""
+    """`model=gpt2`: one of the group's choices (group_choices), or one line saying which are."""
     group = override.key_or_group
     try:
         is_group = (conf_dir / group).is_dir()
@@ -173,7 +189,7 @@ def _check_group_choice(override: Override, conf_dir: Path) -> None:
     if override.is_delete() or not is_group:
         return
     choice = override.get_value_element_as_str()
-    choices = sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    choices = group_choices(conf_dir / group)
     if choice in choices or (group == "experiment" and choice == "null"):
         return
     # Several may fit (model=gpt2: the four GPT-2 sizes): those it begins, then close ones.
