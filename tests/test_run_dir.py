@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, read_scalars, run_train, said_lines, train_command
 from faults import first_sample_of_step
 
+from mgpu.runtime.preempt import PREEMPTED_EXIT_CODE
 from mgpu.runtime.run_lock import LOCK_FILE, RunDirInUse, acquire, release
 
 BATCH = 32  # data.batch_size's default
@@ -123,6 +124,14 @@ def test_a_second_launch_on_a_run_directory_in_use_stops_in_one_line(tmp_path):
     assert "resumed from" not in first_out.read_text()
 
 
+def still_alive(pids: list[int], seconds: float) -> list[int]:
+    """Those of `pids` still running after up to `seconds` of waiting for all of them to end."""
+    deadline = time.monotonic() + seconds
+    while any(map(alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in pids if alive(pid)]
+
+
 def test_killing_the_agent_ends_its_workers_and_a_fresh_start_sets_old_events_aside(tmp_path):
     run_dir = tmp_path / "run"
     endless = [*SMALL, "trainer.max_steps=100000", "trainer.eval_every=2", "data.eval_samples=64"]
@@ -137,10 +146,7 @@ def test_killing_the_agent_ends_its_workers_and_a_fresh_start_sets_old_events_as
         assert len(workers) == 2, workers
         os.killpg(agent.pid, signal.SIGKILL)  # kill -9 of torchrun's process group
         agent.wait()
-        deadline = time.monotonic() + 15
-        while any(map(alive, workers)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in workers if alive(pid)], "workers outlived their agent"
+        assert not still_alive(workers, 15), "workers outlived their agent"
     finally:
         for pid in filter(alive, workers):
             os.kill(pid, signal.SIGKILL)
@@ -159,6 +165,76 @@ def test_killing_the_agent_ends_its_workers_and_a_fresh_start_sets_old_events_as
     assert "moved them into" in output(again) and aside.name in output(again)
     assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3]
     assert read_scalars(aside)["train/loss"] == before
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    for child in list(found):
+        found += descendants(child)
+    return found
+
+
+def one_worker_endless(tmp: Path, nproc: int | None) -> tuple[subprocess.Popen, Path]:
+    """train.py (under torchrun for `nproc`) with one DataLoader worker a process (what
+    data.num_workers=auto gives a process of 3 cores or fewer), training until stopped, in a
+    session (and process group) of its own; returned once its third step is logged, with the
+    file of its console."""
+    args = [a for a in SMALL if not a.startswith("data.num_workers")] + ["data.num_workers=1"]
+    args += ["trainer.max_steps=100000", "trainer.eval_every=0", "ckpt.every=0"]
+    command, env = train_command([*args, f"hydra.run.dir={tmp / 'run'}"], nproc=nproc)
+    out = tmp / "console.out"
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(
+            command, cwd=tmp, env=env, stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    log = tmp / "run" / "rank0.log"
+    try:
+        wait_for(lambda: log.exists() and "step 3/" in log.read_text(), proc, out)
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, out
+
+
+def test_a_preempted_run_with_a_worker_a_rank_saves_before_its_workers_go(tmp_path):
+    """SIGTERM to torchrun, as a scheduler preempts a job: torchrun signals every process of
+    each worker, the DataLoader's fork server and worker too. They leave it to the trainer: every
+    rank saves the step they agree on and says so, not "DataLoader worker exited unexpectedly"
+    with nothing saved (a fork server killed by the signal took its worker with it)."""
+    agent, out = one_worker_endless(tmp_path, nproc=2)
+    try:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=120)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    said = out.read_text()
+    assert "exited unexpectedly" not in said, said[-3000:]
+    stopped = re.search(r"preempted \(SIGTERM\) after step (\d+): checkpoint saved", said)
+    assert stopped, said[-3000:]
+    step = int(stopped.group(1))
+    assert (tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+    for rank in (0, 1):
+        log = (tmp_path / "run" / f"rank{rank}.log").read_text()
+        assert f"after step {step}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}" in log
+
+
+def test_a_killed_training_process_leaves_no_process_of_its_data_loader_behind(tmp_path):
+    """kill -9 of the training process alone (as the OOM killer ends one): the processes it
+    started for its DataLoader (the fork server, the workers, multiprocessing's resource tracker)
+    end too, within seconds, instead of waiting on each other for good."""
+    trainer, _ = one_worker_endless(tmp_path, nproc=None)
+    left = []
+    try:
+        left = descendants(trainer.pid)
+        assert len(left) >= 3, left  # the server, its worker, the tracker
+        trainer.kill()
+        trainer.wait()
+        assert not still_alive(left, 20), "outlived their training process"
+    finally:
+        for pid in filter(alive, [trainer.pid, *left]):
+            os.kill(pid, signal.SIGKILL)
 
 
 def sleep_after(started) -> None:

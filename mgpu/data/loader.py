@@ -13,6 +13,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -92,6 +93,7 @@ def build_dataloader(
         generator=torch.Generator().manual_seed(seed + rt.rank),
         worker_init_fn=functools.partial(
             start_worker,
+            trainer_pid=os.getpid(),
             keep_trainer_cores=cfg.keep_trainer_cores,
             nice=cfg.worker_nice,
             logs=log_targets(),
@@ -130,8 +132,8 @@ def worker_context(dataset: Dataset) -> BaseContext:
     the training process's descriptors (its run lock included). The dataset and
     worker_init_fn travel to each worker pickled, as under spawn. The preload is the server's
     for its whole life: the first loader built (the training set's) sets it. The workers'
-    parent is the server, which ends with this process; torch's workers then end on their own
-    (they watch their parent)."""
+    parent is the server; each worker ends with this process (end_with_the_trainer), and the
+    server once it and its workers have."""
     ctx = multiprocessing.get_context("forkserver")
     # A user's dataset's module too, and what the entry script imports: each worker runs the
     # script's top level again as `__mp_main__` (as spawn's children do; how a dataset defined
@@ -140,18 +142,27 @@ def worker_context(dataset: Dataset) -> BaseContext:
     ctx.set_forkserver_preload(sorted({name for name in preload if name != "__main__"}))
     # Started now, not on the first iteration: its imports (seconds of CPU) overlap with
     # building the model. It starts by fork and exec in C (as subprocess does), with no Python
-    # run between them, so the threads here cannot leave it stuck either. It starts with SIGINT
-    # ignored (an ignored signal stays ignored across exec): a terminal's Ctrl-C reaches every
-    # process of the job, and the training process says it in one line (mgpu.run.interrupt);
-    # the server, importing its preload, would add a KeyboardInterrupt traceback.
+    # run between them, so the threads here cannot leave it stuck either. It starts with these
+    # signals ignored (an ignored signal stays ignored across exec, and in the workers it forks):
+    # - SIGINT: a terminal's Ctrl-C reaches every process of the job, and the training process
+    #   says it in one line (mgpu.run.interrupt); the server, importing its preload, would add a
+    #   KeyboardInterrupt traceback;
+    # - SIGTERM and SIGUSR1: torchrun and SLURM signal every process of the job at a preemption.
+    #   A server they killed takes its workers with it (a worker whose parent is gone exits), and
+    #   the trainer's next batch raised "DataLoader worker exited unexpectedly" before the
+    #   preemption checkpoint was written. The trainer saves, then ends its workers itself.
     main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES} if main else {}
     try:
         forkserver.ensure_running()
     finally:
-        if before is not None:  # None: a handler set outside Python, left as it was
-            signal.signal(signal.SIGINT, before)
+        for sig, handler in before.items():
+            if handler is not None:  # None: a handler set outside Python, left as it was
+                signal.signal(sig, handler)
     return ctx
+
+
+SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
 # Cores left to each training process by data.num_workers=auto: its Python thread that launches
@@ -239,17 +250,43 @@ def _in_resource_sharer(tb) -> bool:  # noqa: ANN001 - a traceback
     return False
 
 
+def end_with_the_trainer(trainer_pid: int) -> None:
+    """In a DataLoader worker: exit as soon as the training process `trainer_pid` has ended,
+    however it ended (a kill -9, the OOM killer, a crash in native code).
+
+    Why: the worker's parent is the fork server, and torch's worker watches only its parent. The
+    server ends once every holder of its liveness pipe has closed it, and multiprocessing hands
+    that pipe to each process the server forks, so after the trainer was killed the server and
+    its workers waited on each other for good, beside the next launch (and holding its memory).
+    A pidfd of the trainer turns readable when it ends; a daemon thread waits on it."""
+    try:
+        pidfd = os.pidfd_open(trainer_pid)
+    except ProcessLookupError:  # ended already, before this worker started
+        os._exit(0)
+    threading.Thread(
+        target=_exit_when_readable, args=(pidfd,), name="mgpu-trainer-watch", daemon=True
+    ).start()
+
+
+def _exit_when_readable(fd: int) -> None:
+    select.select([fd], [], [])
+    os._exit(0)  # nobody reads a batch any more; no cleanup is owed to a gone trainer
+
+
 def start_worker(
     worker_id: int,
+    trainer_pid: int,
     keep_trainer_cores: bool = False,
     nice: int = 0,
     logs: tuple[int, tuple[LogTarget, ...]] = (logging.WARNING, ()),
 ) -> None:
-    """Each DataLoader worker's first act: SIGTERM and SIGUSR1 left to the trainer, its log
-    lines sent where the trainer's go, no traceback when the trainer hangs up mid-batch, under
-    `keep_trainer_cores` its CPUs narrowed to spare_cpus (the training process keeps the whole
-    set), and its priority lowered by `nice` (data.worker_nice)."""
+    """Each DataLoader worker's first act: SIGTERM and SIGUSR1 left to the trainer, its end tied
+    to the trainer's, its log lines sent where the trainer's go, no traceback when the trainer
+    hangs up mid-batch, under `keep_trainer_cores` its CPUs narrowed to spare_cpus (the
+    training process keeps the whole set), and its priority lowered by `nice`
+    (data.worker_nice)."""
     leave_preemption_to_the_trainer(worker_id)
+    end_with_the_trainer(trainer_pid)
     log_like_the_trainer(logs)
     quiet_when_the_trainer_hangs_up()
     if keep_trainer_cores:
