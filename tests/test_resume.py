@@ -314,17 +314,17 @@ def test_a_resume_trains_with_the_optimizer_settings_of_its_command_line(tmp_pat
     """A stopped run continued with a lower optim.lr (the non-finite stop's advice), another
     weight decay and warmup: from the first resumed step the run trains with them, from the
     checkpoint's moments and step counts; the log names each change once (model.residual's too:
-    it changes the arithmetic, not the weights)."""
+    it changes the arithmetic, not the weights; and the data's settings, here the batch)."""
     run_dir = tmp_path / "run"
     shutil.copytree(step_dir(reference / "checkpoints", 10), step_dir(run_dir / "checkpoints", 10))
     never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
     new = ["optim.lr=5e-4", "optim.weight_decay=0.05", "optim.warmup_steps=4"]
-    new += ["model.residual=autocast"]
+    new += ["model.residual=autocast", f"data.batch_size={BATCH // 2}"]
     proc = run_train([*RUN, *never, *new, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
     assert proc.returncode == 0, output(proc)[-3000:]
     said = f"resuming with settings changed from {step_dir(run_dir / 'checkpoints', 10)}: "
     said += "optim.lr 0.001 -> 0.0005, optim.weight_decay 0.1 -> 0.05, optim.warmup_steps 20 -> 4"
-    said += ", model.residual fp32 -> autocast"
+    said += f", model.residual fp32 -> autocast, data.batch_size {BATCH} -> {BATCH // 2}"
     assert output(proc).count(said) == 1, output(proc)[-3000:]  # once, by rank 0
     # The rate each resumed step logs is the new schedule's (linear warmup over 4 steps, then
     # cosine to 0.1 of 5e-4 at step 20), unlike the reference's at every one of those steps.
@@ -480,6 +480,24 @@ def test_a_resume_refused_for_a_changed_model_says_so_in_one_line_and_changes_no
     assert output(proc).count("Traceback") == 1, output(proc)[-3000:]  # torchrun's summary only
     # config.yaml, goodput.json, the event files and the checkpoints as they were, none added
     assert files_of(run_dir) == before
+
+
+def test_a_resume_past_trainer_max_steps_is_refused_in_one_line_and_changes_nothing(
+    tmp_path, reference
+):
+    """trainer.max_steps below the newest checkpoint's step: not "done" with exit 0 (no
+    checkpoint of the step asked for exists) but exit 2, the way on said, nothing written."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = files_of(run_dir)
+    shorter = [a for a in RUN if not a.startswith("trainer.max_steps=")] + ["trainer.max_steps=12"]
+    proc = run_train([*shorter, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 2, output(proc)[-3000:]
+    (said,) = [line for line in said_lines(proc) if "trainer.max_steps=12" in line]
+    newest = step_dir(run_dir / "checkpoints", 20)
+    assert f"{newest} is at step 20, past it" in said and "above 20" in said, said
+    assert "Traceback" not in output(proc)
+    assert files_of(run_dir) == before  # config.yaml too: still the run's own max_steps
 
 
 def run_with_a_hung_rank(tmp_path, *settings: str, step: int = 3) -> str:

@@ -229,13 +229,24 @@ def check_settings(
     *,
     say: bool,
     residual: str | None = None,
+    config_text: str = "",
 ) -> None:
     """A resumed run's optimizer and schedule settings against the config its checkpoint saved:
     another optimizer type is refused (its moments mean nothing to this one); each other
     setting that changed is logged once (`say`: rank 0), old -> new, and takes the new value.
     `residual`: GPT's model.residual (None for other models). The weights are the same either
     way, but the arithmetic is not, so a change of it is logged too (configs saved before the
-    key existed trained with fp32)."""
+    key existed trained with fp32). `config_text`: this run's config, whose data settings
+    (data.batch_size, ...) are logged where they changed too. A trainer.max_steps below the
+    checkpoint's step is refused:
+    the run would end at once, "done", with no checkpoint of the step it asked for."""
+    if max_steps < loaded.step:
+        raise CheckpointMismatch(
+            f"trainer.max_steps={max_steps}: {loaded.path} is at step {loaded.step}, past it. "
+            f"Set trainer.max_steps above {loaded.step} to train on, use the checkpoint as it is "
+            "(python -m mgpu.evaluate or mgpu.export on the run directory), or start afresh in "
+            "another run directory (hydra.run.dir=...)"
+        )
     text = loaded.shared.get("config")
     if not text:
         return  # a state without its config (Trainer.state_dict): nothing to compare with
@@ -259,6 +270,12 @@ def check_settings(
     old_residual = saved.get("model", {}).get("residual", "fp32")
     if residual is not None and old_residual != residual:
         changes.append(("model.residual", old_residual, residual))
+    data = OmegaConf.to_container(OmegaConf.create(config_text)).get("data", {})
+    changes += [
+        (f"data.{key}", was, data[key])
+        for key, was in saved.get("data", {}).items()
+        if key in data and data[key] != was
+    ]
     if say and changes:
         log.info(
             "resuming with settings changed from %s: %s",

@@ -340,8 +340,9 @@ def build_run(
         check_same_data(loaded, train_loader.sampler)
         residual = cfg.model.residual if gpt else None
         check_settings(
-            loaded, cfg.optim, cfg.trainer.max_steps, say=rt.is_primary, residual=residual
-        )
+            loaded, cfg.optim, cfg.trainer.max_steps, say=rt.is_primary, residual=residual,
+            config_text=config_text,
+        )  # fmt: skip
     if rt.is_primary:
         (run_dir / "config.yaml").write_text(config_text)
         keep_tokenizer(cfg, run_dir)
