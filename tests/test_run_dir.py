@@ -2,6 +2,7 @@
 in one line while the first finishes untouched; workers end when their torchrun agent is killed,
 and leave no lock behind; a fresh start sets an earlier run's TensorBoard event files aside."""
 
+import json
 import multiprocessing
 import os
 import re
@@ -165,6 +166,10 @@ def test_killing_the_agent_ends_its_workers_and_a_fresh_start_sets_old_events_as
     assert "moved them into" in output(again) and aside.name in output(again)
     assert [step for step, _ in read_scalars(run_dir)["train/loss"]] == [1, 2, 3]
     assert read_scalars(aside)["train/loss"] == before
+    # The killed run's goodput went with its events: the fresh start counts one attempt, not
+    # the killed one's as its own restart.
+    assert len(json.loads((aside / "goodput.json").read_text())["attempts"]) == 1
+    assert len(json.loads((run_dir / "goodput.json").read_text())["attempts"]) == 1
 
 
 def descendants(pid: int) -> list[int]:

@@ -44,8 +44,8 @@ from mgpu.run.config import Config
 from mgpu.runtime.ctrl_c import CtrlC
 from mgpu.runtime.dist import Runtime, waiting
 from mgpu.runtime.preempt import Preemption
-from mgpu.telemetry.board import TensorBoard, set_aside_events
-from mgpu.telemetry.goodput import Goodput
+from mgpu.telemetry.board import TensorBoard, set_aside_earlier_run
+from mgpu.telemetry.goodput import GOODPUT_FILE, Goodput
 from mgpu.telemetry.metrics import Recorder
 from mgpu.telemetry.mfu import mfu_inputs
 from mgpu.telemetry.profiling import StepProfiler
@@ -210,15 +210,17 @@ def announce(
 def build_board(run_dir: Path, rt: Runtime, root: Path, loaded: Loaded | None) -> TensorBoard:
     """Rank 0's TensorBoard writer. A run that continues this directory's own checkpoints drops
     what an earlier attempt logged after the checkpoint (purge_step); any other start (step 0,
-    or another directory's checkpoint) first moves the event files it finds aside."""
+    or another directory's checkpoint) first moves the event files it finds aside, and the
+    earlier run's goodput.json with them: before this run's Goodput reads that file."""
     if loaded is not None and loaded.path.resolve().parent == root.resolve():
         return TensorBoard(run_dir, enabled=rt.is_primary, purge_step=loaded.step + 1)
     if rt.is_primary:
-        aside = set_aside_events(run_dir)
+        aside = set_aside_earlier_run(run_dir)
         if aside is not None:
             log.warning(
-                "%s holds TensorBoard event files of an earlier run or attempt, whose "
-                "checkpoints this run does not continue: moved them into %s", run_dir, aside,
+                "%s holds TensorBoard event files or a goodput.json of an earlier run or "
+                "attempt, whose checkpoints this run does not continue: moved them into %s",
+                run_dir, aside,
             )  # fmt: skip
     return TensorBoard(run_dir, enabled=rt.is_primary)
 
@@ -346,8 +348,9 @@ def build_run(
     if rt.is_primary:
         (run_dir / "config.yaml").write_text(config_text)
         keep_tokenizer(cfg, run_dir)
+    board = build_board(run_dir, rt, root, loaded)  # first: it may set an earlier run aside
     # Rank 0 keeps the run's goodput file; the others count in memory only.
-    goodput = Goodput(run_dir / "goodput.json" if rt.is_primary else None, started_at=started_at)
+    goodput = Goodput(run_dir / GOODPUT_FILE if rt.is_primary else None, started_at=started_at)
     mfu = mfu_inputs(cfg.trainer, model, train_set, rt)
     optimizer = build_optimizer(cfg.optim, model, rt.device)
     with waiting(rt.rank, "the broadcast of rank 0's parameters (dist.engine's start)"):
@@ -356,7 +359,6 @@ def build_run(
         # dist.shard_optimizer: the optimizer steps this rank's shards of the reducer's buckets
         optimizer = ShardedOptimizer(optimizer, model.reducer.shards)
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
-    board = build_board(run_dir, rt, root, loaded)
     recorder = build_recorder(cfg, rt, board, model, train_set, mfu, goodput)
     tc = cfg.trainer
     plan = CheckpointPlan(

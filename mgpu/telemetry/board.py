@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mgpu.runtime.dist import RunStopped
-from mgpu.telemetry.goodput import CATEGORIES
+from mgpu.telemetry.goodput import CATEGORIES, GOODPUT_FILE
 from mgpu.telemetry.timing import PARTS
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,16 @@ LAYOUT = {
 }
 
 
-def set_aside_events(run_dir: Path) -> Path | None:
+def set_aside_earlier_run(run_dir: Path) -> Path | None:
     """Before a run that does not continue this directory's own checkpoints writes a point: the
     TensorBoard event files an earlier run left in `run_dir` move into `earlier-<UTC time>/`
     inside it, which TensorBoard shows as a run of its own, so that no step shows the values of
-    two runs in one series. Returns that folder, or None where there was nothing to move."""
+    two runs in one series; its goodput.json goes with them, so that this run's goodput does
+    not count the earlier one's attempts (and the idle time since) as its own restarts.
+    Returns that folder, or None where there was nothing to move."""
     run_dir = Path(run_dir)
     old = sorted(run_dir.glob("events.out.tfevents.*"))
+    old += [p for p in [run_dir / GOODPUT_FILE] if p.is_file()]
     if not old:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

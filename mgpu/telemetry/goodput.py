@@ -21,6 +21,9 @@ CATEGORIES = ("startup", "training", "eval", "checkpoint", "stall", "restart")
 REDONE = ("training", "eval")
 
 
+GOODPUT_FILE = "goodput.json"  # in the run directory, kept by rank 0
+
+
 class Goodput:
     """A clock that charges the time since the last phase change to the current category.
 
