@@ -4,6 +4,7 @@ elsewhere, the dataset read by a DataLoader worker. Both record the state of Pyt
 collector in the process they run in: train.py holds collection back while the run starts and
 turns it on (start-up's objects frozen) before the first step, never in a worker."""
 
+import pytest
 import torch
 from conftest import run_train
 
@@ -74,3 +75,38 @@ def test_a_model_and_dataset_from_the_working_directory_train(tmp_path):
     # thousands of objects).
     assert enabled == "True" and int(frozen) > 10_000, said
     assert said["worker"] == "True"
+
+
+@pytest.mark.parametrize(
+    "wrong, said",
+    [
+        (
+            "+model.kwargs.widht=16",
+            "takes no argument 'widht' (did you mean width?) and needs 'width'",
+        ),
+        ("+data.kwargs.bogus=1", "Pixels takes no argument 'bogus'; it takes ['record']"),
+        (None, "TwoLayer needs 'width'; it takes ['width', 'record']"),
+    ],
+)
+def test_arguments_that_do_not_fit_a_users_class_are_one_line_before_any_run(tmp_path, wrong, said):
+    """A misspelt, unknown or missing argument of the user's model or dataset: one line naming
+    the key and what the class takes, exit 2, no run directory (not a TypeError traceback from
+    every rank after the run started)."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "nets.py").write_text(NETS)
+    (tmp_path / "mypkg" / "data.py").write_text(DATA)
+    given = {"+model.kwargs.width=16", f"+model.kwargs.record={tmp_path}"}
+    if wrong is None:
+        given.discard("+model.kwargs.width=16")
+    elif wrong.startswith("+model.kwargs.widht"):
+        given = {wrong if a.startswith("+model.kwargs.width") else a for a in given}
+    else:
+        given.add(wrong)
+    args = ["model=custom", "model._target_=mypkg.nets.TwoLayer", *sorted(given), "data=custom"]
+    args += ["data._target_=mypkg.data.Pixels", f"+data.kwargs.record={tmp_path}", "optim=sgd"]
+    proc = run_train(args, cwd=tmp_path, nproc=None, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert said in line and "+" in line and "kwargs" in line, line
+    assert not (tmp_path / "outputs").exists()

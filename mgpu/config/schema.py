@@ -15,9 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from hydra.utils import get_object
-
-from mgpu.config.checks import ConfigError, auto_or_bool, non_negative, positive, require
+from mgpu.config.checks import auto_or_bool, non_negative, positive, require
 
 log = logging.getLogger(__name__)
 
@@ -389,12 +387,3 @@ class CheckpointConfig:
                 "saved none yet); name a run directory or <run dir>/checkpoints/step-NNNNNNNN"
             )
             require(has or (path / "manifest.json").is_file(), "ckpt.resume", self.resume, why)
-
-
-def build_from_target(key: str, target: str, kwargs: dict[str, Any], **extra: Any) -> Any:
-    """`target(**extra, **kwargs)` for a `_target_` import path, naming the key if it fails."""
-    try:
-        factory = get_object(target)
-    except Exception as err:
-        raise ConfigError(f"{key}._target_", target, f"cannot be imported: {err}") from err
-    return factory(**extra, **kwargs)

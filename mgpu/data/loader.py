@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mgpu.config.checks import ConfigError
-from mgpu.config.schema import build_from_target
+from mgpu.config.targets import build_from_target
 from mgpu.data.batches import (  # noqa: F401 - re-exported: mgpu.data.loader was their home
     Transform,
     map_tensors,

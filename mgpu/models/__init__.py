@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from mgpu.config.checks import ConfigError
-from mgpu.config.schema import CUDA_GRAPH_MODES, TrainerConfig, build_from_target
+from mgpu.config.schema import CUDA_GRAPH_MODES, TrainerConfig
+from mgpu.config.targets import build_from_target
 from mgpu.models.config import ModelConfig
 from mgpu.models.flops import count_training_flops
 from mgpu.models.gpt import GPT

@@ -33,6 +33,7 @@ from omegaconf.errors import (
 
 from mgpu.config.checks import ConfigError, require
 from mgpu.config.schema import Precision
+from mgpu.config.targets import check_arguments
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
 from mgpu.runtime.stops import record_for_torchrun
@@ -47,8 +48,11 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
     imported (a user's dataset or model module that is missing is said here, not per rank after
     the process group started)."""
     config = to_config(cfg)
-    for group in ("model", "data"):
-        _import_target(f"{group}._target_", getattr(config, group)._target_)
+    for group, extra in (("model", {}), ("data", {"split": "train"})):
+        sub = getattr(config, group)
+        factory = _import_target(f"{group}._target_", sub._target_)
+        if hasattr(sub, "kwargs"):  # a user's class (model=custom, data=custom): its arguments
+            check_arguments(group, sub._target_, factory, sub.kwargs, **extra)
     dist.check_launch(config.dist.backend.value)
     if getattr(config.model, "head_loss", None) == "fused":
         from mgpu.run.build import fused_head_risk  # the device and world this run will have
@@ -79,7 +83,7 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
     return config
 
 
-def _import_target(key: str, target: str) -> None:
+def _import_target(key: str, target: str) -> Any:
     """The object a `_target_` names, imported as instantiate would, or one line saying why not
     (hydra.utils.get_object would also log its own error lines)."""
     module_name, _, name = target.rpartition(".")
@@ -94,6 +98,7 @@ def _import_target(key: str, target: str) -> None:
         target,
         f"module {module_name} has no {name!r}; name an importable module.Class",
     )
+    return getattr(module, name) if name else module
 
 
 def check_command_line(args: list[str], conf_dir: Path = CONF_DIR) -> None:
