@@ -70,6 +70,7 @@ from mgpu.runtime.dist import (
 from mgpu.runtime.launch import default_cuda_connections, launch_env
 from mgpu.runtime.preempt import Preemption
 from mgpu.runtime.run_lock import hold_run_dir
+from mgpu.runtime.run_name import resume_advice
 
 
 def collect_after_start() -> None:
@@ -98,10 +99,16 @@ def main(dcfg: DictConfig) -> None:
             # One launch per run directory (exit 2 if another holds it); Preemption: SIGTERM
             # and SIGUSR1 save, then stop.
             run = None
-            with hold_run_dir(run_dir, rt, cfg.dist.timeout_s), Preemption(rt) as preemption:
+            advice = resume_advice(run_dir, cfg.ckpt.resume)  # in the lines of the stops below
+            with (
+                hold_run_dir(run_dir, rt, cfg.dist.timeout_s),
+                Preemption(rt, advice=advice) as preemption,
+            ):
                 # Ctrl-C: every rank stops after a step they agree on, and one line names the
                 # step reached and the newest checkpoint, exit 130
-                with interrupted(run_dir, lambda: run.trainer.step if run else None) as ctrl_c:
+                with interrupted(
+                    run_dir, lambda: run.trainer.step if run else None, advice
+                ) as ctrl_c:
                     run = build_run(
                         cfg, rt, run_dir, text, preemption=preemption, ctrl_c=ctrl_c,
                         started_at=STARTED_AT,

@@ -27,10 +27,10 @@ from mgpu.runtime.launch import (
     check_launch,
     check_sweep_launch,
     describe_config_mismatch,
-    launch_run_name,
     loopback_store,
     parse_launch_env,
 )
+from mgpu.runtime.run_name import launch_run_name, resume_advice
 
 LAUNCH = ROOT / "launch"
 FAKES = Path(__file__).resolve().parent / "fake_slurm"
@@ -67,6 +67,22 @@ def test_a_chosen_rendezvous_id_names_the_run_on_one_node_too():
     assert launch_run_name(torchrun_env("gpt2-a", TORCHELASTIC_RESTART_COUNT="3")) == "gpt2-a"
     # it becomes one directory name whatever the user typed
     assert launch_run_name(torchrun_env("../a/b c")) == "_._a_b_c"
+
+
+def test_the_advice_to_resume_adds_to_the_command_what_it_lacks_to_come_back_and_resume():
+    same = "run the same command to resume"
+    for env in (torchrun_env("gpt2-a"), {"SLURM_JOB_ID": "4242"}):  # named again alike
+        assert resume_advice(Path("/w/outputs") / launch_run_name(env), "auto", env) == same
+    # a plain torchrun's directory is named after its start: the next launch's differs
+    plain = torchrun_env(UUID)
+    run_dir = Path("/w/outputs") / launch_run_name(plain)
+    said = f"run the same command with hydra.run.dir={run_dir} to resume"
+    assert resume_advice(run_dir, "auto", plain) == said
+    assert resume_advice(Path("/w/mine"), "auto", plain) == same  # hydra.run.dir given
+    # another run's checkpoint, or none: the directory's own newer ones refuse that again
+    for given in ("/w/base/checkpoints/step-00000030", "never"):
+        said = f"run the same command with ckpt.resume=auto (in place of ckpt.resume={given})"
+        assert resume_advice(Path("/w/mine"), given, plain) == f"{said} to resume"
 
 
 def test_slurm_job_names_the_run_unless_a_rendezvous_id_was_chosen():

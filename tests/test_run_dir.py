@@ -179,13 +179,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def one_worker_endless(tmp: Path, nproc: int | None) -> tuple[subprocess.Popen, Path]:
+def one_worker_endless(tmp: Path, nproc: int | None, *more: str) -> tuple[subprocess.Popen, Path]:
     """train.py (under torchrun for `nproc`) with one DataLoader worker a process (what
     data.num_workers=auto gives a process of 3 cores or fewer), training until stopped, in a
     session (and process group) of its own; returned once its third step is logged, with the
     file of its console."""
     args = [a for a in SMALL if not a.startswith("data.num_workers")] + ["data.num_workers=1"]
-    args += ["trainer.max_steps=100000", "trainer.eval_every=0", "ckpt.every=0"]
+    args += ["trainer.max_steps=100000", "trainer.eval_every=0", "ckpt.every=0", *more]
     command, env = train_command([*args, f"hydra.run.dir={tmp / 'run'}"], nproc=nproc)
     out = tmp / "console.out"
     with open(out, "w") as sink:
@@ -206,8 +206,10 @@ def test_a_preempted_run_with_a_worker_a_rank_saves_before_its_workers_go(tmp_pa
     """SIGTERM to torchrun, as a scheduler preempts a job: torchrun signals every process of
     each worker, the DataLoader's fork server and worker too. They leave it to the trainer: every
     rank saves the step they agree on and says so, not "DataLoader worker exited unexpectedly"
-    with nothing saved (a fork server killed by the signal took its worker with it)."""
-    agent, out = one_worker_endless(tmp_path, nproc=2)
+    with nothing saved (a fork server killed by the signal took its worker with it). Started
+    with ckpt.resume=never, the line says to resume with ckpt.resume=auto instead: the same
+    command would be refused by the checkpoint it just saved."""
+    agent, out = one_worker_endless(tmp_path, 2, "ckpt.resume=never")
     try:
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=120)
@@ -222,7 +224,9 @@ def test_a_preempted_run_with_a_worker_a_rank_saves_before_its_workers_go(tmp_pa
     assert (tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
     for rank in (0, 1):
         log = (tmp_path / "run" / f"rank{rank}.log").read_text()
-        assert f"after step {step}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}" in log
+        said = f"after step {step}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}, run the "
+        said += "same command with ckpt.resume=auto (in place of ckpt.resume=never) to resume"
+        assert said in log, log[-2000:]
 
 
 def test_a_killed_training_process_leaves_no_process_of_its_data_loader_behind(tmp_path):

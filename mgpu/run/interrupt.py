@@ -14,6 +14,7 @@ from pathlib import Path
 from mgpu.ckpt.checkpoint import checkpoint_root, newest_kept
 from mgpu.runtime.ctrl_c import CtrlC
 from mgpu.runtime.dist import RunStopped
+from mgpu.runtime.preempt import RESUME
 from mgpu.runtime.stops import peer_gone
 
 INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
@@ -27,7 +28,9 @@ class Interrupted(RunStopped):
 
 
 @contextmanager
-def interrupted(run_dir: Path, step: Callable[[], int | None]) -> Iterator[CtrlC]:
+def interrupted(
+    run_dir: Path, step: Callable[[], int | None], advice: str = RESUME
+) -> Iterator[CtrlC]:
     """Around a run, handing the trainer its CtrlC: KeyboardInterrupt becomes Interrupted,
     naming `step()` (the last step trained, None before training started) and the run's newest
     checkpoint. So does a collective whose peer process ended after this rank's own Ctrl-C: where
@@ -48,7 +51,7 @@ def interrupted(run_dir: Path, step: Callable[[], int | None]) -> Iterator[CtrlC
             reached = step()
             where = "before the first step" if not reached else f"after step {reached}"
             newest = newest_kept(checkpoint_root(run_dir))
-            resume = f"newest checkpoint {newest}: the same command resumes from it"
+            resume = f"newest checkpoint {newest}: {advice}"  # run_name.resume_advice's
             raise Interrupted(
                 f"interrupted (Ctrl-C) {where}; "
                 + (resume if newest else "no checkpoint saved yet: the same command starts afresh")

@@ -30,7 +30,6 @@ from mgpu.runtime.launch import (  # noqa: F401 - re-exported: mgpu.runtime.dist
     check_sweep_launch,
     describe_config_mismatch,
     launch_env,
-    launch_run_name,
     launch_store,
     loopback_store,
     parse_launch_env,
@@ -38,6 +37,7 @@ from mgpu.runtime.launch import (  # noqa: F401 - re-exported: mgpu.runtime.dist
     restart_hazard,
 )
 from mgpu.runtime.peers import ranks_gone, store_client  # noqa: F401 - store_client's home was here
+from mgpu.runtime.run_name import launch_run_name  # noqa: F401 - re-exported
 from mgpu.runtime.stops import (  # noqa: F401 - re-exported: mgpu.runtime.dist was their home
     BAD_INPUT,
     PeerTimeout,

@@ -1,8 +1,8 @@
 """The launch, as this process finds it: torchrun's and SLURM's environment (read here and nowhere
-else), the run name every rank of one run agrees on, the checks that the launch can work as
-asked, the store and keys each torchrun attempt's process group meets in (kept on loopback where
-it can be), this worker's share of the node's CPUs, and the one-line report of a config that
-differs between ranks. Joining the process group is mgpu.runtime.dist's.
+else), the checks that the launch can work as asked, the store and keys each torchrun attempt's
+process group meets in (kept on loopback where it can be), this worker's share of the node's
+CPUs, and the one-line report of a config that differs between ranks. Joining the process group
+is mgpu.runtime.dist's; the run's name, mgpu.runtime.run_name's.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import re
 import socket
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,90 +68,6 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
 def launch_env() -> LaunchEnv:
     """Read once per process: the environment torchrun gave this worker does not change."""
     return parse_launch_env(os.environ)
-
-
-def _process_start_time(pid: int) -> float | None:
-    """Wall-clock start of a process from /proc (Linux), or None where /proc is absent."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name may hold spaces and parentheses: fields resume after the last ')'.
-            after_name = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    except (OSError, StopIteration, IndexError):
-        return None
-    start_ticks = int(after_name[19])  # field 22 of proc(5), counted from field 3
-    return boot + start_ticks / os.sysconf("SC_CLK_TCK")
-
-
-# What torchrun makes up when no --rdzv-id is given on one node (--standalone, or a plain
-# `torchrun --nproc_per_node=N`): fresh on every launch, so it names nothing a person chose.
-_RANDOM_RUN_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-
-
-def _slurm_run_name(env: Mapping[str, str]) -> str | None:
-    """`slurm-<job>` (`slurm-<array job>_<task>` for an array task), or None outside SLURM.
-
-    A requeued job keeps its job id, so it finds the directory it wrote before. The array form
-    matches SLURM's own `%A_%a` naming of the job's output file.
-    """
-    job = env.get("SLURM_JOB_ID")
-    if not job:
-        return None
-    task = env.get("SLURM_ARRAY_TASK_ID")
-    if task:
-        return f"slurm-{env.get('SLURM_ARRAY_JOB_ID', job)}_{task}"
-    return f"slurm-{job}"
-
-
-def _safe_name(run_id: str) -> str:
-    """A run id as one directory name: no path separators, no `..`, nothing hidden."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
-    return "_" + name[1:] if name.startswith(".") else name
-
-
-def _agent_start_name() -> str:
-    """`<date>/<time>` of the torchrun agent (this worker's parent), which all its workers share."""
-    agent_start = _process_start_time(os.getppid())
-    if agent_start is None:
-        return time.strftime("%Y-%m-%d", time.localtime()) + f"/launch-{os.getppid()}"
-    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(agent_start))
-
-
-@cache
-def _process_clock_name() -> str:
-    """`<date>/<time>` of this process, read once: a multirun's points then share one sweep dir,
-    even where Hydra resolves the name again for each point and a second has passed."""
-    return time.strftime("%Y-%m-%d/%H-%M-%S")
-
-
-def launch_run_name(env: Mapping[str, str] | None = None) -> str:
-    """`outputs/<this>`: the same string on every rank and node of one run, and after a restart.
-
-    Each rank resolves the run directory on its own, so a clock read per process could split one
-    run into several directories. The name comes from the run's identity instead, first match:
-    1. a rendezvous id a person chose (`--rdzv-id=NAME`, the launch scripts' RUN_ID): NAME, on
-       one node too, so re-running the same command resumes in the same directory;
-    2. a SLURM job: `slurm-<jobid>`, unchanged when the job is requeued;
-    3. several nodes sharing torchrun's random id: that id (their agents' clocks differ);
-    4. one node: the torchrun agent's start time, which its workers share and which does not
-       change when it restarts them; without torchrun, this process's start.
-    Several nodes with no id at all (`--rdzv-id` left at "none") get each node's own time, which
-    splits the run; `check_same_config` then stops it and says so.
-    """
-    env = os.environ if env is None else env
-    launch = parse_launch_env(env)
-    chosen = launch.run_id != "none" and not _RANDOM_RUN_ID.fullmatch(launch.run_id)
-    if chosen:
-        return _safe_name(launch.run_id)
-    slurm = _slurm_run_name(env)
-    if slurm is not None:
-        return slurm
-    if launch.run_id != "none" and launch.num_nodes > 1:
-        return launch.run_id
-    if launch.under_torchrun:
-        return _agent_start_name()
-    return _process_clock_name()
 
 
 def check_sweep_launch(multirun: bool, env: LaunchEnv | None = None) -> None:

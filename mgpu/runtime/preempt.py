@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # resumes from it when started again with the same command (ckpt.resume=auto).
 PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+RESUME = "run the same command to resume"
 
 
 class Preempted(RunStopped):
@@ -31,16 +32,14 @@ class Preempted(RunStopped):
     exit_code = PREEMPTED_EXIT_CODE
     level = logging.WARNING
 
-    def __init__(self, step: int, signum: int | None):
+    def __init__(self, step: int, signum: int | None, advice: str = RESUME):
         name = signal.Signals(signum).name if signum else "another rank's signal"
         super().__init__(f"preempted ({name}) after step {step}")
-        self.step = step
+        self.step, self.advice = step, advice
 
     def report(self) -> str:
-        return (
-            f"{self}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}, run the same command "
-            "to resume"
-        )
+        """`advice`: mgpu.runtime.run_name.resume_advice's, what resumes this run."""
+        return f"{self}: checkpoint saved; exit code {PREEMPTED_EXIT_CODE}, {self.advice}"
 
 
 class Preemption:
@@ -53,10 +52,16 @@ class Preemption:
     a hung collective); until then torchrun's shutdown timeout (30 s) is what ends it.
     """
 
-    def __init__(self, rt: Runtime, signals: tuple[signal.Signals, ...] = SIGNALS):
-        self.rt, self.signals = rt, signals
+    def __init__(
+        self, rt: Runtime, signals: tuple[signal.Signals, ...] = SIGNALS, advice: str = RESUME
+    ):
+        self.rt, self.signals, self.advice = rt, signals, advice  # advice: Preempted's
         self.signum: int | None = None  # the first signal this process received
         self._previous: dict[signal.Signals, object] = {}
+
+    def stopped_after(self, step: int) -> Preempted:
+        """The stop, once every rank saved `step`: this process's signal and what resumes."""
+        return Preempted(step, self.signum, self.advice)
 
     @property
     def asked(self) -> bool:

@@ -233,7 +233,7 @@ class Trainer:
                 if stopping and not last:
                     self.guard.settle()  # no exchange left running when the group goes
                     stop = self.preemption
-                    raise Preempted(step, stop.signum if stop is not None else None)
+                    raise stop.stopped_after(step) if stop is not None else Preempted(step, None)
             self.guard.settle()
             rec.publish_pending()
             rec.finish(cfg.max_steps)
