@@ -295,19 +295,48 @@ def test_bad_files_are_all_named_or_skipped(tmp_path, capsys):
         run_prepare(tmp_path / "src", dst, "--shard-mb", "0.004")
     line = str(stop.value.code)  # a message: the interpreter exits 1 with it on stderr
     assert "\n" not in line and line.count("unreadable") == 1, line
-    assert (
-        "ant/img01_rgb.jpg" in line and "bee/img02_rgb.jpg" in line and "--bad-files skip" in line
-    )
+    assert stop.value.code.startswith("python -m mgpu.data.prepare_images: "), line
+    for name in ("ant/img01_rgb.jpg", "bee/img02_rgb.jpg"):  # each named by its path
+        assert f"{tmp_path / 'src' / name}: not a readable image (" in line, line
+    assert "BytesIO" not in line and "--bad-files skip" in line, line
     assert list(dst.iterdir()) == []  # not even the shards written before the second
     run_prepare(tmp_path / "src", dst, "--bad-files", "skip")
     out = capsys.readouterr().out
     assert "skipped 2 unreadable image(s)" in out and "ant/img01_rgb.jpg" in out, out
     index = json.loads((dst / "index.json").read_text())
     assert index["skipped"] == ["ant/img01_rgb.jpg", "bee/img02_rgb.jpg"]
+    assert "not a readable image (not a format Pillow knows)" in out and "BytesIO" not in out
     shards = ImageShards("eval", path=str(dst), eval_path=str(dst))
     names = [f.split(".tar:")[1] for f in shards.files]
     assert len(names) == 10 and "ant/img01_rgb.jpg" not in names
     assert shards.labels == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "src, dst, said",
+    [
+        ("empty", "dst", "SRC='{tmp}/empty': has no class subfolders; put each class's"),
+        ("src", "file", "DST='{tmp}/file' is a file; name a folder"),
+        ("src", "src/set", "DST='{tmp}/src/set' is inside SRC='{tmp}/src'; write it somewhere"),
+        ("src", "done", "DST='{tmp}/done' already holds a prepared image set (index.json); pass"),
+    ],
+    ids=["src-without-classes", "dst-a-file", "dst-inside-src", "dst-already-prepared"],
+)
+def test_a_src_or_dst_that_cannot_work_exits_2_in_one_line(tmp_path, capsys, src, dst, said):
+    """As argparse exits for a bad argument, before any image is read or anything written."""
+    write_tree(tmp_path / "src", ["rgb.jpg"], per_class=1)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("a file")
+    run_prepare(tmp_path / "src", tmp_path / "done")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        run_prepare(tmp_path / src, tmp_path / dst)
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == "", (stop.value.code, out, err)
+    line = f"python -m mgpu.data.prepare_images: {said.format(tmp=tmp_path)}"
+    assert err.startswith(line) and err.count("\n") == 1, err
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
 # Runs the command until its 15th tar member (sample 8's JPEG, a few shards in), then kills it
@@ -352,8 +381,11 @@ def test_killed_run_leaves_no_index_and_training_refuses(tmp_path, capsys):
     assert listing(dst) == listing(tmp_path / "again") and len(listing(dst)) > len(finished)
     # a final name only on a whole shard: those of the killed run are the finished run's
     assert all(left[name] == listing(dst)[name] for name in finished)
-    with pytest.raises(SystemExit, match="already holds a prepared image set.*--overwrite"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
         run_prepare(src, dst, "--shard-mb", "0.008")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "already holds a prepared image set" in err, err
     run_prepare(src, dst, "--shard-mb", "0.1", "--overwrite")
     assert sorted(listing(dst)) == ["index.json", "shard-000000.tar"]  # the old shards gone
 

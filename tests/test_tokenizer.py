@@ -8,6 +8,8 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
 from mgpu import evaluate
 from mgpu.ckpt.checkpoint import load
 from mgpu.config.checks import ConfigError
+from mgpu.data import prepare as prepare_module
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models import GPT
 from mgpu.restore import Restored, UsageError, saved_config
@@ -232,16 +235,150 @@ def compose_config(*overrides):
         return compose(config_name="config", overrides=args)
 
 
-def test_a_tokenizer_over_uint16_is_refused_in_one_line(tmp_path):
-    vocab = {f"w{i}": i for i in range(70_000)}
-    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "big.json"))
+def refused(args: list[str], capsys) -> str:
+    """The line prepare's main ends with when it refuses `args` as bad input: exit 2, as
+    argparse exits for a bad argument (after its usage line, for those it checks up front)."""
+    with pytest.raises(SystemExit) as stop:
+        prepare_main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("python -m mgpu.data.prepare: error: "), err
+    return line
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def word_tokenizer(path: Path, size: int) -> None:
+    vocab = {f"w{i}": i for i in range(size)}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path))
+
+
+def test_a_tokenizer_over_uint16_is_refused_in_one_line(tmp_path, capsys):
+    word_tokenizer(tmp_path / "big.json", 70_000)
     (tmp_path / "in.txt").write_text("w1 w2\n")
     args = [str(tmp_path / "in.txt"), str(tmp_path / "o.bin"), "--tokenizer"]
-    with pytest.raises(SystemExit) as stop:
-        prepare_main([*args, str(tmp_path / "big.json")])
-    message = str(stop.value.code)
-    assert "70,000 tokens" in message and "65,536" in message and "\n" not in message
-    assert not (tmp_path / "o.bin").exists() and not (tmp_path / "o.bin.meta.json").exists()
+    line = refused([*args, str(tmp_path / "big.json")], capsys)
+    assert "70,000 tokens" in line and "65,536" in line
+    assert sorted(os.listdir(tmp_path)) == ["big.json", "in.txt"]  # nothing made
+
+
+@pytest.mark.parametrize("output", ["corpus.txt", "./corpus.txt", "link", "hard", "beside"])
+def test_prepare_refuses_to_write_over_its_input(tmp_path, capsys, monkeypatch, output):
+    """The output, or a file prepare writes beside it, naming the input (the same path, ./,
+    a symlink, a hard link): refused before anything is read or written."""
+    monkeypatch.chdir(tmp_path)
+    Path("corpus.txt").write_text(stdlib_text(20_000), encoding="utf-8")
+    if output == "link":
+        Path("link.bin").symlink_to("corpus.txt")
+        output = "link.bin"
+    elif output == "hard":
+        os.link("corpus.txt", "hard.bin")
+        output = "hard.bin"
+    elif output == "beside":
+        Path("t.bin.tokenizer.json").symlink_to("corpus.txt")
+        output = "t.bin"
+    before = files(tmp_path)
+    line = refused(["corpus.txt", output, "--train-bpe", "300"], capsys)
+    assert f"output {output!r} would write over the input file 'corpus.txt'" in line, line
+    assert files(tmp_path) == before
+
+
+def test_prepare_of_a_file_into_itself_exits_2_and_keeps_the_text(tmp_path):
+    """As the command runs: python -m mgpu.data.prepare same.txt same.txt --train-bpe 300."""
+    text = stdlib_text(20_000)
+    (tmp_path / "same.txt").write_text(text, encoding="utf-8")
+    command = [sys.executable, "-m", "mgpu.data.prepare", "same.txt", "same.txt"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [*command, "--train-bpe", "300"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert "would write over the input file" in proc.stderr.splitlines()[-1], proc.stderr
+    assert os.listdir(tmp_path) == ["same.txt"]
+    assert (tmp_path / "same.txt").read_text(encoding="utf-8") == text
+
+
+def test_a_failed_prepare_leaves_the_previous_token_file_as_it_was(tmp_path, capsys, monkeypatch):
+    """A prepare into a good train.bin that fails (bad input found once read, a bad tokenizer,
+    Ctrl-C while writing): its three files as they were, no temporary files, and it trains."""
+    monkeypatch.chdir(tmp_path)
+    Path("corpus.txt").write_text(stdlib_text(20_000), encoding="utf-8")
+    prepare_main(["corpus.txt", "train.bin", "--train-bpe", "300"])
+    Path("latin.txt").write_bytes("café, naïve\n".encode("latin-1") * 100)  # not UTF-8
+    Path("bad.json").write_text('{"model": 1}')
+    before = files(tmp_path)
+    for args in [
+        ["latin.txt", "train.bin", "--train-bpe", "300"],  # found while training the BPE
+        ["latin.txt", "train.bin", "--tokenizer", "train.bin.tokenizer.json"],  # encoding
+        ["corpus.txt", "train.bin", "--tokenizer", "bad.json"],
+    ]:
+        with pytest.raises(SystemExit):  # its exit code and line: the test below
+            prepare_main(args)
+        assert files(tmp_path) == before, args
+
+    def interrupted(*args):
+        yield np.zeros(1000, dtype=np.uint16)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "encoded", interrupted)
+    monkeypatch.setattr(prepare_module, "byte_ids", interrupted)
+    for args in (["--train-bpe", "300"], ["--tokenizer", "train.bin.tokenizer.json"], []):
+        with pytest.raises(KeyboardInterrupt):
+            prepare_main(["corpus.txt", "train.bin", *args])
+        assert files(tmp_path) == before, args
+    cfg = to_config(compose_config(f"data.path={tmp_path / 'train.bin'}"))
+    assert cfg.data.vocab_size == 300
+
+
+def test_an_output_that_is_a_directory_is_refused_before_any_work(tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("some text\n" * 100)
+    (tmp_path / "out").mkdir()
+    line = refused([str(tmp_path / "in.txt"), str(tmp_path / "out")], capsys)
+    assert f"output '{tmp_path / 'out'}' is a directory" in line, line
+    assert f"e.g. {tmp_path / 'out' / 'train.bin'}" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["in.txt", "out"] and not os.listdir(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "text, tokenizer, said",
+    [
+        ("latin", "--train-bpe", "input file '{dir}/in.txt': not UTF-8 text (byte 3); a "),
+        ("latin", "words.json", "input file '{dir}/in.txt': not UTF-8 text (byte 3); a "),
+        ("utf-8", "nope.json", "--tokenizer '{dir}/nope.json': no such file; give the path "),
+        ("utf-8", "bad.json", "--tokenizer {dir}/bad.json: not a readable tokenizer.json ("),
+    ],
+    ids=["not-utf8-bpe", "not-utf8-tokenizer", "no-tokenizer-file", "unreadable-tokenizer"],
+)
+def test_bad_input_exits_2_naming_the_file_and_the_fix(tmp_path, capsys, text, tokenizer, said):
+    """As for its other bad arguments: one line, exit 2, nothing written."""
+    (tmp_path / "in.txt").write_bytes("café\n".encode(text) * 100)
+    word_tokenizer(tmp_path / "words.json", 300)
+    (tmp_path / "bad.json").write_text('{"model": 1}')
+    args = [str(tmp_path / "in.txt"), str(tmp_path / "o.bin")]
+    args += ["--train-bpe", "300"] if tokenizer == "--train-bpe" else ["--tokenizer"]
+    line = refused(args + [str(tmp_path / tokenizer)] * (tokenizer != "--train-bpe"), capsys)
+    assert said.format(dir=tmp_path) in line, line
+    fix = "convert it to UTF-8" if text == "latin" else "Hugging Face tokenizer.json"
+    assert fix in line, line
+    assert sorted(os.listdir(tmp_path)) == ["bad.json", "in.txt", "words.json"]
+
+
+def test_a_bpe_short_of_merges_says_its_vocabulary_is_smaller(tmp_path, capsys):
+    """--train-bpe 4000 on 40 kB of text: fewer tokens, and the command says so."""
+    (tmp_path / "in.txt").write_text(stdlib_text(20_000), encoding="utf-8")
+    for n in (300, 4000):
+        prepare_main([str(tmp_path / "in.txt"), str(tmp_path / "t.bin"), "--train-bpe", str(n)])
+        out = capsys.readouterr().out
+        made = json.loads((tmp_path / "t.bin.meta.json").read_text())["vocab_size"]
+        if n == 300:
+            assert made == 300 and "vocabulary 300)" in out, out
+        else:
+            assert 300 < made < n, made
+            said = f"vocabulary {made:,}, not 4,000: the text had no more merges than that)"
+            assert said in out, out
 
 
 def test_a_token_file_without_metadata_needs_its_tokenizer_named(tmp_path):

@@ -5,7 +5,8 @@ python -m mgpu.data.prepare INPUT.txt OUTPUT.bin                          # byte
 python -m mgpu.data.prepare INPUT.txt OUTPUT.bin --tokenizer tokenizer.json
 python -m mgpu.data.prepare INPUT.txt OUTPUT.bin --train-bpe 8192
 
-On a terminal a progress line comes every few seconds while the input is read.
+On a terminal a progress line comes every few seconds while the input is read. All or nothing:
+the new files are written under temporary names and put in place only once all are whole.
 """
 
 from __future__ import annotations
@@ -39,23 +40,26 @@ READ_CHUNK = 1 << 24  # bytes per read, so big inputs stream instead of loading 
 MB = 10**6  # progress is counted in these
 PIECE = 1 << 20  # characters per piece a tokenizer encodes; pieces end at a line's end
 TOKEN_DTYPE = np.dtype("<u2")  # nanoGPT .bin layout; must match mgpu.data.token_file
+# The new files' stem until all are whole: OUTPUT.tmp, OUTPUT.tmp.meta.json, ... In OUTPUT's
+# directory, so that putting each in place is an atomic rename.
+NEW = ".tmp"
+PROG = "python -m mgpu.data.prepare"
 
 
-def write_ids(dst: str, chunks: Iterator[np.ndarray]) -> int:
-    """Write the token-id arrays to dst as uint16, atomically; return the token count."""
-    tmp = dst + ".tmp"  # same directory as dst, so os.replace is an atomic rename
+def files_of(token_file: str) -> list[str]:
+    """A token file and the two files beside it: its metadata and its tokenizer."""
+    return [token_file, meta_path(token_file), token_file + TOKENIZER_SUFFIX]
+
+
+def write_ids(path: str, chunks: Iterator[np.ndarray]) -> int:
+    """Write the token-id arrays to path as uint16, on disk when it returns; the token count."""
     n_tokens = 0
-    try:
-        with open(tmp, "wb") as fout:
-            for ids in chunks:
-                fout.write(ids.astype(TOKEN_DTYPE).tobytes())
-                n_tokens += len(ids)
-            fout.flush()
-            os.fsync(fout.fileno())  # data on disk before the rename makes it visible
-        os.replace(tmp, dst)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)  # an interrupted or failed write leaves no half-written file behind
+    with open(path, "wb") as fout:
+        for ids in chunks:
+            fout.write(ids.astype(TOKEN_DTYPE).tobytes())
+            n_tokens += len(ids)
+        fout.flush()
+        os.fsync(fout.fileno())  # data on disk before a rename makes it visible
     return n_tokens
 
 
@@ -88,9 +92,9 @@ def text_pieces(src: str, what: str = "tokenizing") -> Iterator[str]:
                 rest += decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as err:
                 raise TokenizerError(
-                    f"{src}: not UTF-8 text (byte {offset + err.start}); a tokenizer reads text: "
-                    "convert it to UTF-8, or prepare it byte-level (without --tokenizer and "
-                    "--train-bpe)"
+                    f"input file {src!r}: not UTF-8 text (byte {offset + err.start}); a "
+                    "tokenizer reads text: convert it to UTF-8, or prepare it byte-level "
+                    "(without --tokenizer and --train-bpe)"
                 ) from None
             offset += len(chunk)
             while len(rest) > PIECE or (not chunk and rest):
@@ -122,44 +126,72 @@ def check_vocab(size: int, what: str) -> None:
         )
 
 
-def given_tokenizer(path: str) -> bytes:
-    """The bytes of a --tokenizer file, checked: a tokenizer.json of at most MAX_VOCAB tokens."""
-    if not os.path.isfile(path):
-        raise TokenizerError(f"--tokenizer {path!r}: no such file")
-    check_vocab(JsonTokenizer(path).vocab_size, f"--tokenizer {path}")
-    return Path(path).read_bytes()
+def given_tokenizer(path: str, copy: str) -> JsonTokenizer:
+    """The --tokenizer file, checked (a tokenizer.json of at most MAX_VOCAB tokens), copied to
+    `copy` byte for byte, so that the copy's sha256 is the user's file's."""
+    data = Path(path).read_bytes()
+    try:
+        vocab_size = JsonTokenizer(path).vocab_size
+    except TokenizerError as err:
+        raise TokenizerError(f"--tokenizer {err}; give a Hugging Face tokenizer.json") from None
+    check_vocab(vocab_size, f"--tokenizer {path}")
+    write_atomic(copy, data)
+    return JsonTokenizer(copy)
+
+
+def write_new(args: argparse.Namespace, new: str) -> TokenMeta:
+    """Write the token file and its tokenizer as `new` and new + TOKENIZER_SUFFIX; the metadata
+    that the output will have."""
+    tok_new = new + TOKENIZER_SUFFIX
+    tokenizer = None
+    if args.train_bpe is not None:
+        pieces = text_pieces(args.input, "training the BPE on")
+        tokenizer = train_bpe(pieces, args.train_bpe, tok_new)
+    elif args.tokenizer is not None:
+        tokenizer = given_tokenizer(args.tokenizer, tok_new)
+    if tokenizer is None:
+        n_tokens = write_ids(new, byte_ids(args.input))
+        return TokenMeta(n_tokens, BYTE_VOCAB, BYTES, "", args.input)
+    n_tokens = write_ids(new, encoded(tokenizer, args.input))
+    name = os.path.basename(args.output + TOKENIZER_SUFFIX)  # its name once in place
+    return TokenMeta(n_tokens, tokenizer.vocab_size, name, sha256_file(tok_new), args.input)
+
+
+def put_in_place(new: str, output: str, meta: TokenMeta) -> None:
+    """Replace OUTPUT's files with the whole new ones. The old metadata goes first and the new
+    comes last: a crash in between leaves a token file without metadata, which training
+    refuses as unprepared (data.tokenizer=auto needs it), never reads with another file's
+    tokenizer."""
+    (_, meta_new, tok_new), (_, meta_file, tok_file) = files_of(new), files_of(output)
+    if os.path.exists(meta_file):
+        os.remove(meta_file)
+    if meta.tokenizer != BYTES:
+        os.replace(tok_new, tok_file)
+    elif os.path.exists(tok_file):
+        os.remove(tok_file)  # an earlier prepare's tokenizer: byte-level tokens have none
+    os.replace(new, output)
+    os.replace(meta_new, meta_file)
 
 
 def prepare(args: argparse.Namespace) -> TokenMeta:
-    """Write the token file, its tokenizer (OUTPUT.tokenizer.json) and, last, its metadata."""
-    output = args.output
-    tok_file = output + TOKENIZER_SUFFIX
-    # Read first: the given file may be the one this output had before.
-    given = given_tokenizer(args.tokenizer) if args.tokenizer is not None else None
-    # No metadata while the file is rewritten: a half-done prepare is refused as unprepared
-    # (data.tokenizer=auto needs the metadata), never read with another file's tokenizer.
-    for stale in (meta_path(output), tok_file):
-        if os.path.exists(stale):
-            os.remove(stale)
-    tokenizer = None
-    if args.train_bpe is not None:
-        tokenizer = train_bpe(
-            text_pieces(args.input, "training the BPE on"), args.train_bpe, tok_file
-        )
-    elif given is not None:
-        write_atomic(tok_file, given)  # the very file, so its sha256 is the user's file's
-        tokenizer = JsonTokenizer(tok_file)
-    if tokenizer is None:
-        n_tokens = write_ids(output, byte_ids(args.input))
-        return TokenMeta(n_tokens, BYTE_VOCAB, BYTES, "", args.input)
-    n_tokens = write_ids(output, encoded(tokenizer, args.input))
-    name, sha = os.path.basename(tok_file), sha256_file(tok_file)
-    return TokenMeta(n_tokens, tokenizer.vocab_size, name, sha, args.input)
+    """Write the token file, its tokenizer (OUTPUT.tokenizer.json) and its metadata, all under
+    temporary names first: until every one is whole, OUTPUT's earlier files stay as they were
+    (a text that turns out not to be UTF-8 fails only once it is read)."""
+    new = args.output + NEW
+    try:
+        meta = write_new(args, new)
+        write_meta(new, meta)
+        put_in_place(new, args.output, meta)
+    finally:
+        for path in files_of(new):  # what a failure, or Ctrl-C, left half-written
+            if os.path.exists(path):
+                os.remove(path)
+    return meta
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m mgpu.data.prepare",
+        prog=PROG,
         description="Tokenize a text file into a flat uint16 .bin file for data=tokens: "
         "byte-level (token = byte value, vocab 256) by default, or with a Hugging Face "
         "tokenizer.json. Beside OUTPUT it writes OUTPUT.meta.json (which tokenizer, its size) "
@@ -189,9 +221,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"input file {args.input!r} not found")
     if os.path.getsize(args.input) == 0:
         parser.error(f"input file {args.input!r} is empty; there is nothing to tokenize")
+    if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
+        parser.error(
+            f"--tokenizer {args.tokenizer!r}: no such file; give the path of a Hugging Face "
+            "tokenizer.json"
+        )
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         parser.error(f"output directory {out_dir!r} does not exist; create it first")
+    if os.path.isdir(args.output):
+        parser.error(
+            f"output {args.output!r} is a directory; name the token file to write, e.g. "
+            f"{os.path.join(args.output, 'train.bin')}"
+        )
+    # Any name of the input (the same path, ./, a symlink, a hard link) among the files this
+    # writes, temporaries too, would be written over while it is read.
+    for path in files_of(args.output) + files_of(args.output + NEW):
+        if os.path.exists(path) and os.path.samefile(path, args.input):
+            which = "" if path == args.output else f" ({path} is the input)"
+            parser.error(
+                f"output {args.output!r} would write over the input file {args.input!r}{which}; "
+                "name another output, e.g. train.bin"
+            )
     return args
 
 
@@ -200,10 +251,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         meta = prepare(args)
     except TokenizerError as err:
-        sys.exit(f"error: {err}")
-    write_meta(args.output, meta)
+        # bad input found only once read (not UTF-8, a tokenizer that cannot be used): said
+        # as argparse says a bad argument, and exit 2 as it does
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        sys.exit(2)
     made = "byte-level" if meta.tokenizer == BYTES else f"tokenizer {meta.tokenizer}"
-    print(f"wrote {meta.tokens:,} tokens to {args.output} ({made}, vocabulary {meta.vocab_size:,})")
+    vocab = f"vocabulary {meta.vocab_size:,}"
+    if args.train_bpe is not None and meta.vocab_size < args.train_bpe:
+        vocab += f", not {args.train_bpe:,}: the text had no more merges than that"
+    print(f"wrote {meta.tokens:,} tokens to {args.output} ({made}, {vocab})")
     print(f"train on it with: data=tokens data.path={args.output}")
 
 

@@ -29,6 +29,7 @@ from mgpu.data.image_folder import (
     check_layout,
     class_folders,
     list_images,
+    unreadable_line,
 )
 from mgpu.data.image_shards import FORMAT, INDEX_NAME, SAMPLE_FIELDS, VERSION, shard_name
 from mgpu.data.progress import Progress
@@ -41,6 +42,11 @@ OURS = re.compile(r"(shard-\d{6}\.tar|\.shard-\d{6}\.tar\.tmp|\.index\.json\.tmp
 
 class PrepareError(Exception):
     """Why the command stops: one line, naming what to change."""
+
+
+class UsageError(PrepareError):
+    """A SRC or DST that cannot work, found before any image is read: exit 2, as argparse
+    exits for a bad argument."""
 
 
 def target_size(width: int, height: int, max_side: int) -> tuple[int, int]:
@@ -76,7 +82,7 @@ def encode(path: str, max_side: int, quality: int) -> tuple[bytes, bool] | str:
         image.save(out, format="JPEG", quality=quality)  # baseline: Pillow's default
         return out.getvalue(), False
     except UNREADABLE as err:
-        return f"{path} ({err})"
+        return unreadable_line(path, err)  # Pillow's own message names the BytesIO, not the file
 
 
 class ShardWriter:
@@ -168,7 +174,7 @@ def clear(dst: str, overwrite: bool) -> None:
     index = os.path.join(dst, INDEX_NAME)
     if os.path.exists(index):
         if not overwrite:
-            raise PrepareError(
+            raise UsageError(
                 f"DST={dst!r} already holds a prepared image set ({INDEX_NAME}); pass "
                 "--overwrite to replace it, or choose another folder"
             )
@@ -194,12 +200,12 @@ def prepare(args: argparse.Namespace) -> None:
         classes = class_folders(src) if os.path.isdir(src) else []
         check_layout("SRC", src, classes)
     except FolderError as err:
-        raise PrepareError(str(err)) from None
+        raise UsageError(str(err)) from None
     inside = os.path.realpath(dst) + os.sep
     if inside.startswith(os.path.realpath(src) + os.sep):
-        raise PrepareError(f"DST={dst!r} is inside SRC={src!r}; write it somewhere else")
+        raise UsageError(f"DST={dst!r} is inside SRC={src!r}; write it somewhere else")
     if os.path.exists(dst) and not os.path.isdir(dst):
-        raise PrepareError(f"DST={dst!r} is a file; name a folder (created if missing)")
+        raise UsageError(f"DST={dst!r} is a file; name a folder (created if missing)")
     os.makedirs(dst, exist_ok=True)
     clear(dst, args.overwrite)
     files, labels = list_images(src, classes)
@@ -320,7 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         prepare(args)
-    except PrepareError as err:
+    except UsageError as err:
+        print(f"{PROG}: {err}", file=sys.stderr)
+        sys.exit(2)
+    except PrepareError as err:  # images found unreadable: exit 1, as check_images does
         sys.exit(f"{PROG}: {err}")
 
 
