@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mgpu.config.checks import ConfigError
 from mgpu.data import TokenFile, decode_split
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
@@ -98,8 +99,21 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float above ~709
 
 
+def check_token_file(data: TokenFileDataConfig) -> None:
+    """The run's token file is still there: its saved config is valid without it (mgpu.sample
+    and mgpu.export never read it), and evaluating reads it."""
+    if not os.path.isfile(data.path):
+        why = (
+            "no such file: the run's token file was moved or deleted since it trained; pass "
+            "where it is now, data.path=PATH (a relative path is read from the current directory)"
+        )
+        raise ConfigError("data.path", data.path, why)
+
+
 def run(restored: Restored) -> None:
     cfg = restored.config
+    if isinstance(cfg.data, TokenFileDataConfig):
+        check_token_file(cfg.data)  # before any process group: said in one line, exit 2
     # A token file's text, decoded with the run's tokenizer; other data have none.
     decodes = isinstance(cfg.data, TokenFileDataConfig) and cfg.data.tokenizer not in UNDECODED
     tokenizer = restored.tokenizer() if decodes else None

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch import nn
 
@@ -29,7 +31,7 @@ from mgpu.ckpt.checkpoint import (
     find_latest_valid,
     load,
 )
-from mgpu.ckpt.state import CheckpointMismatch, restore_model
+from mgpu.ckpt.state import CheckpointMismatch, model_differences
 from mgpu.config.checks import ConfigError
 from mgpu.data.token_config import TokenFileDataConfig
 from mgpu.data.tokenizer import (
@@ -44,8 +46,10 @@ from mgpu.data.tokenizer import (
     sha256_file,
 )
 from mgpu.models import build_model
+from mgpu.run.cli import composition_error
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime.launch import LaunchError
+from mgpu.runtime.stops import BAD_INPUT
 
 log = logging.getLogger(__name__)
 RUN_CONFIG = "config.yaml"  # what train.py's rank 0 writes into a run directory first
@@ -127,8 +131,51 @@ def saved_config(text: str, overrides: list[str]) -> Config:
         tree.data.tokenizer = BYTES if data.get("vocab_size") == BYTE_VOCAB else ""
     # What training resumed from is no concern here, and a path it named may be gone since.
     tree.ckpt.resume = "auto"
-    merged = OmegaConf.merge(typed, tree, OmegaConf.from_dotlist(overrides))
+    for item in overrides:
+        _refuse_group_choice(item, tree)
+    try:
+        merged = OmegaConf.merge(typed, tree, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as err:
+        raise _override_error(err, overrides) from None
     return to_config(merged)
+
+
+def _refuse_group_choice(item: str, tree: DictConfig) -> None:
+    """`model=resnet_tiny`: a group choice, which train.py composes from conf/ and a saved config
+    cannot take (OmegaConf would say "Merge error: str is not a subclass of ..."): one line
+    saying what the run's section is and what to do instead."""
+    group, _, value = item.partition("=")
+    if "." in group or group not in tree:
+        return
+    target = tree[group].get("_target_")
+    if group == "model":
+        why = (
+            f"a trained checkpoint's model group cannot be changed: this run's model is "
+            f"{target}, the one its weights fit; leave model=... out"
+        )
+    else:
+        what = f" (this run's is {target})" if target else ""
+        why = (
+            f"a group choice, which the checkpoint's saved config cannot take: it has its "
+            f"{group} settings already{what}; leave {group}=... out, or change one of them "
+            f"with {group}.KEY=VALUE"
+        )
+    raise ConfigError(group, value, why)
+
+
+def _override_error(err: OmegaConfBaseException, overrides: list[str]) -> Exception:
+    """OmegaConf's error for an override of the saved config -> train.py's line for the same
+    override (an unknown key with the nearest known one, a value of the wrong type with an
+    example), by mgpu.run.cli's own wording of Hydra's error."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:  # an override Hydra's grammar cannot read
+        parsed = None
+    if parsed is None or not err.full_key:  # no key to name: OmegaConf's first line
+        return ConfigError("override", " ".join(overrides), describe_error(err))
+    wrapped = ConfigCompositionException(str(err))
+    wrapped.__cause__ = err  # what composition_error reads the key and the schema from
+    return composition_error(wrapped, parsed)
 
 
 @dataclass
@@ -192,9 +239,35 @@ def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
             raise CheckpointError(checkpoint, f"holds no {key!r}: not written by mgpu's trainer")
     cfg = saved_config(loaded.shared["config"], list(overrides))
     model = build_model(cfg.model)
-    restore_model(model, loaded.shared["model"], source=str(checkpoint))
+    _check_same_model(model, loaded.shared["model"], checkpoint, overrides)
+    model.load_state_dict(loaded.shared["model"])  # keys and shapes checked just above
     model.eval()
     return Restored(checkpoint, loaded.step, cfg, model, loaded.shared.get("dataset"))
+
+
+def _check_same_model(
+    model: nn.Module, saved: dict, checkpoint: Path, overrides: list[str], shown: int = 3
+) -> None:
+    """The model built from the (overridden) config against the checkpoint's weights: one line
+    naming the first parameters that differ and the model overrides that made them differ."""
+    missing, unexpected, reshaped = model_differences(model.state_dict(), saved, "the checkpoint")
+    differ = [
+        *reshaped,
+        *(f"{k} missing from the checkpoint" for k in missing),
+        *(f"{k} in the checkpoint not in the model" for k in unexpected),
+    ]
+    if not differ:
+        return
+    more = f" (and {len(differ) - shown} more parameters differ)" if len(differ) > shown else ""
+    changed = [o for o in overrides if o.startswith("model.")]
+    if changed:
+        fix = "a checkpoint's model keeps the settings it trained with: leave out "
+        fix += " ".join(changed)
+    else:  # its own saved config builds another model: mgpu's model code changed since
+        fix = "the config it saved builds another model now (mgpu's model code changed since)"
+    raise CheckpointMismatch(
+        f"the model does not match {checkpoint}: {'; '.join(differ[:shown])}{more}; {fix}"
+    )
 
 
 def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -222,11 +295,13 @@ EXPECTED = (
 @contextmanager
 def one_line_errors(prog: str) -> Iterator[None]:
     """The frame of a command's work: warnings (such as a skipped invalid checkpoint) print as
-    `prog: WARNING: ...`, and expected errors end the command with one line on stderr and exit
-    status 1, no traceback."""
+    `prog: WARNING: ...`, and expected errors end the command with one line on stderr, no
+    traceback, and train.py's exit status for them: 2 for a config error or a model that does
+    not fit the checkpoint, else 1."""
     logging.basicConfig(level=logging.WARNING, format=f"{prog}: %(levelname)s: %(message)s")
     try:
         yield
     except EXPECTED as err:
         print(f"{prog}: error: {describe_error(err)}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        bad_config = isinstance(err, OmegaConfBaseException)
+        raise SystemExit(BAD_INPUT if bad_config else getattr(err, "exit_code", 1)) from None

@@ -329,3 +329,62 @@ def test_sample_refuses_a_model_that_is_not_a_byte_level_gpt(classifier_run, cap
     assert stop.value.code == 1
     err = capsys.readouterr().err
     assert "mgpu.models.MLP, not a GPT" in err and "Traceback" not in err
+
+
+def said(proc: subprocess.CompletedProcess) -> str:
+    """The one line a command refused with (no traceback, nothing else on stderr)."""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_moved_token_file_is_needed_by_evaluate_only(gpt_run, tmp_path):
+    """The run's token file moved away, its metadata (text.bin.meta.json) left behind: sample
+    and export need the checkpoint and the tokenizer, not the file; evaluate reads it, and says
+    in one line how to point it at the file's new place, which then works."""
+    tokens = gpt_run.parent / "text.bin"
+    moved = tmp_path / "moved.bin"
+    shutil.move(tokens, moved)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mgpu.sample", *sampled(gpt_run, 1)],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0 and len(proc.stdout) == 48, proc.stderr[-3000:]
+        out = tmp_path / "model.safetensors"
+        proc = tool("mgpu.export", [gpt_run, out], tmp_path)
+        assert proc.returncode == 0 and out.is_file(), proc.stderr[-3000:]
+        proc = tool("mgpu.evaluate", [gpt_run], tmp_path)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        line = said(proc)
+        assert f"data.path='{tokens}': no such file" in line and "data.path=PATH" in line, line
+        proc = tool("mgpu.evaluate", [gpt_run, f"data.path={moved}"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert math.isclose(printed(proc.stdout)["loss"], last_eval_loss(gpt_run)[1], rel_tol=1e-5)
+    finally:
+        shutil.move(moved, tokens)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        # gpt_tiny's n_embd is 128: every parameter differs, the first three are named
+        (
+            "model.n_embd=64",
+            "wte.weight [256, 128] in the checkpoint, [256, 64] in the model; wpe.weight",
+        ),
+        ("optim.lrr=3", "optim.lrr='3': is not a key of optim; did you mean optim.lr=3?"),
+        ("model=resnet_tiny", "model group cannot be changed: this run's model is mgpu.models.GPT"),
+    ],
+)
+def test_an_override_that_cannot_work_is_refused_in_one_line(gpt_run, override, expected):
+    """As train.py refuses the same override: one line naming it and the fix, exit code 2."""
+    proc = tool("mgpu.evaluate", [gpt_run, override], gpt_run.parent)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = said(proc)
+    assert line.startswith("mgpu.evaluate: error: ") and expected in line, line
+    if override == "model.n_embd=64":
+        assert line.count("step-") == 1, line  # the checkpoint named once, not per parameter
+        assert "more parameters differ" in line and "leave out model.n_embd=64" in line, line

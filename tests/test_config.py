@@ -139,6 +139,10 @@ NEWCOMER_MISTAKES = [
         ["data._target_='mypkg.data.MyDataset'", "No module named 'mypkg'"],
     ),
     (["ckpt.resume={empty}"], ["ckpt.resume=", "no checkpoints/"]),
+    (  # every value given: nothing else reads the file before the run would
+        ["data=tokens", "data.path=nope.bin", "data.tokenizer=bytes", "data.vocab_size=256"],
+        ["data.path='nope.bin'", "no such file", "mgpu.data.prepare"],
+    ),
     (
         ["data=tokens", "data.path={odd}", "data.tokenizer=bytes"],
         ["odd.bin", "2001 bytes, not a multiple of 2"],

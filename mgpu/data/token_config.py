@@ -24,6 +24,8 @@ from mgpu.data.tokenizer import (
     sha256_file,
 )
 
+NO_FILE = "no such file; make one from a text file with python -m mgpu.data.prepare"
+
 
 @dataclass
 class TokenFileDataConfig(DataConfig):
@@ -95,8 +97,7 @@ class TokenFileDataConfig(DataConfig):
         value resolved) reads nothing but the metadata: its token file may be gone."""
         given = self.tokenizer not in ("auto", BYTES, *UNDECODED) and not self.tokenizer_sha256
         if (given or "auto" in (self.tokenizer, self.vocab_size)) and not os.path.isfile(self.path):
-            why = "no such file; make one from a text file with python -m mgpu.data.prepare"
-            raise ConfigError("data.path", self.path, why)
+            raise ConfigError("data.path", self.path, NO_FILE)
         try:
             meta = read_meta(self.path)
         except TokenizerError as err:
@@ -142,13 +143,15 @@ class TokenFileDataConfig(DataConfig):
         return sha256_file(self.tokenizer)
 
     def _check_meta(self, meta: TokenMeta) -> None:
-        """What the file's metadata says against the file and what is set."""
-        size = os.path.getsize(self.path)
-        why = (
-            f"holds {size // 2:,} tokens, and its metadata ({meta_path(self.path)}) says "
-            f"{meta.tokens:,}: it was rewritten since; prepare it again"
-        )
-        require(size == 2 * meta.tokens, "data.path", self.path, why)
+        """What the file's metadata says against the file, where it exists (a saved config's may
+        be gone, its metadata kept), and against what is set."""
+        if os.path.isfile(self.path):
+            size = os.path.getsize(self.path)
+            why = (
+                f"holds {size // 2:,} tokens, and its metadata ({meta_path(self.path)}) says "
+                f"{meta.tokens:,}: it was rewritten since; prepare it again"
+            )
+            require(size == 2 * meta.tokens, "data.path", self.path, why)
         theirs = meta.tokenizer if meta.tokenizer == BYTES else meta.tokenizer_sha256
         ours = self.tokenizer if self.tokenizer == BYTES else self.tokenizer_sha256
         require(

@@ -34,6 +34,7 @@ from omegaconf.errors import (
 from mgpu.config.checks import ConfigError, require
 from mgpu.config.schema import Precision
 from mgpu.config.targets import check_arguments
+from mgpu.data.token_config import NO_FILE, TokenFileDataConfig
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
 from mgpu.runtime.stops import record_for_torchrun
@@ -53,6 +54,8 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
         factory = _import_target(f"{group}._target_", sub._target_)
         if hasattr(sub, "kwargs"):  # a user's class (model=custom, data=custom): its arguments
             check_arguments(group, sub._target_, factory, sub.kwargs, **extra)
+    if isinstance(config.data, TokenFileDataConfig):  # set whole, it validates without it
+        require(os.path.isfile(config.data.path), "data.path", config.data.path, NO_FILE)
     dist.check_launch(config.dist.backend.value)
     if getattr(config.model, "head_loss", None) == "fused":
         from mgpu.run.build import fused_head_risk  # the device and world this run will have
@@ -127,7 +130,7 @@ def check_command_line(args: list[str], conf_dir: Path = CONF_DIR) -> None:
     except MissingConfigException as err:  # a choice inside a config file: Hydra's words
         raise ConfigError("defaults", "", dist.first_line(err)) from None
     except ConfigCompositionException as err:
-        raise _composition_error(err, overrides) from None
+        raise composition_error(err, overrides) from None
     check_config(cfg)
 
 
@@ -204,7 +207,7 @@ def _check_group_choice(override: Override, conf_dir: Path) -> None:
     raise ConfigError(group, choice, f"is not a {group} config; {hint}choose one of {choices}")
 
 
-def _composition_error(err: ConfigCompositionException, overrides: list[Override]) -> Exception:
+def composition_error(err: ConfigCompositionException, overrides: list[Override]) -> Exception:
     """Hydra's error for one override -> ConfigError naming the key, the value and the fix."""
     cause = err.__cause__
     if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "full_key", None):
