@@ -520,6 +520,23 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(folder_run):
     assert [losses[1][s] for s in (6, 8, 10)] == [losses[0][s] for s in (6, 8, 10)], losses
 
 
+def test_a_class_folder_added_since_the_checkpoint_is_said_with_the_way_out(folder_run, tmp_path):
+    """The classes are found again at every start: a folder added since the checkpoint makes
+    another head, refused in one line that names the folder added and how to keep the
+    checkpoint's labels, exit 2, nothing written."""
+    root, args, _ = folder_run
+    shutil.copytree(root / "train", tmp_path / "train")
+    shutil.copytree(tmp_path / "train" / "cow", tmp_path / "train" / "dog")
+    shutil.copytree(root / "a", tmp_path / "a")
+    again = train_on_cpu([*args, f"hydra.run.dir={tmp_path / 'a'}"], tmp_path)
+    assert again.returncode == 2, again.stderr[-3000:]
+    said = again.stdout + again.stderr
+    (line,) = [x for x in said.splitlines() if "the model does not match" in x]
+    assert "model.num_classes 3 -> 4" in line, line
+    assert "the class folders changed (3 -> 4 classes; added: dog): move the added" in line, line
+    assert "data.classes" in line and "config.yaml" in line, line
+
+
 def pillow_jpegs(data: list[torch.Tensor]) -> list[torch.Tensor]:
     """A stand-in for nvJPEG on the CPU: Pillow's decode; an empty-looking 1x1 JPEG fails."""
     out = []

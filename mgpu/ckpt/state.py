@@ -182,6 +182,7 @@ def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str)
     more = f" (and {len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
     changed = _changed_model_settings(loaded.shared.get("config"), config)
     since = f"; changed since: {changed}" if changed else ""
+    since += _changed_classes(loaded.shared.get("config"), config)
     # Afresh means a run directory with no checkpoint of its own (ckpt.resume=auto would find
     # it, =never refuses to start over it), and no checkpoint named.
     fresh = "in another run directory (hydra.run.dir=...)"
@@ -203,6 +204,25 @@ def _changed_model_settings(saved: str | None, current: str, limit: int = 4) -> 
     keys = [k for k in {**old, **new} if old.get(k) != new.get(k)]
     said = [f"model.{k} {old.get(k)} -> {new.get(k)}" for k in keys[:limit]]
     return ", ".join(said) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _changed_classes(saved: str | None, current: str, shown: int = 3) -> str:
+    """An image folder's classes (data.classes, found again at every start) that changed since
+    the checkpoint: what was added and what is gone, and how to keep the checkpoint's labels."""
+    if not saved:
+        return ""
+    old = OmegaConf.to_container(OmegaConf.create(saved)).get("data", {}).get("classes")
+    new = OmegaConf.to_container(OmegaConf.create(current)).get("data", {}).get("classes")
+    if not old or not new or old == new:
+        return ""
+    added, gone = [c for c in new if c not in old], [c for c in old if c not in new]
+    said = [f"{what}: {', '.join(names[:shown])}{' ...' * (len(names) > shown)}"
+            for what, names in (("added", added), ("gone", gone)) if names]  # fmt: skip
+    return (
+        f"; the class folders changed ({len(old)} -> {len(new)} classes; {'; '.join(said)}): "
+        "move the added folders out of data.path, or set data.classes to the checkpoint's "
+        "list (data.classes in its run's config.yaml)"
+    )
 
 
 def restore_optimizer(
