@@ -115,3 +115,5 @@ def test_ranks_that_train_apart_decide_alone(tmp_path):
         said = f"step {step}: the loss is NaN/inf on rank 1: its optimizer update was skipped"
         assert said in log1
     assert "NaN/inf" not in (run_dir / "rank0.log").read_text()
+    # what a resume of such a run does, said before it saves anything
+    assert "a checkpoint holds rank 0's alone" in (run_dir / "rank0.log").read_text()

@@ -361,6 +361,11 @@ def build_run(
     schedule = build_schedule(cfg.optim, optimizer, cfg.trainer.max_steps)
     recorder = build_recorder(cfg, rt, board, model, train_set, mfu, goodput)
     tc = cfg.trainer
+    if cfg.dist.engine is Engine.none and rt.world_size > 1 and rt.is_primary:
+        log.warning(
+            "dist.engine=none: every rank trains a model of its own, and a checkpoint holds "
+            "rank 0's alone: a resume starts every rank from rank 0's model"
+        )
     plan = CheckpointPlan(
         root, cfg.ckpt.every, cfg.ckpt.keep_last, token=token, config=config_text,
         max_failed_saves=cfg.ckpt.max_failed_saves,
