@@ -133,6 +133,7 @@ NEWCOMER_MISTAKES = [
     (["optim.lr=fast"], ["optim.lr='fast'", "Float", "e.g. optim.lr=0.001"]),
     (["model=gpt2"], ["model='gpt2'", "did you mean model=", "model=gpt2_small", "'gpt_tiny'"]),
     (["optim.lr=-1"], ["optim.lr=-1.0", "must be > 0"]),
+    (["data.eval_samples=0"], ["data.eval_samples=0", "must be > 0, e.g. data.eval_samples=1024"]),
     (["data=tokens", "data.path=nope.bin"], ["data.path='nope.bin'", "mgpu.data.prepare"]),
     (
         ["data._target_=mypkg.data.MyDataset"],

@@ -3,6 +3,7 @@ the key, the value and the fix, and the checks the schemas' __post_init__ run.""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from mgpu.runtime.dist import BAD_INPUT, RunStopped
@@ -24,6 +25,13 @@ def require(ok: bool, key: str, value: Any, why: str) -> None:
 
 def positive(key: str, value: float, example: str) -> None:
     require(value > 0, key, value, f"must be > 0, e.g. {key}={example}")
+
+
+def positive_fields(config: Any, group: str, keys: tuple[str, ...]) -> None:
+    """positive() for each of a config dataclass's `keys`, its default as the example."""
+    defaults = {f.name: f.default for f in fields(config)}
+    for key in keys:
+        positive(f"{group}.{key}", getattr(config, key), str(defaults[key]))
 
 
 def non_negative(key: str, value: float, example: str) -> None:

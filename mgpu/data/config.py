@@ -16,6 +16,7 @@ from mgpu.config.checks import (
     auto_or_positive_int,
     non_negative,
     positive,
+    positive_fields,
     require,
 )
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
@@ -110,8 +111,8 @@ class NgramDataConfig(DataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples"):
-            positive(f"data.{key}", getattr(self, key), "a positive integer")
+        keys = ("vocab_size", "seq_len", "order", "branching", "num_samples", "eval_samples")
+        positive_fields(self, "data", keys)
         require(
             self.branching <= self.vocab_size,
             "data.branching",
@@ -133,8 +134,8 @@ class ImageDataConfig(DataConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("num_classes", "image_size", "channels", "num_samples", "eval_samples"):
-            positive(f"data.{key}", getattr(self, key), "a positive integer")
+        keys = ("num_classes", "image_size", "channels", "num_samples", "eval_samples")
+        positive_fields(self, "data", keys)
         non_negative("data.noise", self.noise, "48")
 
 

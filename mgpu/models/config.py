@@ -7,7 +7,13 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from mgpu.config.checks import ConfigError, auto_or_positive_int, positive, require
+from mgpu.config.checks import (
+    ConfigError,
+    auto_or_positive_int,
+    positive,
+    positive_fields,
+    require,
+)
 from mgpu.models.gpt import (  # the choices live with the model
     ATTENTION,
     HEAD_LOSS,
@@ -76,8 +82,7 @@ class GPTModelConfig(ModelConfig):
             f"must be one of {', '.join(ATTENTION)}",
         )
         auto_or_positive_int("model.vocab_size", self.vocab_size, "follows data.vocab_size")
-        for key in ("block_size", "n_layer", "n_head", "n_embd"):
-            positive(f"model.{key}", getattr(self, key), "a positive integer")
+        positive_fields(self, "model", ("block_size", "n_layer", "n_head", "n_embd"))
         if self.n_embd % self.n_head:  # the nearest head count that divides it, the larger
             divisors = [h for h in range(1, self.n_embd + 1) if self.n_embd % h == 0]
             heads = min(divisors, key=lambda h: (abs(h - self.n_head), -h))
