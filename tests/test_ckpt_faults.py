@@ -37,6 +37,8 @@ def test_saves_failing_in_a_row_stop_the_run_naming_the_directory_and_free_space
     said = [line for line in said_lines(proc) if "the last 3 saves failed" in line]
     assert proc.returncode != 0 and len(said) == 1, text[-3000:]
     assert str(run_dir / "checkpoints") in said[0] and " MiB free there" in said[0], said[0]
+    # none saved: nothing to resume from elsewhere, so not advised
+    assert said[0].endswith("or start again elsewhere (hydra.run.dir=PATH)"), said[0]
     # stopped at the third failed save (step 6), not trained on to the end with none saved
     assert [step for step, _ in read_scalars(run_dir)["train/loss"]][-1] == 6
 

@@ -98,7 +98,7 @@ def resume_point(cfg: CheckpointConfig, root: Path, rt: Runtime) -> tuple[Loaded
             why = "unreadable on another rank (its log says why); not falling back to an older one"
             raise error or CheckpointError(path, why)
         why = error or f"{path}: unreadable on another rank (its log says why)"
-        log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", why)
+        log.warning("resuming: skipping invalid checkpoint: %s", why)
         if rt.is_primary:
             # Its manifest checks, so neither prune nor a save at its step would take it for a
             # valid one and delete it: kept as evidence, out of resume's and prune's sight.
@@ -172,7 +172,7 @@ def _newest_valid(root: Path, below: int | None = None) -> Path | None:
     one could not be loaded), warning about each newer invalid one."""
     path, problems = find_latest_valid(root, below=below)
     for problem in problems:
-        log.warning("ckpt.resume=auto: skipping invalid checkpoint: %s", problem)
+        log.warning("resuming: skipping invalid checkpoint: %s", problem)
     skipped = problems or below is not None
     if path is None and skipped:
         # A fresh start here would train over a damaged run from step 0 and exit 0: only
@@ -372,12 +372,14 @@ class Checkpointer:
             raise CheckpointError(step_dir(plan.root, step), "not saved (errors above)")
         kept = newest_kept(plan.root)
         if self._failed_in_row >= plan.max_failed_saves:  # every rank: the count is agreed
+            on = "resume" if kept else "start again"
+            where = f"hydra.run.dir=PATH{' ckpt.resume=<this run directory>' if kept else ''}"
             raise CheckpointError(
                 plan.root,
                 f"the last {self._failed_in_row} saves failed (ckpt.max_failed_saves="
                 f"{plan.max_failed_saves}), {free_space(plan.root)} free there; newest "
-                f"checkpoint: {kept or 'none'}. Free space, or resume in a run directory "
-                "elsewhere (hydra.run.dir=PATH ckpt.resume=<this run directory>)",
+                f"checkpoint: {kept or 'none'}. Fix what the errors above name (a full disk, a "
+                f"path that is not a writable directory), or {on} elsewhere ({where})",
             )
         if kept is not None:
             log.warning("training goes on; %s stays the newest checkpoint", kept)
