@@ -85,7 +85,6 @@ def test_a_model_and_dataset_from_the_working_directory_train(tmp_path):
             "takes no argument 'widht' (did you mean width?) and needs 'width'",
         ),
         ("+data.kwargs.bogus=1", "Pixels takes no argument 'bogus'; it takes ['record']"),
-        (None, "TwoLayer needs 'width'; it takes ['width', 'record']"),
     ],
 )
 def test_arguments_that_do_not_fit_a_users_class_are_one_line_before_any_run(tmp_path, wrong, said):
@@ -97,9 +96,7 @@ def test_arguments_that_do_not_fit_a_users_class_are_one_line_before_any_run(tmp
     (tmp_path / "mypkg" / "nets.py").write_text(NETS)
     (tmp_path / "mypkg" / "data.py").write_text(DATA)
     given = {"+model.kwargs.width=16", f"+model.kwargs.record={tmp_path}"}
-    if wrong is None:
-        given.discard("+model.kwargs.width=16")
-    elif wrong.startswith("+model.kwargs.widht"):
+    if wrong.startswith("+model.kwargs.widht"):
         given = {wrong if a.startswith("+model.kwargs.width") else a for a in given}
     else:
         given.add(wrong)

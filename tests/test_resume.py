@@ -221,13 +221,12 @@ def test_a_job_killed_whole_resumes_when_relaunched_with_the_same_command(tmp_pa
 def test_a_preempted_run_saves_exits_and_resumes_like_an_uninterrupted_run(tmp_path, reference):
     run_dir = tmp_path / "run"
     # Rank 0 sends SIGTERM to the torchrun agent at step 8, as a scheduler would; the agent
-    # passes it on to both workers. Started again, the same command finds the marker. With
-    # DataLoader workers the signal reaches them too: they must leave it to the trainer. (The
-    # trainer's part is the same without them: one run with workers checks both.)
+    # passes it on to both workers. Started again, the same command finds the marker. (The
+    # signal reaching DataLoader workers and their fork server too: tests/test_run_dir.py's
+    # test_a_preempted_run_with_a_worker_a_rank_saves_before_its_workers_go.)
     args = [
         *RUN,
         *faulty("term_agent", rank=0, step=8, marker=tmp_path / "m"),
-        "data.num_workers=2",
         f"hydra.run.dir={run_dir}",
     ]
     first = run_train(args, cwd=tmp_path, nproc=2)
