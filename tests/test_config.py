@@ -4,6 +4,7 @@ with one clear line before any process group or run directory exists."""
 import math
 
 import pytest
+import torch
 from conftest import ROOT, one_line_under_torchrun, run_train, said_by_train_py
 from hydra import compose, initialize_config_dir
 
@@ -246,3 +247,11 @@ def test_help_lists_each_groups_choices_then_the_config_the_overrides_compose(tm
     config = text.split("== Config (", 1)[1]
     assert "n_embd: 768" in config and "block_size: 1024" in config  # gpt2_small's
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for machines without CUDA")
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
+def test_an_attention_kernel_without_a_cpu_implementation_is_one_line_on_a_cpu(tmp_path, kernel):
+    line = said_by_train_py([f"model.attention={kernel}"], tmp_path)
+    assert f"model.attention='{kernel}'" in line and "CUDA GPUs only" in line, line
+    assert "flash or math" in line

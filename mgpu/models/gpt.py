@@ -38,6 +38,9 @@ ATTENTION = {
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
     "math": [SDPBackend.MATH],
 }
+# Named kernels that have no CPU implementation (torch 2.13: on a CPU tensor only flash and math
+# run): refused before a CPU run starts, not met as torch's traceback in the first forward.
+CUDA_ONLY_ATTENTION = ("cudnn", "efficient")
 
 # model.head_loss: how forward(idx, targets) takes the loss. fused: the head's matrix multiply
 # and the cross-entropy as one step that never keeps the logits (mgpu.models.fused_loss);

@@ -35,6 +35,7 @@ from mgpu.config.checks import ConfigError, require
 from mgpu.config.schema import Precision
 from mgpu.config.targets import check_arguments
 from mgpu.data.token_config import NO_FILE, TokenFileDataConfig
+from mgpu.models.gpt import CUDA_ONLY_ATTENTION
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
 from mgpu.runtime.stops import record_for_torchrun
@@ -54,6 +55,10 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
         factory = _import_target(f"{group}._target_", sub._target_)
         if hasattr(sub, "kwargs"):  # a user's class (model=custom, data=custom): its arguments
             check_arguments(group, sub._target_, factory, sub.kwargs, **extra)
+    attention = getattr(config.model, "attention", None)
+    if attention in CUDA_ONLY_ATTENTION and not torch.cuda.is_available():
+        why = "runs on CUDA GPUs only, and this machine has none; use auto, torch, flash or math"
+        raise ConfigError("model.attention", attention, why)
     if isinstance(config.data, TokenFileDataConfig):  # set whole, it validates without it
         require(os.path.isfile(config.data.path), "data.path", config.data.path, NO_FILE)
     dist.check_launch(config.dist.backend.value)
