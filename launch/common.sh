@@ -32,6 +32,18 @@ check_run_id() {
     die "RUN_ID='$1': use letters, digits, '.', '_' and '-' only (it names outputs/RUN_ID)"
 }
 
+# A count from the environment (NPROC, MAX_RESTARTS, ...): a whole number of at least MIN,
+# said in one line here rather than as torchrun's traceback (an AssertionError for NPROC=0).
+check_count() { # NAME VALUE MIN
+  [[ $2 =~ ^[0-9]+$ ]] && ((10#$2 >= $3)) || die "$1='$2': give a whole number of at least $3"
+}
+
+# NNODES: a count of nodes, or MIN:MAX for an elastic range.
+check_nodes() {
+  [[ $1 =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] ||
+    die "NNODES='$1': give a number of nodes (NNODES=2) or a range (NNODES=2:4)"
+}
+
 # TORCHRUN_ARGS holds extra torchrun flags, split on spaces into the array `torchrun_extra`
 # (e.g. TORCHRUN_ARGS="--log-dir=logs --rdzv-conf=join_timeout=900").
 # shellcheck disable=SC2034  # used by the scripts that source this file

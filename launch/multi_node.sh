@@ -32,7 +32,10 @@ source "$MGPU_ROOT/launch/common.sh"
 [[ -n "${RDZV_ENDPOINT:-}" ]] || die "set RDZV_ENDPOINT=host:port of one node, the same on all"
 [[ -n "${RUN_ID:-}" ]] || die "set RUN_ID=name, the same on every node (it names outputs/RUN_ID)"
 check_run_id "$RUN_ID"
+check_nodes "$NNODES"
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(default_nproc)}
+check_count NPROC_PER_NODE "$NPROC_PER_NODE" 1
+check_count MAX_RESTARTS "${MAX_RESTARTS:-0}" 0
 local_addr=()
 if [[ -n "${LOCAL_ADDR:-}" ]]; then
   local_addr=(--local-addr="$LOCAL_ADDR")

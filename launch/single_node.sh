@@ -24,6 +24,8 @@ MGPU_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$MGPU_ROOT/launch/common.sh"
 
 NPROC=${NPROC:-$(default_nproc)}
+check_count NPROC "$NPROC" 1
+check_count MAX_RESTARTS "${MAX_RESTARTS:-0}" 0
 if [[ -n "${RUN_ID:-}" ]]; then
   check_run_id "$RUN_ID"
 fi

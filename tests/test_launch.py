@@ -193,6 +193,25 @@ def test_single_node_names_its_rendezvous_after_run_id(tmp_path):
     assert proc.returncode == 2 and "RUN_ID='a/b'" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "script, env, said",
+    [
+        ("single_node.sh", {"NPROC": "0"}, "NPROC='0': give a whole number of at least 1"),
+        ("single_node.sh", {"NPROC": "two"}, "NPROC='two': give a whole number"),
+        ("single_node.sh", {"NPROC": "2", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1': give"),
+        ("multi_node.sh", {"NNODES": "two"}, "NNODES='two': give a number of nodes"),
+        ("multi_node.sh", {"NNODES": "2", "NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0': give"),
+    ],
+)
+def test_a_count_that_cannot_work_is_one_line_from_the_launch_script(tmp_path, script, env, said):
+    env = {"RDZV_ENDPOINT": "127.0.0.1:29400", "RUN_ID": "a", **env}
+    proc, log = run_script(script, tmp_path, **env)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"{script}: {said}"), line
+    assert not log.exists()  # torchrun never started
+
+
 def test_single_node_keeps_its_rendezvous_in_a_private_file_that_it_leaves_behind(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
