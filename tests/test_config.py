@@ -135,6 +135,10 @@ NEWCOMER_MISTAKES = [
     (["model=gpt2"], ["model='gpt2'", "did you mean model=", "model=gpt2_small", "'gpt_tiny'"]),
     (["optim.lr=-1"], ["optim.lr=-1.0", "must be > 0"]),
     (["data.eval_samples=0"], ["data.eval_samples=0", "must be > 0, e.g. data.eval_samples=1024"]),
+    (
+        ["model=custom", "model._target_=torch.nn.Linear", "model.kwargs.in_features=4"],
+        ["model.kwargs.in_features='4'", "added with a '+': +model.kwargs.in_features=4"],
+    ),
     (["data=tokens", "data.path=nope.bin"], ["data.path='nope.bin'", "mgpu.data.prepare"]),
     (
         ["data._target_=mypkg.data.MyDataset"],

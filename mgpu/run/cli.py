@@ -227,6 +227,8 @@ def composition_error(err: ConfigCompositionException, overrides: list[Override]
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):  # a key the schema lacks
         close = difflib.get_close_matches(name, known, n=1)
         fix = f"did you mean {parent}{close[0]}={value}?" if close else f"known: {known}"
+        if not is_dataclass(schema):  # a dict of the user's own keys (model.kwargs, ...)
+            fix = f"a key of your own is added with a '+': +{key}={value}"
         where = f"a key of {parent[:-1]}" if parent else "an mgpu setting"
         return ConfigError(key, value, f"is not {where}; {fix}")
     if isinstance(cause, ValidationError):
