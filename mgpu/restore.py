@@ -31,7 +31,7 @@ from mgpu.ckpt.checkpoint import (
     find_latest_valid,
     load,
 )
-from mgpu.ckpt.state import CheckpointMismatch, model_differences
+from mgpu.ckpt.state import CheckpointMismatch, differing_parameters
 from mgpu.config.checks import ConfigError
 from mgpu.data.token_config import TokenFileDataConfig
 from mgpu.data.tokenizer import (
@@ -250,12 +250,7 @@ def _check_same_model(
 ) -> None:
     """The model built from the (overridden) config against the checkpoint's weights: one line
     naming the first parameters that differ and the model overrides that made them differ."""
-    missing, unexpected, reshaped = model_differences(model.state_dict(), saved, "the checkpoint")
-    differ = [
-        *reshaped,
-        *(f"{k} missing from the checkpoint" for k in missing),
-        *(f"{k} in the checkpoint not in the model" for k in unexpected),
-    ]
+    differ = differing_parameters(model, saved)
     if not differ:
         return
     more = f" (and {len(differ) - shown} more parameters differ)" if len(differ) > shown else ""

@@ -162,6 +162,17 @@ def restore_model(model: nn.Module, state_dict: Mapping, *, source: str = "check
     model.load_state_dict(state_dict, strict=True)
 
 
+def differing_parameters(model: nn.Module, saved: Mapping) -> list[str]:
+    """Each parameter (or buffer) of `model` and a checkpoint's `saved` weights that differ, in
+    a few words: reshaped ones first (both shapes), then missing and unexpected ones."""
+    missing, unexpected, reshaped = model_differences(model.state_dict(), saved, "the checkpoint")
+    return [
+        *reshaped,
+        *(f"{k} is missing from the checkpoint" for k in missing),
+        *(f"{k} in the checkpoint is not in the model" for k in unexpected),
+    ]
+
+
 def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str) -> None:
     """The model this run built against the one its checkpoint holds, before the run writes
     anything (a refused resume leaves the run directory as it was): one line naming the first
@@ -169,14 +180,7 @@ def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str)
     (`config`: this run's resolved config, as YAML), and how to go on (`resume`: ckpt.resume,
     auto for the run directory's own checkpoint)."""
     source = str(loaded.path)
-    missing, unexpected, reshaped = model_differences(
-        model.state_dict(), loaded.shared["model"], "the checkpoint"
-    )
-    differ = [
-        *reshaped,
-        *(f"{k} is missing from the checkpoint" for k in missing),
-        *(f"{k} in the checkpoint is not in the model" for k in unexpected),
-    ]
+    differ = differing_parameters(model, loaded.shared["model"])
     if not differ:
         return
     more = f" (and {len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
