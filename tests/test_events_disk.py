@@ -160,6 +160,9 @@ def test_a_failed_last_write_still_stops_the_loaders_workers(tmp_path):
     built = build_run(to_config(dcfg), rt, run_dir, resolved_yaml(dcfg))
     trainer = FirstBatches()
     run = Run(trainer, built.train_loader, built.eval_loader, built.board, built.goodput)
+    # What the build queued (the hyperparameters) written first: left queued, the writer's thread
+    # could meet the full disk with it before the add below, which would then raise here.
+    built.board.flush()
     swap(built.board.events, full=True)
     built.board.scalars(1, {"train/loss": 1.0})  # queued; the writer's thread fails on it
     with pytest.raises(EventsUnwritable, match=FULL):
