@@ -23,6 +23,7 @@ from conftest import (
     run_train,
     said_lines,
     spawn,
+    together,
 )
 from faults import first_sample_of_step, recorded
 from hydra import compose, initialize_config_dir
@@ -216,6 +217,34 @@ def test_a_job_killed_whole_resumes_when_relaunched_with_the_same_command(tmp_pa
     assert again.returncode == 0, output(again)[-3000:]
     assert "resumed from " + str(step_dir(run_dir / "checkpoints", 10)) in output(again)
     assert_same_run(run_dir, reference)
+
+
+def test_a_run_resumed_from_a_step_that_evaluated_trains_on_as_it_would_have(tmp_path):
+    """The checkpoint of a step that also evaluates (by default every 100th does both) is saved
+    before the evaluation. A world of one killed at step 5 and relaunched resumes from step 3's
+    and trains steps 4-6 bit for bit as the uninterrupted run did, dropout's masks included:
+    the evaluation after the save draws from none of the generators the checkpoint carries."""
+    args = ["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=3", "ckpt.every=3"]
+    args += ["data.num_workers=0", "model.dropout=0.2", *MODEL]
+    cut, whole, marker = tmp_path / "cut", tmp_path / "whole", tmp_path / "killed"
+    killed = [*args, *faulty("kill", rank=0, step=5, marker=marker), f"hydra.run.dir={cut}"]
+    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
+    first, reference = together(
+        lambda: run_train(killed, cwd=tmp_path, nproc=None),
+        lambda: run_train([*args, *never, f"hydra.run.dir={whole}"], cwd=tmp_path, nproc=None),
+    )
+    assert first.returncode == -signal.SIGKILL and marker.exists(), output(first)[-3000:]
+    assert reference.returncode == 0, output(reference)[-3000:]
+    resumed = run_train(killed, cwd=tmp_path, nproc=None)  # the marker: no second kill
+    assert resumed.returncode == 0, output(resumed)[-3000:]
+    assert "resumed from " + str(step_dir(cut / "checkpoints", 3)) in output(resumed)
+    assert loss_record(cut) == loss_record(whole)
+    got, want = (
+        torch.load(step_dir(d / "checkpoints", 6) / "state.pt", weights_only=True)
+        for d in (cut, whole)
+    )
+    for name, tensor in want["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
 
 
 def test_a_preempted_run_saves_exits_and_resumes_like_an_uninterrupted_run(tmp_path, reference):
@@ -578,10 +607,14 @@ def test_a_compiled_models_first_evaluation_is_not_timed_by_the_stall_clock(tmp_
 
 def test_an_evaluation_loader_that_never_yields_is_named_as_such(tmp_path):
     """The stall clock's report names the phase: an evaluation's batch that never comes is its
-    data loading (its workers start with each evaluation), not the logging before it."""
-    settings = ["+data.kwargs.in_split=eval", "trainer.eval_every=2"]
+    data loading (its workers start with each evaluation), not the logging before it. The
+    checkpoint of the step it evaluates was saved before it: the failed evaluation loses no
+    step trained."""
+    settings = ["+data.kwargs.in_split=eval", "trainer.eval_every=2", "ckpt.every=2"]
     stops, text = stalled_alone(tmp_path, 1, settings)  # step 1's first sample: eval's first
     assert stops == [("2", "evaluation's data loading")], text[-3000:]
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000002"], (saved, text[-3000:])
 
 
 # ---- the pieces: signal agreement, restart hazard ----

@@ -194,7 +194,7 @@ class Trainer:
 
     def fit(self, train_loader: DeviceLoader | DataLoader, eval_loader: Iterable | None) -> None:
         """Train from start_step to trainer.max_steps. Each step reads: data -> step (its
-        agreement inside, read LAG steps later) -> log -> maybe evaluate and save; all ranks
+        agreement inside, read LAG steps later) -> log -> maybe save and evaluate; all ranks
         stop together after the step their agreement names on preemption."""
         cfg, rec = self.cfg, self.recorder
         if rec is None:
@@ -229,7 +229,7 @@ class Trainer:
                     rec.close_interval(step, lr, train.wait.take(), self.loss_scale())
                 if evaluate or save:
                     required = last or stopping  # a save that must not fail quietly
-                    self._evaluate_and_save(step, eval_loader if evaluate else None, save, required)
+                    self._save_and_evaluate(step, eval_loader if evaluate else None, save, required)
                 if stopping and not last:
                     self.guard.settle()  # no exchange left running when the group goes
                     stop = self.preemption
@@ -285,14 +285,14 @@ class Trainer:
         self.recorder.begin()
         return batches
 
-    def _evaluate_and_save(self, step: int, evals: Iterable | None, save: bool, required: bool):
+    def _save_and_evaluate(self, step: int, evals: Iterable | None, save: bool, required: bool):
         rec = self.recorder
         # Now, not an interval later: the record is complete up to the step that is evaluated
         # or saved (and a restart's purge_step starts right after it).
         rec.publish_pending()
-        if evals is not None:
-            self._enter("eval")  # the interval published above: its GPU work is done
-            rec.eval_loss(step, self.evaluate(evals))
+        # The save before the evaluation: an evaluation that fails or hangs (its data, its
+        # workers) loses nothing trained. The saved RNG states are the evaluation's too, since
+        # it draws from none of them (eval mode; the eval loader's own generator is not saved).
         if save:
             # Every verdict up to this step, now: a non-finite step is never saved.
             self.guard.settle()
@@ -305,6 +305,9 @@ class Trainer:
             if saved is not None and self.goodput is not None:  # rank 0, the one that counts
                 self.goodput.checkpointed(step)
             rec.save_goodput()
+        if evals is not None:
+            self._enter("eval")  # the interval published above: its GPU work is done
+            rec.eval_loss(step, self.evaluate(evals))
         self._enter("training")
         rec.restart_clock()  # neither is training step time
 
