@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from mgpu.models import GPT, MLP, ResNet, count_training_flops
 
@@ -123,6 +124,19 @@ def test_resnet_imagenet_stem_shape_and_flops():
     flops = model.flops_per_sample((3, 64, 64))
     assert flops == count_training_flops(lambda: ResNet(**kwargs), (3, 64, 64))
     assert flops > 0
+
+
+def test_resnet_flops_of_an_image_whose_last_map_is_one_pixel():
+    """ResNet-50 on CIFAR's 32 x 32 images ends in a 1 x 1 map, where batch norm in train mode
+    cannot take a batch of one. The count equals the same model's in eval mode on one sample,
+    whose batch norm (no matrix multiply either way) accepts it."""
+    kwargs = {"num_classes": 10, "block": "bottleneck", "layers": [3, 4, 6, 3], "width": 64}
+    counted = ResNet(**kwargs).flops_per_sample((3, 32, 32))
+    with torch.device("meta"):
+        model, x = ResNet(**kwargs).eval(), torch.randn(1, 3, 32, 32)
+    with FlopCounterMode(display=False) as reference:
+        model(x).sum().backward()
+    assert counted == reference.get_total_flops() > 0
 
 
 @pytest.mark.parametrize(
