@@ -31,7 +31,8 @@ from PIL import Image
 from mgpu.config.checks import ConfigError
 from mgpu.data.check_images import main as check_images
 from mgpu.data.config import ImageFolderDataConfig
-from mgpu.data.image_folder import BadImageFile, ImageFolder, auto_eval_samples
+from mgpu.data.folder_files import auto_eval_samples
+from mgpu.data.image_folder import BadImageFile, ImageFolder
 from mgpu.data.loader import build_dataloader, build_loader
 from mgpu.data.sampler import SampleKey
 from mgpu.runtime.dist import Runtime
@@ -740,6 +741,50 @@ def test_check_images_names_every_unreadable_file_as_training_would_meet_it(tmp_
     code, out, err = check(str(tmp_path / "nowhere"), str(tmp_path / "train"))
     assert code == 2 and "does not exist" in err, err
     assert "1 of 15 images unreadable" in out and files[2][0] in out
+
+
+def test_what_the_folder_holds_but_does_not_read_is_said_by_training_and_check_images(
+    tmp_path, caplog, capsys
+):
+    """A sub-folder of a class folder, a file of another format, an image beside the class
+    folders: none is read, and both training (a warning) and check_images say each kind, with
+    the files; hidden files are not mentioned. What is read is exactly list_images' files."""
+    write_tree(tmp_path / "train", per_class=2)
+    (tmp_path / "train" / "ant" / "nested").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "ant" / "nested" / "n.jpg")
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "bee" / "b.webp")
+    Image.new("RGB", (8, 8)).save(tmp_path / "train" / "stray.jpg")
+    (tmp_path / "train" / "cow" / ".DS_Store").write_bytes(b"\0")
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train", eval_samples=1))
+    with caplog.at_level("WARNING", logger="mgpu.data.image_folder"):
+        dataset = ImageFolder("train", **cfg.dataset_kwargs())
+    assert len(dataset) == 5 and not any("nested" in f or "webp" in f for f in dataset.files)
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    for words in ("1 file(s) beside the class folders", "stray.jpg", "1 sub-folder(s)",
+                  "ant/nested/", "1 file(s) not .jpg, .jpeg or .png", "bee/b.webp"):  # fmt: skip
+        assert words in said, said
+    assert ".DS_Store" not in said
+    with pytest.raises(SystemExit) as stop:
+        check_images([str(tmp_path / "train"), "--workers", "1"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0 and "all 6 images readable" in out, out
+    assert "ant/nested/" in out and "bee/b.webp" in out and "stray.jpg" in out, out
+
+
+def test_a_16_bit_grayscale_png_is_scaled_to_8_bits_not_clipped(tmp_path):
+    """A 16-bit PNG (Pillow's mode I;16) gives the pixels of its 8-bit version (the top byte
+    of each value), where a plain conversion clipped every value above 255 to white."""
+    deep = (np.linspace(0, 65535, 24 * 32).reshape(24, 32)).astype(np.uint16)
+    for name, pixels in (("deep", deep), ("flat", (deep >> 8).astype(np.uint8))):
+        for label in ("a", "b"):
+            (tmp_path / name / label).mkdir(parents=True)
+            Image.fromarray(pixels).save(tmp_path / name / label / "0.png")
+    assert Image.open(tmp_path / "deep" / "a" / "0.png").mode.startswith("I")
+    got, want = (
+        ImageFolder("eval", **folder(tmp_path / name, eval_samples=1))[0][0]
+        for name in ("deep", "flat")
+    )
+    assert torch.equal(got, want) and got.float().std() > 10
 
 
 # ---- settings that follow the folder ----

@@ -19,14 +19,15 @@ from multiprocessing import Pool
 
 from PIL import Image
 
-from mgpu.data.image_folder import (
-    UNREADABLE,
+from mgpu.data.folder_files import (
     FolderError,
     check_layout,
     class_folders,
+    left_out,
+    left_out_line,
     list_images,
-    unreadable_line,
 )
+from mgpu.data.image_folder import UNREADABLE, eight_bits, unreadable_line
 from mgpu.data.progress import Progress
 
 PROG = "python -m mgpu.data.check_images"
@@ -37,7 +38,7 @@ def unreadable(path: str) -> str | None:
     try:
         with Image.open(path) as image:
             image.load()  # the whole file: one cut short fails here, not in the header
-            image.convert("RGB")  # CMYK, palette and alpha as the training path converts them
+            eight_bits(image).convert("RGB")  # CMYK, 16 bits, palette, alpha: as training does
     except UNREADABLE as err:
         return unreadable_line(path, err)
     return None
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
             code = 2
             continue
         took = time.monotonic() - started
+        skipped = left_out(root, class_folders(root))
+        if skipped:  # not unreadable images, so not a failure: training leaves them out too
+            print(left_out_line("DIR", root, skipped))
         if not bad:
             print(f"{root}: all {n:,} images readable ({took:.0f} s)")
             continue

@@ -19,8 +19,7 @@ from mgpu.config.checks import (
     positive_fields,
     require,
 )
-from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
-from mgpu.data.image_folder import (
+from mgpu.data.folder_files import (
     FolderError,
     auto_eval_samples,
     check_layout,
@@ -28,6 +27,7 @@ from mgpu.data.image_folder import (
     class_folders,
     count_images,
 )
+from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_shards import load_index
 
 log = logging.getLogger(__name__)

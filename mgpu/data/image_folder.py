@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 
 import numpy as np
 import torch
@@ -20,7 +19,6 @@ from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import Dataset, get_worker_info
 
-from mgpu.config.checks import ConfigError
 from mgpu.data.crops import (
     center_crop,
     crop_resize,
@@ -34,13 +32,20 @@ from mgpu.data.encoded import (  # noqa: F401 - BadImageFile: users catch it her
     Encoded,
     collate_encoded,
 )
+from mgpu.data.folder_files import (
+    check_layout,
+    class_folders,
+    left_out,
+    left_out_line,
+    list_images,
+    split_indices,
+)
 from mgpu.data.gpu_decode import gpu_decoder
 from mgpu.data.images import normalize_uint8
 from mgpu.data.sampler import SampleKey
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # compared lower-cased
 # Pillow's errors for a file that is not a readable image: unidentified (OSError), truncated
 # (OSError), broken headers (SyntaxError, ValueError), absurd sizes (DecompressionBombError).
 UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
@@ -52,12 +57,14 @@ NEVER = 2**62  # workers_from while the shares hold for the whole run: past any 
 COUNTER_SLOTS = 257
 
 
-class FolderError(ValueError):
-    """An image tree that cannot work: the key, its value, what is wrong and how to fix it."""
-
-    def __init__(self, key: str, value: object, why: str):
-        super().__init__(f"{key}={value!r}: {why}")
-        self.key, self.value, self.why = key, value, why
+def eight_bits(image: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image (a PNG's: Pillow's mode I;16 or I) scaled to 8-bit "L", as
+    conversions to RGB and L then take it; any other image as it is. Pillow's own conversion
+    clips such values at 255, which turns most of an image white."""
+    if image.mode not in ("I", "I;16", "I;16B", "I;16L"):
+        return image
+    values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535)
+    return Image.fromarray((values >> 8).astype(np.uint8))
 
 
 def unreadable_line(path: str, err: BaseException) -> str:
@@ -65,102 +72,6 @@ def unreadable_line(path: str, err: BaseException) -> str:
     `python -m mgpu.data.check_images`."""
     why = "not a format Pillow knows" if isinstance(err, UnidentifiedImageError) else err
     return f"{path}: not a readable image ({why})"
-
-
-def _is_image(name: str) -> bool:
-    return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
-
-
-def class_folders(root: str) -> list[str]:
-    """The class folders of `root`, sorted by name: their order is the class index."""
-    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-
-
-def check_root(key: str, root: str) -> None:
-    if not os.path.isdir(root):
-        what = "is not a folder" if os.path.exists(root) else "does not exist"
-        raise FolderError(
-            key,
-            root,
-            f"{what}; point it at a folder with one subfolder of images (.jpg, .jpeg, .png) "
-            "per class",
-        )
-
-
-def check_layout(key: str, root: str, classes: list[str]) -> None:
-    """Each class has a folder under `root` holding at least one image. Stops at the first
-    image of each folder, so a million-image tree is checked in a directory listing per class."""
-    check_root(key, root)
-    if not classes:
-        raise FolderError(
-            key,
-            root,
-            "has no class subfolders; put each class's images in a subfolder named after the "
-            f"class, e.g. {os.path.join(root, 'cat', '001.jpg')}",
-        )
-    for name in classes:
-        folder = os.path.join(root, name)
-        if not os.path.isdir(folder):
-            raise FolderError(key, root, f"has no folder for class {name!r} ({folder})")
-        with os.scandir(folder) as entries:
-            if not any(e.is_file() and _is_image(e.name) for e in entries):
-                raise FolderError(
-                    key,
-                    root,
-                    f"the class folder {folder} holds no images (.jpg, .jpeg, .png); add some, "
-                    "or remove the folder",
-                )
-
-
-def list_images(root: str, classes: list[str]) -> tuple[list[str], list[int]]:
-    """Every image of the classes' folders under `root`: paths and labels, sorted by class,
-    then by file name (so that the sample order is the same on every host)."""
-    files, labels = [], []
-    for label, name in enumerate(classes):
-        folder = os.path.join(root, name)
-        names = sorted(n for n in os.listdir(folder) if _is_image(n))
-        files += [os.path.join(folder, n) for n in names]
-        labels += [label] * len(names)
-    return files, labels
-
-
-EVAL_SHARE = 0.02  # data.eval_samples=auto: this share of data.path's images is held out,
-EVAL_FLOOR = 16  # but no fewer than this (a small folder's evaluation is not one batch),
-EVAL_CEILING = 10_000  # nor more than this (ImageNet-sized folders: an evaluation stays short),
-EVAL_MOST = 0.2  # nor, in a small folder, more than this share of it: the rest trains
-
-
-def auto_eval_samples(n: int) -> int:
-    """data.eval_samples=auto for a folder of `n` images with no data.eval_path."""
-    share = min(max(round(EVAL_SHARE * n), EVAL_FLOOR), EVAL_CEILING)
-    return max(1, min(share, int(EVAL_MOST * n)))
-
-
-def count_images(root: str, classes: list[str]) -> int:
-    """How many images the classes' folders under `root` hold (a listing per class)."""
-    return sum(sum(map(_is_image, os.listdir(os.path.join(root, name)))) for name in classes)
-
-
-def holdout(n: int, eval_samples: int) -> list[int]:
-    """Indices of `eval_samples` of `n` sorted files, spread evenly over the list (so over the
-    classes too), held out for evaluation."""
-    return sorted({int((k + 0.5) * n / eval_samples) for k in range(eval_samples)})
-
-
-def split_indices(n: int, eval_samples: int | str, train: bool) -> list[int]:
-    """Which of `n` sorted images of data.path a split takes when there is no data.eval_path:
-    the `holdout` for eval (eval_samples of them, or auto_eval_samples), the rest for training."""
-    if eval_samples == "auto":
-        eval_samples = auto_eval_samples(n)
-    if eval_samples >= n:
-        raise ConfigError(
-            "data.eval_samples",
-            eval_samples,
-            f"data.path holds only {n} images, and some must be left to train on; "
-            "lower it or set data.eval_path",
-        )
-    held = holdout(n, eval_samples)
-    return sorted(set(range(n)) - set(held)) if train else held
 
 
 # ---- the dataset ----
@@ -175,6 +86,8 @@ class ImageFolder(Dataset):
     `device_decoder` makes the prefetcher's decode step). reduced_decode: JPEGs decoded on the
     CPU use DCT scaling where the crop allows (draft_for_crop).
     """
+
+    choice = "image_folder"  # the data group choice that builds it, for its log line
 
     # The trainer applies this to inputs once they are on the device.
     device_transform = staticmethod(normalize_uint8)
@@ -220,7 +133,8 @@ class ImageFolder(Dataset):
         # decode=gpu hands batches over as EncodedBatch; decode=cpu uses the default collate.
         self.collate = collate_encoded if decode == "gpu" else None
         log.info(
-            "data=image_folder %s: %d images of %d classes, decoded on the %s",
+            "data=%s %s: %d images of %d classes, decoded on the %s",
+            self.choice,
             split,
             len(self.files),
             self.num_classes,
@@ -230,13 +144,22 @@ class ImageFolder(Dataset):
     def _split_files(self, path: str, eval_path: str, eval_samples: int | str):
         if eval_path and not self.train:
             check_layout("data.eval_path", eval_path, self.classes)
+            self._say_left_out("data.eval_path", eval_path)
             return list_images(eval_path, self.classes)
         check_layout("data.path", path, self.classes)
+        if self.train:  # the folder's held-out images are the train split's folder's
+            self._say_left_out("data.path", path)
         files, labels = list_images(path, self.classes)
         if eval_path:
             return files, labels
         keep = split_indices(len(files), eval_samples, self.train)
         return [files[i] for i in keep], [labels[i] for i in keep]
+
+    def _say_left_out(self, key: str, root: str) -> None:
+        skipped = left_out(root, self.classes)
+        if skipped:  # a warning once (rank 0), in every rank's log
+            later_rank = torch.distributed.is_initialized() and torch.distributed.get_rank() > 0
+            (log.info if later_rank else log.warning)(left_out_line(key, root, skipped))
 
     def __len__(self) -> int:
         return len(self.files)
@@ -300,7 +223,7 @@ class ImageFolder(Dataset):
                 return Encoded(label, i, data=data, box=box, flip=flip)
             if self.reduced_decode:
                 box = draft_for_crop(image, box, self.image_size)
-            pixels = crop_resize(image.convert("RGB"), box, flip, self.image_size)
+            pixels = crop_resize(eight_bits(image).convert("RGB"), box, flip, self.image_size)
         except UNREADABLE as err:
             raise BadImageFile(unreadable_line(path, err)) from None
         if self.decode == "gpu":

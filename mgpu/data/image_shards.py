@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mgpu.data.image_folder import FolderError, ImageFolder, split_indices
+from mgpu.data.folder_files import FolderError, split_indices
+from mgpu.data.image_folder import ImageFolder
 
 INDEX_NAME = "index.json"  # written last by prepare_images: without it a folder is not a set
 FORMAT, VERSION = "mgpu-image-shards", 1
@@ -103,6 +104,8 @@ class ImageShards(ImageFolder):
     """ImageFolder's samples from a prepared set (`path`: prepare_images' DST; `eval_path`:
     another prepared set, or empty for `eval_samples` held out of `path`). `files[i]` names a
     sample as SHARD.tar:ORIGINAL/PATH.jpg, for errors and logs."""
+
+    choice = "image_shards"
 
     def __init__(self, split: str, path: str, eval_path: str = "", classes=(), **kwargs):
         # Without a class list, the index's (the source folder's class folders, sorted).

@@ -23,14 +23,15 @@ from multiprocessing import Pool
 
 from PIL import Image
 
-from mgpu.data.image_folder import (
-    UNREADABLE,
+from mgpu.data.folder_files import (
     FolderError,
     check_layout,
     class_folders,
+    left_out,
+    left_out_line,
     list_images,
-    unreadable_line,
 )
+from mgpu.data.image_folder import UNREADABLE, eight_bits, unreadable_line
 from mgpu.data.image_shards import FORMAT, INDEX_NAME, SAMPLE_FIELDS, VERSION, shard_name
 from mgpu.data.progress import Progress
 
@@ -75,6 +76,7 @@ def encode(path: str, max_side: int, quality: int) -> tuple[bytes, bool] | str:
         baseline = image.format == "JPEG" and not image.info.get("progressive")
         if size == image.size and baseline and image.mode in ("RGB", "L"):
             return data, True
+        image = eight_bits(image)
         image = image.convert("L" if image.mode == "L" else "RGB")
         if size != image.size:
             image = image.resize(size, Image.Resampling.LANCZOS)
@@ -210,6 +212,9 @@ def prepare(args: argparse.Namespace) -> None:
     clear(dst, args.overwrite)
     files, labels = list_images(src, classes)
     print(f"{PROG}: {len(files):,} images of {len(classes)} classes in {src}", flush=True)
+    skipped = left_out(src, classes)
+    if skipped:
+        print(f"{PROG}: {left_out_line('SRC', src, skipped)}", flush=True)
     writer = ShardWriter(dst, int(args.shard_mb * 2**20))
     bad, kept, start = [], 0, time.monotonic()
     # Between the shards' lines (a shard can take minutes), on a terminal only.

@@ -1,0 +1,157 @@
+"""Which files an image folder holds (ImageNet's layout, one subfolder of images per class): the
+class folders and their checks, the listing of images, what the listing leaves out, and the
+images held out for evaluation when there is no data.eval_path. Shared by data=image_folder,
+prepare_images and check_images."""
+
+from __future__ import annotations
+
+import os
+
+from mgpu.config.checks import ConfigError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")  # compared lower-cased
+
+
+class FolderError(ValueError):
+    """An image tree that cannot work: the key, its value, what is wrong and how to fix it."""
+
+    def __init__(self, key: str, value: object, why: str):
+        super().__init__(f"{key}={value!r}: {why}")
+        self.key, self.value, self.why = key, value, why
+
+
+def _is_image(name: str) -> bool:
+    return name.lower().endswith(IMAGE_SUFFIXES) and not name.startswith(".")
+
+
+def class_folders(root: str) -> list[str]:
+    """The class folders of `root`, sorted by name: their order is the class index."""
+    return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+
+
+def check_root(key: str, root: str) -> None:
+    if not os.path.isdir(root):
+        what = "is not a folder" if os.path.exists(root) else "does not exist"
+        raise FolderError(
+            key,
+            root,
+            f"{what}; point it at a folder with one subfolder of images (.jpg, .jpeg, .png) "
+            "per class",
+        )
+
+
+def check_layout(key: str, root: str, classes: list[str]) -> None:
+    """Each class has a folder under `root` holding at least one image. Stops at the first
+    image of each folder, so a million-image tree is checked in a directory listing per class."""
+    check_root(key, root)
+    if not classes:
+        raise FolderError(
+            key,
+            root,
+            "has no class subfolders; put each class's images in a subfolder named after the "
+            f"class, e.g. {os.path.join(root, 'cat', '001.jpg')}",
+        )
+    for name in classes:
+        folder = os.path.join(root, name)
+        if not os.path.isdir(folder):
+            raise FolderError(
+                key,
+                root,
+                f"has no folder for class {name!r} ({folder}); add it, or train on the classes "
+                "it holds with data.classes=[...]",
+            )
+        with os.scandir(folder) as entries:
+            if not any(e.is_file() and _is_image(e.name) for e in entries):
+                raise FolderError(
+                    key,
+                    root,
+                    f"the class folder {folder} holds no images (.jpg, .jpeg, .png); add some, "
+                    "or remove the folder",
+                )
+
+
+def list_images(root: str, classes: list[str]) -> tuple[list[str], list[int]]:
+    """Every image of the classes' folders under `root`: paths and labels, sorted by class,
+    then by file name (so that the sample order is the same on every host)."""
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(root, name)
+        names = sorted(n for n in os.listdir(folder) if _is_image(n))
+        files += [os.path.join(folder, n) for n in names]
+        labels += [label] * len(names)
+    return files, labels
+
+
+def left_out(root: str, classes: list[str]) -> list[str]:
+    """What list_images does not read under `root`, as paths relative to it: files beside the
+    class folders, and in the classes' folders sub-folders (only a class folder's own images are
+    read) and files of other formats. Hidden entries (.DS_Store) aside."""
+    with os.scandir(root) as entries:
+        skipped = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
+    for name in classes:
+        with os.scandir(os.path.join(root, name)) as entries:
+            for e in entries:
+                if not e.name.startswith(".") and (e.is_dir() or not _is_image(e.name)):
+                    skipped.append(os.path.join(name, e.name) + (os.sep if e.is_dir() else ""))
+    return sorted(skipped)
+
+
+def left_out_line(key: str, root: str, skipped: list[str]) -> str:
+    """What is said of left_out's `skipped` entries: how many of each kind, with examples."""
+    beside = [s for s in skipped if os.sep not in s]
+    folders = [s for s in skipped if s.endswith(os.sep)]
+    files = [s for s in skipped if os.sep in s and not s.endswith(os.sep)]
+    parts = []
+    for found, what in (
+        (beside, "file(s) beside the class folders, in none of them"),
+        (folders, "sub-folder(s) of class folders"),
+        (files, "file(s) not .jpg, .jpeg or .png"),
+    ):
+        if found:
+            parts.append(
+                f"{len(found)} {what} ({', '.join(found[:3])}{', ...' * (len(found) > 3)})"
+            )
+    return (
+        f"{key}={root}: not read: {'; '.join(parts)}. The images of a class are the JPEG and "
+        "PNG files directly in its folder; move the others into one (as JPEG or PNG) to train "
+        "on them"
+    )
+
+
+EVAL_SHARE = 0.02  # data.eval_samples=auto: this share of data.path's images is held out,
+EVAL_FLOOR = 16  # but no fewer than this (a small folder's evaluation is not one batch),
+EVAL_CEILING = 10_000  # nor more than this (ImageNet-sized folders: an evaluation stays short),
+EVAL_MOST = 0.2  # nor, in a small folder, more than this share of it: the rest trains
+
+
+def auto_eval_samples(n: int) -> int:
+    """data.eval_samples=auto for a folder of `n` images with no data.eval_path."""
+    share = min(max(round(EVAL_SHARE * n), EVAL_FLOOR), EVAL_CEILING)
+    return max(1, min(share, int(EVAL_MOST * n)))
+
+
+def count_images(root: str, classes: list[str]) -> int:
+    """How many images the classes' folders under `root` hold (a listing per class)."""
+    return sum(sum(map(_is_image, os.listdir(os.path.join(root, name)))) for name in classes)
+
+
+def holdout(n: int, eval_samples: int) -> list[int]:
+    """Indices of `eval_samples` of `n` sorted files, spread evenly over the list (so over the
+    classes too), held out for evaluation."""
+    return sorted({int((k + 0.5) * n / eval_samples) for k in range(eval_samples)})
+
+
+def split_indices(n: int, eval_samples: int | str, train: bool) -> list[int]:
+    """Which of `n` sorted images of data.path a split takes when there is no data.eval_path:
+    the `holdout` for eval (eval_samples of them, or auto_eval_samples), the rest for training."""
+    if eval_samples == "auto":
+        eval_samples = auto_eval_samples(n)
+    if eval_samples >= n:
+        raise ConfigError(
+            "data.eval_samples",
+            eval_samples,
+            f"data.path holds only {n} images, and some must be left to train on; "
+            "lower it or set data.eval_path",
+        )
+    held = holdout(n, eval_samples)
+    return sorted(set(range(n)) - set(held)) if train else held
