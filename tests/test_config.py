@@ -75,6 +75,30 @@ def test_nonsensical_values_name_the_key(override, key):
         to_config(compose_config(override))
 
 
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (["model=resnet_tiny"], "data='ngram': an image model needs image data"),
+        (["model=mlp", "data=tokens", "data.path={tokens}"], "data='tokens': an image model"),
+        (["data=images"], "data='images': a GPT model needs token data"),
+        (["data=image_folder", "data.path={folder}"], "data='image_folder': a GPT model"),
+    ],
+)
+def test_a_model_on_the_wrong_kind_of_data_names_the_data_chosen(tmp_path, overrides, said):
+    from PIL import Image
+
+    tokens = tmp_path / "t.bin"
+    prepare_main([str(ROOT / "README.md"), str(tokens)])
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / name / "0.png")
+    overrides = [o.format(tokens=tokens, folder=tmp_path) for o in overrides]
+    with pytest.raises(ConfigError) as caught:
+        to_config(compose_config(*overrides))
+    assert said in str(caught.value), caught.value
+    assert "data=image_folder" in str(caught.value) or "data=tokens" in str(caught.value)
+
+
 BAD_INPUT = [
     ("trainer.max_steps=abc", ["trainer.max_steps", "abc"]),
     ("optim.lrr=1", ["optim.lrr"]),

@@ -86,13 +86,31 @@ def check_dist_fits_trainer(dist_cfg: DistConfig, trainer: TrainerConfig) -> Non
         )
 
 
+# The data group's choices, by the schema each composes to: errors name the one a user chose.
+DATA_SCHEMAS = {
+    "ngram": NgramDataConfig,
+    "images": ImageDataConfig,
+    "tokens": TokenFileDataConfig,
+    "image_folder": ImageFolderDataConfig,
+    "image_shards": ImageShardsDataConfig,
+    "custom": CustomDataConfig,
+}
+IMAGES = "data=images (synthetic), data=image_folder or data=image_shards (your own)"
+TOKENS = "data=ngram (synthetic) or data=tokens (your own)"
+
+
+def data_choice(data: DataConfig) -> str:
+    """The data group choice that composed `data`."""
+    return next(name for name, schema in DATA_SCHEMAS.items() if type(data) is schema)
+
+
 def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
     """Resolve model.vocab_size=auto and model.num_classes=auto from the data, and
     data.seq_len=auto from the model; catch a model/data pairing that would only fail deep
     inside the first step."""
     classifier = isinstance(model, (ResNetModelConfig, MLPModelConfig))
     if classifier and isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
-        raise ConfigError("data", "tokens", "an image model needs image data: data=images")
+        raise ConfigError("data", data_choice(data), f"an image model needs image data: {IMAGES}")
     if isinstance(data, ImageFolderDataConfig):
         _check_model_fits_folder(model, data)
     # A user's dataset (data=custom) tells its vocabulary and classes by the kwargs it is built
@@ -107,7 +125,7 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
         data.follow_model(model.kwargs.get("block_size") if is_custom else context, model._target_)
     if isinstance(model, GPTModelConfig):
         if isinstance(data, ImageDataConfig):
-            raise ConfigError("data", "images", "a GPT model needs token data, e.g. data=ngram")
+            raise ConfigError("data", "images", f"a GPT model needs token data: {TOKENS}")
         vocab = data.kwargs.get("vocab_size") if custom else getattr(data, "vocab_size", None)
         model.follow_data(vocab, data._target_)
         if isinstance(data, (NgramDataConfig, TokenFileDataConfig)):
@@ -145,7 +163,7 @@ def resolved_yaml(cfg: DictConfig) -> str:
 def _check_model_fits_folder(model: ModelConfig, data: ImageFolderDataConfig) -> None:
     classes = len(data.classes)
     if isinstance(model, GPTModelConfig):
-        raise ConfigError("data", "image_folder", "a GPT model needs token data, e.g. data=tokens")
+        raise ConfigError("data", data_choice(data), f"a GPT model needs token data: {TOKENS}")
     if isinstance(model, ClassifierConfig):
         model.follow_classes(classes, f"data.path={data.path}")
     if isinstance(model, ResNetModelConfig):
@@ -218,12 +236,7 @@ def register() -> None:
         ("model", "resnet_schema", ResNetModelConfig),
         ("model", "mlp_schema", MLPModelConfig),
         ("model", "custom_schema", CustomModelConfig),
-        ("data", "ngram_schema", NgramDataConfig),
-        ("data", "images_schema", ImageDataConfig),
-        ("data", "tokens_schema", TokenFileDataConfig),
-        ("data", "image_folder_schema", ImageFolderDataConfig),
-        ("data", "image_shards_schema", ImageShardsDataConfig),
-        ("data", "custom_schema", CustomDataConfig),
+        *(("data", f"{name}_schema", schema) for name, schema in DATA_SCHEMAS.items()),
     ]:
         cs.store(group=group, name=name, node=node)
     if not OmegaConf.has_resolver("mgpu_run_name"):
