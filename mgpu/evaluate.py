@@ -24,6 +24,7 @@ from torch import nn
 
 from mgpu.config.checks import ConfigError
 from mgpu.data import TokenFile, decode_split
+from mgpu.data.config import ImageFolderDataConfig
 from mgpu.data.loader import build_dataset, build_loader
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.token_config import TokenFileDataConfig
@@ -110,10 +111,47 @@ def check_token_file(data: TokenFileDataConfig) -> None:
         raise ConfigError("data.path", data.path, why)
 
 
+def holds_out(data) -> bool:
+    """Whether the run's eval split is samples held out of its own training data."""
+    own = isinstance(data, (TokenFileDataConfig, ImageFolderDataConfig))
+    return own and not getattr(data, "eval_path", "")
+
+
+def check_eval_samples(restored: Restored) -> None:
+    """Another data.eval_samples than the run's holds out other samples of its data, some of
+    which it trained on."""
+    data, trained = restored.config.data, restored.trained_eval_samples
+    folder = isinstance(data, ImageFolderDataConfig)
+    if holds_out(data) and trained is not None and data.eval_samples != trained:
+        raise ConfigError(
+            "data.eval_samples",
+            data.eval_samples,
+            f"the run held out {trained} samples of data.path and trained on the rest, so "
+            "another number evaluates samples it trained on; leave it out"
+            + (", or evaluate other images with data.eval_path=DIR" if folder else ""),
+        )
+
+
+def check_same_held_out(restored: Restored, dataset) -> None:
+    """The images held out of the folder now are those the run held out (the checkpoint's
+    digest of their names; older checkpoints have none)."""
+    saved = (restored.dataset_state or {}).get("held_out")
+    now = getattr(dataset, "held_out", None)
+    if holds_out(restored.config.data) and saved and now and saved != now:
+        raise ConfigError(
+            "data.path",
+            restored.config.data.path,
+            "images were added, removed or renamed since the run trained, so the images held "
+            "out now are not those it held out, and some of them it trained on; evaluate with "
+            "the folder as it was, or on images it never saw with data.eval_path=DIR",
+        )
+
+
 def run(restored: Restored) -> None:
     cfg = restored.config
     if isinstance(cfg.data, TokenFileDataConfig):
         check_token_file(cfg.data)  # before any process group: said in one line, exit 2
+    check_eval_samples(restored)
     # A token file's text, decoded with the run's tokenizer; other data have none.
     decodes = isinstance(cfg.data, TokenFileDataConfig) and cfg.data.tokenizer not in UNDECODED
     tokenizer = restored.tokenizer() if decodes else None
@@ -134,6 +172,7 @@ def run(restored: Restored) -> None:
         except (OSError, ValueError) as err:
             # The saved data.path may be relative to where training ran.
             raise UsageError(f"the run's eval data: {err} (data.path=... overrides it)") from err
+        check_same_held_out(restored, dataset)
         loader = build_loader(cfg.data, dataset, rt, seed=cfg.trainer.seed, train=False)
         # data.cpu_decode_share=auto: the training run's share, so that the images decoded on
         # the CPU are those its evaluations decoded there (before the loader's workers start)

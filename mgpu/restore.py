@@ -188,6 +188,8 @@ class Restored:
     model: nn.Module
     # The training data set's checkpoint_state (image_folder's decode share), if it saved one
     dataset_state: dict | None = None
+    # data.eval_samples as the run resolved it, where an override gave another
+    trained_eval_samples: int | None = None
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the run trained with: byte-level, or its run directory's copy of the
@@ -242,7 +244,11 @@ def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
     _check_same_model(model, loaded.shared["model"], checkpoint, overrides)
     model.load_state_dict(loaded.shared["model"])  # keys and shapes checked just above
     model.eval()
-    return Restored(checkpoint, loaded.step, cfg, model, loaded.shared.get("dataset"))
+    trained = None
+    if any(item.split("=")[0].lstrip("+") == "data.eval_samples" for item in overrides):
+        trained = getattr(saved_config(loaded.shared["config"], []).data, "eval_samples", None)
+    dataset_state = loaded.shared.get("dataset")
+    return Restored(checkpoint, loaded.step, cfg, model, dataset_state, trained)
 
 
 def _check_same_model(

@@ -377,6 +377,8 @@ def test_a_moved_token_file_is_needed_by_evaluate_only(gpt_run, tmp_path):
         ),
         ("optim.lrr=3", "optim.lrr='3': is not a key of optim; did you mean optim.lr=3?"),
         ("model=resnet_tiny", "model group cannot be changed: this run's model is mgpu.models.GPT"),
+        # more windows than the run held out: some of them it trained on
+        ("data.eval_samples=100", "data.eval_samples=100: the run held out 63 samples"),
     ],
 )
 def test_an_override_that_cannot_work_is_refused_in_one_line(gpt_run, override, expected):

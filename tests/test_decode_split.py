@@ -6,6 +6,7 @@ on one share, and a resumed run taking its checkpoint's share instead of measuri
 
 import logging
 import time
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -178,7 +179,7 @@ def test_a_resumed_run_takes_its_checkpoints_share_without_measuring(tmp_path, c
     with caplog.at_level(logging.INFO, logger="mgpu.data.decode_split"):
         decode_split.resolve_auto("auto", 3, [train, evaluation], ONE, saved)
     for dataset in (train, evaluation):
-        assert dataset.checkpoint_state() == {**saved, "workers_from": None}
+        assert dataset.checkpoint_state() == {**saved, "workers_from": None, "held_out": ANY}
     assert "0.370 (0.900 of the DCT-scaled JPEGs), the shares the checkpoint's run" in caplog.text
     # a checkpoint from before the two kinds had one share for both
     decode_split.resolve_auto("auto", 3, [train], ONE, {"cpu_decode_share": 0.2, "decode": "gpu"})

@@ -8,6 +8,7 @@ checkpoint."""
 import itertools
 import statistics
 import time
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -130,7 +131,7 @@ def test_a_resumed_run_takes_the_move_from_its_checkpoint(tmp_path):
     )
     assert rate is None
     assert train.workers_from() == 812 and evaluation.workers_from() is None
-    assert train.checkpoint_state() == {**saved, "workers_from": 812}
+    assert train.checkpoint_state() == {**saved, "workers_from": 812, "held_out": ANY}
 
 
 def test_the_loader_counts_the_batches_it_hands_over_each_iteration():

@@ -5,6 +5,7 @@ prepare_images and check_images."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from mgpu.config.checks import ConfigError
@@ -155,3 +156,11 @@ def split_indices(n: int, eval_samples: int | str, train: bool) -> list[int]:
         )
     held = holdout(n, eval_samples)
     return sorted(set(range(n)) - set(held)) if train else held
+
+
+def held_out_digest(root: str, files: list[str], held: list[int]) -> str:
+    """sha256 of the held-out images' paths (`files[held]`, relative to `root`): a checkpoint
+    keeps it, and an evaluation of the run compares, to know that the images it evaluates are
+    the ones the run never trained on."""
+    names = "\n".join(os.path.relpath(files[i], root) for i in held)
+    return hashlib.sha256(names.encode()).hexdigest()

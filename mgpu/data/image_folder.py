@@ -35,6 +35,7 @@ from mgpu.data.encoded import (  # noqa: F401 - BadImageFile: users catch it her
 from mgpu.data.folder_files import (
     check_layout,
     class_folders,
+    held_out_digest,
     left_out,
     left_out_line,
     list_images,
@@ -127,6 +128,7 @@ class ImageFolder(Dataset):
         self.num_classes = len(self.classes)
         self.tokens_per_sample = None
         self.sample_shape = (3, image_size, image_size)  # an input's shape (for FLOPs)
+        self.held_out: str | None = None  # held_out_digest, where data.path's split holds out
         self.files, self.labels = self._split_files(path, eval_path, eval_samples)
         # Files replaced under bad_files=skip, in memory shared with the DataLoader workers.
         self._replaced = torch.zeros(COUNTER_SLOTS, dtype=torch.int64).share_memory_()
@@ -153,6 +155,8 @@ class ImageFolder(Dataset):
         if eval_path:
             return files, labels
         keep = split_indices(len(files), eval_samples, self.train)
+        held = split_indices(len(files), eval_samples, False) if self.train else keep
+        self.held_out = held_out_digest(path, files, held)
         return [files[i] for i in keep], [labels[i] for i in keep]
 
     def _say_left_out(self, key: str, root: str) -> None:
@@ -255,6 +259,7 @@ class ImageFolder(Dataset):
             SCALED_KEY: self.cpu_decode_share_scaled,
             WORKERS_KEY: self.workers_from(),
             "decode": self.decode,
+            "held_out": self.held_out,  # which images its evaluations were of
         }
 
     def workers_from(self) -> int | None:
