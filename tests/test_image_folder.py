@@ -513,6 +513,8 @@ def test_resumed_run_trains_on_the_same_crops_bitwise(folder_run):
     # decode=cpu's share, 0 and never measured: the resumed run does not take it as measured
     saved = {"cpu_decode_share": 0.0, "cpu_decode_share_scaled": 0.0, "decode": "cpu"}
     saved["workers_from"] = None  # nothing moved to the workers (mgpu.data.decode_switch)
+    # and which images its evaluations held out: those the folder's eval split holds out now
+    saved["held_out"] = ImageFolder("eval", **folder(root / "train", eval_samples=3)).held_out
     assert load(start, rank=0).shared["dataset"] == saved
     for run in (whole, resumed):
         assert "auto: 0 (nothing is decoded on the GPU)" in run.stdout + run.stderr
