@@ -99,6 +99,26 @@ def test_a_model_on_the_wrong_kind_of_data_names_the_data_chosen(tmp_path, overr
     assert "data=image_folder" in str(caught.value) or "data=tokens" in str(caught.value)
 
 
+def test_a_classifiers_input_follows_the_datas_images_and_a_number_must_match(tmp_path):
+    """model.in_channels (ResNet) and model.in_features (MLP) are auto: the data's channels,
+    and its values per image; image folders are RGB. A number that differs is one line."""
+    from PIL import Image
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / name / "0.png")
+    folder = ["data=image_folder", f"data.path={tmp_path}", "data.image_size=8"]
+    gray = to_config(compose_config("model=resnet_tiny", "data=images", "data.channels=1"))
+    assert gray.model.in_channels == 1 and gray.model.model_kwargs()["in_channels"] == 1
+    small = to_config(compose_config("model=mlp", "data=images", "data.image_size=16"))
+    assert small.model.in_features == 3 * 16 * 16
+    assert to_config(compose_config("model=mlp", *folder)).model.in_features == 3 * 8 * 8
+    with pytest.raises(ConfigError, match=r"model\.in_channels=1: must equal the data's chan"):
+        to_config(compose_config("model=resnet_tiny", "model.in_channels=1", *folder))
+    with pytest.raises(ConfigError, match=r"in_features=5: .* \(3072\); set model.in_features=a"):
+        to_config(compose_config("model=mlp", "model.in_features=5", "data=images"))
+
+
 BAD_INPUT = [
     ("trainer.max_steps=abc", ["trainer.max_steps", "abc"]),
     ("optim.lrr=1", ["optim.lrr"]),

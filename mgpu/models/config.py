@@ -128,6 +128,14 @@ class GPTModelConfig(ModelConfig):
         return {"vocab_size": self.vocab_size}
 
 
+# What a classifier's auto input settings follow, as their errors name it.
+CHANNELS = (
+    "the data's channels (data.channels of data=images, 3 for data=image_folder and "
+    "image_shards, data.kwargs.channels for data=custom)"
+)
+PIXELS = "the data's values per image (channels * image_size**2)"
+
+
 @dataclass
 class ClassifierConfig(ModelConfig):
     """A model that scores classes: its head's size follows the data's classes."""
@@ -157,8 +165,23 @@ class ClassifierConfig(ModelConfig):
                 f"(follows the data) or at least {data_classes}",
             )
 
+    def follow_inputs(self, channels: int | None, side: int | None, data_name: str) -> None:
+        """Resolve the input settings that are auto from the data's images: their channels and
+        side (None where the data does not say)."""
+
+    def _follow(self, key: str, data_value: int | None, what: str, data_name: str) -> None:
+        """This config's `key` resolved (auto: `data_value`) and checked against the data."""
+        value = getattr(self, key)
+        if value == "auto":
+            why = f"follows {what}, which {data_name} does not give; set model.{key}"
+            require(data_value is not None, f"model.{key}", "auto", why)
+            setattr(self, key, data_value)
+        elif data_value is not None:
+            why = f"must equal {what} ({data_value}); set model.{key}=auto (follows the data)"
+            require(value == data_value, f"model.{key}", value, why)
+
     def resolved(self) -> dict[str, Any]:
-        """What follow_classes decided, for the run's saved config."""
+        """What follow_classes and follow_inputs decided, for the run's saved config."""
         return {"num_classes": self.num_classes}
 
 
@@ -168,7 +191,7 @@ class ResNetModelConfig(ClassifierConfig):
     block: str = "basic"  # basic | bottleneck
     layers: list[int] = field(default_factory=lambda: [1, 1, 1, 1])  # blocks per stage
     width: int = 16  # channels of the first stage
-    in_channels: int = 3
+    in_channels: Any = "auto"  # the data's channels (CHANNELS below)
     stem: str = "cifar"  # cifar (3x3, no pool, for small images) | imagenet (7x7 + pool)
     # none only: activation checkpointing is GPT's (its transformer blocks); a key here so that
     # asking a ResNet for it says so, rather than that the key is unknown.
@@ -179,6 +202,12 @@ class ResNetModelConfig(ClassifierConfig):
         del kwargs["activation_checkpointing"]
         return kwargs
 
+    def follow_inputs(self, channels: int | None, side: int | None, data_name: str) -> None:
+        self._follow("in_channels", channels, CHANNELS, data_name)
+
+    def resolved(self) -> dict[str, Any]:
+        return {**super().resolved(), "in_channels": self.in_channels}
+
     def __post_init__(self) -> None:
         require(
             self.activation_checkpointing in ("none", 0),
@@ -188,6 +217,7 @@ class ResNetModelConfig(ClassifierConfig):
             "stages; set model.activation_checkpointing=none",
         )
         auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
+        auto_or_positive_int("model.in_channels", self.in_channels, "the data's channels")
         positive("model.width", self.width, "64")
         require(
             self.block in ("basic", "bottleneck"),
@@ -209,12 +239,19 @@ class ResNetModelConfig(ClassifierConfig):
 @dataclass
 class MLPModelConfig(ClassifierConfig):
     _target_: str = "mgpu.models.MLP"
-    in_features: int = 3 * 32 * 32
+    in_features: Any = "auto"  # the data's values per image (PIXELS below)
     hidden: list[int] = field(default_factory=lambda: [256, 256])
     dropout: float = 0.0
 
+    def follow_inputs(self, channels: int | None, side: int | None, data_name: str) -> None:
+        pixels = channels * side**2 if channels is not None and side is not None else None
+        self._follow("in_features", pixels, PIXELS, data_name)
+
+    def resolved(self) -> dict[str, Any]:
+        return {**super().resolved(), "in_features": self.in_features}
+
     def __post_init__(self) -> None:
-        positive("model.in_features", self.in_features, "3072")
+        auto_or_positive_int("model.in_features", self.in_features, "the data's pixel values")
         auto_or_positive_int("model.num_classes", self.num_classes, "the data's classes")
         require(
             all(h > 0 for h in self.hidden),

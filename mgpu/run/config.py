@@ -136,21 +136,19 @@ def _check_model_fits_data(model: ModelConfig, data: DataConfig) -> None:
                 f"exceeds model.block_size ({model.block_size}), the model's context; set "
                 "data.seq_len=auto (follows it), lower it, or raise model.block_size",
             )
-    if isinstance(model, ResNetModelConfig) and isinstance(data, ImageDataConfig):
-        require(
-            model.in_channels == data.channels,
-            "model.in_channels",
-            model.in_channels,
-            f"must equal data.channels ({data.channels})",
-        )
-    if isinstance(model, MLPModelConfig) and isinstance(data, ImageDataConfig):
-        pixels = data.channels * data.image_size**2
-        require(
-            model.in_features == pixels,
-            "model.in_features",
-            model.in_features,
-            f"must equal data.channels * data.image_size**2 = {pixels}",
-        )
+    if isinstance(model, ClassifierConfig):
+        model.follow_inputs(*_image_shape(data), data._target_)
+
+
+def _image_shape(data: DataConfig) -> tuple[int | None, int | None]:
+    """The channels and side of the data's images, None where the data does not say."""
+    if isinstance(data, ImageDataConfig):
+        return data.channels, data.image_size
+    if isinstance(data, ImageFolderDataConfig):
+        return 3, data.image_size  # every image decoded to RGB
+    if isinstance(data, CustomDataConfig):
+        return data.kwargs.get("channels"), data.kwargs.get("image_size")
+    return None, None
 
 
 def resolved_yaml(cfg: DictConfig) -> str:
@@ -166,16 +164,6 @@ def _check_model_fits_folder(model: ModelConfig, data: ImageFolderDataConfig) ->
         raise ConfigError("data", data_choice(data), f"a GPT model needs token data: {TOKENS}")
     if isinstance(model, ClassifierConfig):
         model.follow_classes(classes, f"data.path={data.path}")
-    if isinstance(model, ResNetModelConfig):
-        require(model.in_channels == 3, "model.in_channels", model.in_channels, "must be 3 (RGB)")
-    if isinstance(model, MLPModelConfig):
-        pixels = 3 * data.image_size**2
-        require(
-            model.in_features == pixels,
-            "model.in_features",
-            model.in_features,
-            f"must equal 3 * data.image_size**2 = {pixels}",
-        )
 
 
 def to_config(cfg: DictConfig) -> Config:
