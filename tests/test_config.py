@@ -230,7 +230,7 @@ def test_newcomer_mistakes_are_one_line_once_exit_2_before_any_run_directory(
     "make, needle",
     [
         (lambda path: path.write_bytes(b""), "is empty, too few"),
-        (lambda path: path.write_bytes(b"\0" * 4000), "has 2000 tokens, too few"),
+        (lambda path: path.write_bytes(b"\0" * 100), "has 50 tokens, too few"),
     ],
 )
 def test_a_token_file_too_short_is_a_config_error(tmp_path, make, needle):

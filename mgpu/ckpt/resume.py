@@ -38,7 +38,7 @@ from mgpu.ckpt.checkpoint import (
 from mgpu.ckpt.state import CheckpointMismatch, capture_rng, restore_rng
 from mgpu.ckpt.write import abort, finalize, keep_as_evidence, prune, write_rank_files
 from mgpu.config.schema import CheckpointConfig, OptimConfig
-from mgpu.data.sampler import DataCursor, ShardedSampler
+from mgpu.data.sampler import ShardedSampler
 from mgpu.runtime.dist import Runtime, all_ok, broadcast_object, waiting
 
 log = logging.getLogger(__name__)
@@ -200,17 +200,6 @@ def free_space(path: Path) -> str:
     except OSError as err:
         return f"unknown space ({err.strerror})"
     return f"{free / 2**20:,.1f} MiB"
-
-
-def check_same_data(loaded: Loaded, sampler: ShardedSampler) -> None:
-    """A checkpoint's cursor only means something over the same samples in the same order."""
-    cursor = DataCursor.from_dict(loaded.shared["data"])
-    if (cursor.num_samples, cursor.seed) != (sampler.num_samples, sampler.seed):
-        raise CheckpointMismatch(
-            f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
-            f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
-            f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
-        )
 
 
 # The settings a resumed run takes from its own config over the checkpoint's (mgpu.optim.optimizer's

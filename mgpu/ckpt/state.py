@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mgpu.ckpt.checkpoint import Loaded
-from mgpu.data.sampler import DataCursor
+from mgpu.data.sampler import DataCursor, ShardedSampler
 from mgpu.optim.optimizer import hyperparameters, keep_hyperparameters
 from mgpu.runtime.dist import BAD_INPUT, RunStopped
 
@@ -263,3 +263,29 @@ def restore_optimizer(
     if problems:
         raise CheckpointMismatch(f"the optimizer does not match {source}:" + _listed("", problems))
     optimizer.load_state_dict(state_dict)
+
+
+def check_same_data(loaded: Loaded, sampler: ShardedSampler) -> None:
+    """A checkpoint's cursor only means something over the same samples in the same order."""
+    cursor = DataCursor.from_dict(loaded.shared["data"])
+    if (cursor.num_samples, cursor.seed) != (sampler.num_samples, sampler.seed):
+        raise CheckpointMismatch(
+            f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
+            f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
+            f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
+            + _held_out_hint(loaded.shared.get("config", ""))
+        )
+
+
+def _held_out_hint(config_text: str) -> str:
+    """The checkpoint's holdout, where its data held one out of the training file or folder:
+    another one (data.eval_samples=auto has followed the data's size since such a run started)
+    is the likeliest reason a training set changed."""
+    data = OmegaConf.create(config_text or "{}").get("data", {})
+    held = data.get("eval_samples") if not data.get("eval_path") else None
+    if not isinstance(held, int) or "path" not in data:
+        return ""
+    return (
+        f"; the checkpoint's run held out data.eval_samples={held} of data.path: give "
+        f"data.eval_samples={held} if this run holds out another number"
+    )

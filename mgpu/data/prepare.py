@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mgpu.data.progress import Progress
+from mgpu.data.token_file import looks_like_text
 from mgpu.data.tokenizer import (
     BYTE_VOCAB,
     BYTES,
@@ -197,7 +198,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "tokenizer.json. Beside OUTPUT it writes OUTPUT.meta.json (which tokenizer, its size) "
         "and OUTPUT.tokenizer.json (the tokenizer, unless byte-level).",
     )
-    parser.add_argument("input", help="the text file (any file, read as raw bytes, byte-level)")
+    parser.add_argument("input", help="the text file (read as raw bytes, byte-level)")
     parser.add_argument("output", help="the .bin file to write (replaced atomically)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -221,6 +222,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"input file {args.input!r} not found")
     if os.path.getsize(args.input) == 0:
         parser.error(f"input file {args.input!r} is empty; there is nothing to tokenize")
+    # A token file prepared again would be read as bytes: each id's two bytes become two
+    # tokens of nonsense, written without a word.
+    if os.path.isfile(meta_path(args.input)):
+        parser.error(
+            f"input file {args.input!r} is already a prepared token file (its metadata, "
+            f"{meta_path(args.input)}, is beside it); train on it with data=tokens "
+            f"data.path={args.input}"
+        )
+    if not looks_like_text(args.input):
+        parser.error(
+            f"input file {args.input!r} is binary, not text: prepare tokenizes text. If it is "
+            f"token ids already, train on it with data=tokens data.path={args.input} "
+            "data.tokenizer=... (docs/data.md: a token file without metadata)"
+        )
     if args.tokenizer is not None and not os.path.isfile(args.tokenizer):
         parser.error(
             f"--tokenizer {args.tokenizer!r}: no such file; give the path of a Hugging Face "

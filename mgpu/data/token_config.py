@@ -9,9 +9,17 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from mgpu.config.checks import ConfigError, auto_or_positive_int, positive, require
+from mgpu.config.checks import ConfigError, auto_or_positive_int, require
 from mgpu.data.config import DataConfig
-from mgpu.data.token_file import check_token_file, looks_like_text, max_token, text_error
+from mgpu.data.token_file import (
+    TOKEN_DTYPE,
+    auto_eval_samples,
+    check_token_file,
+    eval_windows,
+    looks_like_text,
+    max_token,
+    text_error,
+)
 from mgpu.data.tokenizer import (
     BYTES,
     NONE,
@@ -34,7 +42,10 @@ class TokenFileDataConfig(DataConfig):
     # Tokens a sample holds: auto (the model's context, model.block_size; the run's config.yaml
     # records the number) or a number up to it.
     seq_len: Any = "auto"
-    eval_samples: int = 256  # the file's last windows, held out for evaluation
+    # The file's last windows, held out for evaluation (never trained on). auto: 256, but never
+    # more than a tenth of the file's windows (mgpu.data.token_file.auto_eval_samples); the
+    # run's config.yaml records the number, so a resumed run or mgpu.evaluate keeps it.
+    eval_samples: Any = "auto"
     # Every token id in the file is below this. auto: the size of the file's tokenizer.
     vocab_size: Any = "auto"
     # The tokenizer that made the file: auto (the one its metadata, PATH.meta.json, names), bytes
@@ -50,7 +61,8 @@ class TokenFileDataConfig(DataConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         auto_or_positive_int("data.seq_len", self.seq_len, "the model's context, model.block_size")
-        positive("data.eval_samples", self.eval_samples, "256")
+        why = "256 windows, at most a tenth of the file's"
+        auto_or_positive_int("data.eval_samples", self.eval_samples, why)
         auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
         self._resolve_tokenizer()
         if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
@@ -71,12 +83,39 @@ class TokenFileDataConfig(DataConfig):
         self._check_windows()
 
     def _check_windows(self) -> None:
-        """The file holds enough windows of seq_len + 1 tokens for the eval split and more."""
+        """The file holds enough windows of seq_len + 1 tokens for the eval split and more;
+        eval_samples=auto resolved from them. A saved config's file may be gone (its
+        eval_samples is a number there)."""
         if os.path.isfile(self.path):
             try:
                 check_token_file(self.path, self.seq_len, self.eval_samples)
             except ValueError as err:
                 raise ConfigError("data.path", self.path, str(err)) from None
+            self.eval_samples = eval_windows(self._windows(), self.eval_samples)
+
+    def _windows(self) -> int:
+        """The file's windows of seq_len + 1 tokens (TokenFile's cut)."""
+        return max(os.path.getsize(self.path) // TOKEN_DTYPE.itemsize - 1, 0) // self.seq_len
+
+    def check_train_batches(self, world_size: int) -> None:
+        """Training gets a whole batch on each of `world_size` processes from the windows the
+        holdout leaves; else its loader stops the run, after the run directory exists. For
+        training only: mgpu.evaluate reads the held-out windows alone, at any batch size."""
+        if not os.path.isfile(self.path) or self.eval_samples == "auto":
+            return  # no file: said in one line where it is read
+        windows, need = self._windows(), self.batch_size * world_size
+        train = windows - self.eval_samples
+        if train >= need or windows - need < 1:
+            return  # enough; or no holdout leaves enough: the loader names data.batch_size
+        auto = auto_eval_samples(windows)
+        also = f" (auto: {auto} here)" if windows - auto >= need else ""
+        raise ConfigError(
+            "data.eval_samples",
+            self.eval_samples,
+            f"leaves {train} of data.path's {windows} windows to train on, fewer than one "
+            f"batch (data.batch_size={self.batch_size}) for each of {world_size} process(es); "
+            f"set it to at most {windows - need}{also}, or lower data.batch_size",
+        )
 
     def _check_ids(self) -> None:
         """Every token id has a row: an id at or above the vocabulary would fail deep in the
@@ -174,8 +213,9 @@ class TokenFileDataConfig(DataConfig):
             )
 
     def resolved(self) -> dict[str, Any]:
-        """What the file's metadata said, and the model's context, for the run's saved config."""
-        keys = ("seq_len", "vocab_size", "tokenizer", "tokenizer_sha256")
+        """What the file's metadata said, the model's context and the holdout, for the run's
+        saved config."""
+        keys = ("seq_len", "eval_samples", "vocab_size", "tokenizer", "tokenizer_sha256")
         return {key: getattr(self, key) for key in keys}
 
     def dataset_kwargs(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ Cut into non-overlapping windows of seq_len+1 tokens; the last `eval_samples` wi
 """
 
 import functools
+import logging
 import os
 
 import numpy as np
@@ -13,8 +14,16 @@ from torch.utils.data import Dataset
 TOKEN_DTYPE = np.dtype("<u2")
 SCAN_CHUNK = 1 << 24  # tokens per chunk of the construction-time max-token scan
 TEXT_PROBE = 1 << 16  # bytes read from the start of a file to tell text from token ids
-# Control bytes a text file holds: tab, line feed, form feed, carriage return.
+# Control bytes any text holds: tab, line feed, form feed, carriage return.
 TEXT_CONTROLS = frozenset(b"\t\n\f\r")
+# Text may hold a few other control bytes (a log's ANSI colour escapes, 0x1b; a stray NUL):
+# at most this share of the probe's bytes. Token ids hold far more: an id below 256 puts a NUL
+# in its pair, one below 8192 a control byte, and a byte of any id is one of them 1 time in 8.
+TEXT_STRAY = 0.01
+EVAL_WINDOWS = 256  # data.eval_samples=auto: this many of the file's last windows held out,
+EVAL_MOST = 0.1  # but never more than this share of a small file's windows: the rest trains
+
+log = logging.getLogger(__name__)
 
 
 def max_token(path: str) -> int:
@@ -37,19 +46,23 @@ def _max_token(path: str, n_tokens: int, mtime_ns: int) -> int:
 
 
 def looks_like_text(path: str) -> bool:
-    """Whether the file starts as UTF-8 text rather than uint16 token ids. Token ids below 256
-    (common in any tokenizer, every one of byte-level tokens) put a zero byte in each pair, and
-    ids below 8192 a control byte; text has neither, and must decode as UTF-8 (a character cut
-    at the probe's end aside)."""
+    """Whether the file starts as text rather than uint16 token ids (module constants say how
+    they differ). UTF-8 text (a character cut at the probe's end aside) may hold any other
+    control bytes but NULs, which an ANSI-coloured log is full of and byte-level token ids put
+    in every other byte; text in another encoding may hold a few control bytes of any kind."""
     with open(path, "rb") as f:
         head = f.read(TEXT_PROBE)
-    if not head or any(b < 0x20 and b not in TEXT_CONTROLS for b in head):
+    if not head:
         return False
+    most = TEXT_STRAY * len(head)
     try:
         head.decode("utf-8")
+        utf8 = True
     except UnicodeDecodeError as err:
-        return err.start >= len(head) - 3  # only a multi-byte character cut by the probe
-    return True
+        utf8 = err.start >= len(head) - 3  # only a multi-byte character cut by the probe
+    if utf8 and head.count(0) <= most:
+        return True
+    return sum(b < 0x20 and b not in TEXT_CONTROLS for b in head) <= most
 
 
 def text_error(path: str) -> str:
@@ -60,7 +73,17 @@ def text_error(path: str) -> str:
     )
 
 
-def check_token_file(path: str, seq_len: int, eval_samples: int) -> int:
+def auto_eval_samples(windows: int) -> int:
+    """data.eval_samples=auto for a file of `windows` windows."""
+    return max(1, min(EVAL_WINDOWS, int(EVAL_MOST * windows)))
+
+
+def eval_windows(windows: int, eval_samples: int | str) -> int:
+    """The windows held out: `eval_samples`, or auto's number for the file."""
+    return auto_eval_samples(windows) if eval_samples == "auto" else eval_samples
+
+
+def check_token_file(path: str, seq_len: int, eval_samples: int | str) -> int:
     """The number of tokens in `path`; ValueError (FileNotFoundError) saying how to fix a file
     that is missing, empty, odd-sized or too short for seq_len and eval_samples. The config
     check calls it too, so that these stop before any process group or run directory exists."""
@@ -79,12 +102,14 @@ def check_token_file(path: str, seq_len: int, eval_samples: int) -> int:
         )
     n_tokens = n_bytes // TOKEN_DTYPE.itemsize
     windows = max(n_tokens - 1, 0) // seq_len
-    if windows <= eval_samples:
+    held = eval_windows(windows, eval_samples)
+    if windows <= held:
         empty = "is empty" if n_tokens == 0 else f"has {n_tokens} tokens"
+        said = held if eval_samples != "auto" else f"auto ({held} here)"
         raise ValueError(
             f"token file {path!r} {empty}, too few for data.seq_len={seq_len} and "
-            f"data.eval_samples={eval_samples}: that needs more than {eval_samples} windows of "
-            f"{seq_len}+1 tokens, i.e. at least {(eval_samples + 1) * seq_len + 1} tokens; "
+            f"data.eval_samples={said}: that needs more than {held} windows of "
+            f"{seq_len}+1 tokens, i.e. at least {(held + 1) * seq_len + 1} tokens; "
             f"use a bigger file or lower data.seq_len or data.eval_samples"
         )
     return n_tokens
@@ -98,19 +123,19 @@ class TokenFile(Dataset):
         split: str,
         path: str,
         seq_len: int = 1024,
-        eval_samples: int = 256,
+        eval_samples: int | str = "auto",
         vocab_size: int = 50304,
     ):
         if split not in ("train", "eval"):
             raise ValueError(f"split={split!r} is not a known split; use 'train' or 'eval'")
-        for name, value in dict(
-            seq_len=seq_len, eval_samples=eval_samples, vocab_size=vocab_size
-        ).items():
+        held = {} if eval_samples == "auto" else dict(eval_samples=eval_samples)
+        for name, value in dict(seq_len=seq_len, vocab_size=vocab_size, **held).items():
             if value <= 0:
                 raise ValueError(f"{name}={value} must be a positive integer")
         path = os.fspath(path)
         n_tokens = check_token_file(path, seq_len, eval_samples)
         windows = (n_tokens - 1) // seq_len
+        eval_samples = eval_windows(windows, eval_samples)
         highest = max_token(path)
         if highest >= vocab_size:
             raise ValueError(
@@ -129,6 +154,14 @@ class TokenFile(Dataset):
         self._first = 0 if split == "train" else windows - eval_samples
         self._len = windows - eval_samples if split == "train" else eval_samples
         self._data = None  # np.memmap, opened lazily in each process
+        if split == "train":  # the whole split, said once: the eval split is built beside it
+            train = windows - eval_samples
+            log.info(
+                "data=tokens %s: train %d windows (%s tokens), eval %d windows (%s tokens, "
+                "data.eval_samples) of data.seq_len=%d",
+                path, train, f"{train * seq_len:,}", eval_samples, f"{eval_samples * seq_len:,}",
+                seq_len,
+            )  # fmt: skip
 
     def __getstate__(self) -> dict:
         # DataLoader workers get a pickled copy; each opens its own map on first use.

@@ -20,11 +20,10 @@ from mgpu.ckpt.checkpoint import Loaded, checkpoint_root
 from mgpu.ckpt.resume import (
     Checkpointer,
     CheckpointPlan,
-    check_same_data,
     check_settings,
     resume_point,
 )
-from mgpu.ckpt.state import check_same_model
+from mgpu.ckpt.state import check_same_data, check_same_model
 from mgpu.comm.engine import MgpuDataParallel, wrap_model
 from mgpu.comm.sharded_optim import ShardedOptimizer
 from mgpu.config.schema import DistConfig, Engine, Precision, TrainerConfig

@@ -61,6 +61,8 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
         raise ConfigError("model.attention", attention, why)
     if isinstance(config.data, TokenFileDataConfig):  # set whole, it validates without it
         require(os.path.isfile(config.data.path), "data.path", config.data.path, NO_FILE)
+        # a batch for every process left by the holdout: the world is known here, not in it
+        config.data.check_train_batches(dist.launch_env().world_size)
     dist.check_launch(config.dist.backend.value)
     if getattr(config.model, "head_loss", None) == "fused":
         from mgpu.run.build import fused_head_risk  # the device and world this run will have
