@@ -174,6 +174,24 @@ def test_an_elastic_run_goes_on_with_the_node_left_from_the_newest_checkpoint(tm
     assert [s for s, _ in read_scalars(run_dir)["train/loss"]] == list(range(1, 21))
 
 
+def test_nodes_that_do_not_share_the_run_directory_stop_before_any_step(tmp_path):
+    """Two nodes started in different working directories, the same RUN_ID: each resolves
+    outputs/two-nodes, and the config check (which compares run directories relative to the
+    working directory, as nodes may mount one share at different paths) passes. Node 1's is
+    another directory, where every save would fail: both stop at start-up, exit 2, naming
+    rank 1 and rank 0's directory, before any step."""
+    (tmp_path / "elsewhere").mkdir()
+    port = free_port()
+    args = [*RUN, f"dist.timeout_s={TIMEOUT_S}"]
+    nodes = [node(cwd, args, i, port) for i, cwd in enumerate((tmp_path, tmp_path / "elsewhere"))]
+    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [2, 2], outs[0][-3000:] + outs[1][-3000:]
+    said = "rank(s) 1 do not see rank 0's run directory " + str(tmp_path / "outputs" / "two-nodes")
+    assert said in outs[0], outs[0][-3000:]
+    assert not (tmp_path / "outputs" / "two-nodes" / "checkpoints").exists()
+    assert "step 1" not in outs[0] + outs[1]
+
+
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 NCCL_ENV |= {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
 

@@ -253,6 +253,18 @@ def all_ok(ok: bool, rt: Runtime) -> bool:
     return bool(flag.item())
 
 
+def all_flags(flag: bool, rt: Runtime) -> list[bool]:
+    """Every rank's `flag`, in rank order; a collective (and a sync point on NCCL), for
+    start-up checks that name the ranks that failed them."""
+    if not rt.distributed:
+        return [flag]
+    device = rt.device if rt.backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor([int(flag)], device=device)
+    flags = [torch.empty_like(mine) for _ in range(rt.world_size)]
+    tdist.all_gather(flags, mine)
+    return [bool(f.item()) for f in flags]
+
+
 def broadcast_object(obj: object, rt: Runtime) -> object:
     """Rank 0's `obj` (picklable) on every rank; a collective, for start-up decisions only."""
     if not rt.distributed:

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from mgpu.runtime.dist import RunStopped, Runtime, broadcast_object, waiting
+from mgpu.runtime.dist import RunStopped, Runtime, all_flags, broadcast_object, waiting
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,19 @@ class RunDirInUse(RunStopped):
     """Another launch holds the run directory's lock; said once, by rank 0, on every rank's exit."""
 
     exit_code = 2
+
+
+class RunDirNotShared(RunStopped):
+    """Some ranks' run directory is not rank 0's (nodes without a shared filesystem, or started
+    in other working directories): every save would fail, as a checkpoint holds every rank's
+    files in one directory."""
+
+    exit_code = 2
+
+
+# How long a rank looks for rank 0's lock file before it counts as unseen: a shared filesystem
+# may show another node's new file a moment late.
+SHARED_WAIT_S = 5.0
 
 
 def _holder(fd: int) -> str:
@@ -152,11 +165,44 @@ def hold_run_dir(run_dir: Path, rt: Runtime, peer_timeout_s: float) -> Iterator[
                 fd = acquire(run_dir, wait_s)
             except RunDirInUse as err:
                 refusal = str(err)
+        holder = _holder(fd) if fd is not None else None  # None: the filesystem has no locks
         with waiting(rt.rank, "the check that no other launch uses the run directory"):
-            refusal = broadcast_object(refusal, rt)
+            refusal, holder = broadcast_object((refusal, holder), rt)
         if refusal is not None:
             leave_logs_of(run_dir)  # the refusal is said on the console, not in the run's logs
             raise RunDirInUse(refusal)
+        if holder is not None:
+            check_shared(run_dir, holder, rt)
         yield
     finally:
         release(fd)
+
+
+def check_shared(run_dir: Path, holder: str, rt: Runtime) -> None:
+    """Every rank sees, in its `run_dir`, the lock file rank 0 holds with rank 0's name in it:
+    one directory for the whole run. A collective. Ranks whose directory is another (a node
+    without the shared filesystem; a relative run directory from another working directory)
+    would fail every save, and a run that saves nothing trains on: every rank stops instead,
+    RunDirNotShared naming them."""
+    path, deadline = Path(run_dir) / LOCK_FILE, time.monotonic() + SHARED_WAIT_S
+    # Rank 0 holds the lock: it must not open the file again, since closing any descriptor of it
+    # would drop its own lock (the hazard above).
+    seen = rt.is_primary
+    while not seen:
+        try:
+            seen = path.read_text(errors="replace").strip() == holder
+        except OSError:
+            seen = False
+        if seen or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    with waiting(rt.rank, "the check that every rank sees the run directory"):
+        unseen = [rank for rank, ok in enumerate(all_flags(seen, rt)) if not ok]
+    if unseen:
+        raise RunDirNotShared(
+            f"rank(s) {', '.join(map(str, unseen))} do not see rank 0's run directory "
+            f"{Path(run_dir).resolve()} (its {LOCK_FILE}, which names {holder}): every rank "
+            "writes its part of each checkpoint there, so every node must reach that directory "
+            "by the same path, on a shared filesystem, and start in the same working directory "
+            "(or give hydra.run.dir as an absolute path)"
+        )
