@@ -526,6 +526,12 @@ def test_a_resume_past_trainer_max_steps_is_refused_in_one_line_and_changes_noth
     assert f"{newest} is at step 20, past it" in said and "above 20" in said, said
     assert "Traceback" not in output(proc)
     assert files_of(run_dir) == before  # config.yaml too: still the run's own max_steps
+    # At the checkpoint's step: exit 0, but said aloud that nothing was trained (a second run
+    # in a directory already trained, as one SLURM job's directory is, would seem to have run).
+    again = run_train([*RUN, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=None)
+    assert again.returncode == 0, output(again)[-3000:]
+    (said,) = [line for line in said_lines(again) if "nothing left to train" in line]
+    assert "WARNING" in said and "RUN_ID=NAME" in said and "ckpt.resume=never" in said, said
 
 
 def run_with_a_hung_rank(tmp_path, *settings: str, step: int = 3) -> str:

@@ -200,7 +200,15 @@ class Trainer:
         if rec is None:
             raise ValueError("Trainer.fit records its steps: build the Trainer with a recorder")
         if self.start_step >= cfg.max_steps:
-            log.info("resumed at step %d, trainer.max_steps=%d: done", self.step, cfg.max_steps)
+            # Loud: the same command in a run directory already trained (a second experiment in
+            # one SLURM job's directory) would otherwise seem to have trained.
+            say = log.warning if self.rt.is_primary else log.info
+            say(
+                "resumed at step %d, trainer.max_steps=%d: nothing left to train in this run "
+                "directory. To train further, raise trainer.max_steps; for another run, give it "
+                "a directory of its own (RUN_ID=NAME, hydra.run.dir=PATH) or ckpt.resume=never",
+                self.step, cfg.max_steps,
+            )  # fmt: skip
             return
         train, owned = self.feed.prefetcher(train_loader)
         batches = self._begin(train)
