@@ -244,9 +244,11 @@ def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
     _check_same_model(model, loaded.shared["model"], checkpoint, overrides)
     model.load_state_dict(loaded.shared["model"])  # keys and shapes checked just above
     model.eval()
+    # The run's holdout, resolved over the same data (data.path may be given anew, as above)
+    holdout = [item for item in overrides if item.split("=")[0].lstrip("+") != "data.eval_samples"]
     trained = None
-    if any(item.split("=")[0].lstrip("+") == "data.eval_samples" for item in overrides):
-        trained = getattr(saved_config(loaded.shared["config"], []).data, "eval_samples", None)
+    if len(holdout) < len(overrides):
+        trained = getattr(saved_config(loaded.shared["config"], holdout).data, "eval_samples", None)
     dataset_state = loaded.shared.get("dataset")
     return Restored(checkpoint, loaded.step, cfg, model, dataset_state, trained)
 

@@ -25,7 +25,6 @@ from conftest import (
     said_by_train_py,
     said_lines,
     spawn,
-    together,
 )
 from PIL import Image
 
@@ -36,6 +35,7 @@ from mgpu.data.folder_files import auto_eval_samples
 from mgpu.data.image_folder import BadImageFile, ImageFolder
 from mgpu.data.loader import build_dataloader, build_loader
 from mgpu.data.sampler import SampleKey
+from mgpu.evaluate import main as evaluate_main
 from mgpu.runtime.dist import Runtime
 from mgpu.runtime.stops import PEER_GONE
 
@@ -541,34 +541,36 @@ def test_a_class_folder_added_since_the_checkpoint_is_said_with_the_way_out(fold
     assert "data.classes" in line and "config.yaml" in line, line
 
 
-EVALUATE = ("-m", "mgpu.evaluate")
-
-
-def test_evaluate_refuses_a_holdout_that_holds_images_the_run_trained_on(folder_run, tmp_path):
+def test_evaluate_refuses_a_holdout_that_holds_images_the_run_trained_on(
+    folder_run, tmp_path, capsys
+):
     """mgpu.evaluate of the run, in a copy of its folder: as it was, it evaluates (the held-out
     images are named relative to the folder, so a moved folder is the same); with images added
     (the sorted list shifts, and the holdout takes images the run trained on), or another
     data.eval_samples, it refuses in one line, exit 2."""
     root, _, _ = folder_run
     shutil.copytree(root / "train", tmp_path / "train")
-    run = str(root / "a")
 
-    def evaluate(*overrides):
-        args = [run, f"data.path={tmp_path / 'train'}", "data.num_workers=0", *overrides]
-        no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
-        return run_train(args, cwd=tmp_path, nproc=None, env=no_gpu, program=EVALUATE)
+    def evaluate(*overrides) -> tuple[int, str]:
+        args = [str(root / "a"), f"data.path={tmp_path / 'train'}", "data.num_workers=0"]
+        try:
+            evaluate_main([*args, *overrides])
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+        out, err = capsys.readouterr()
+        return code, out + err
 
-    same, other = together(lambda: evaluate(), lambda: evaluate("data.eval_samples=5"))
-    assert same.returncode == 0 and "eval loss" in same.stdout, same.stderr[-3000:]
-    assert other.returncode == 2, other.stderr[-3000:]
-    assert "data.eval_samples=5: the run held out 3 samples" in other.stderr, other.stderr
+    code, said = evaluate()
+    assert code == 0 and "eval loss" in said, said
+    code, said = evaluate("data.eval_samples=5")
+    assert code == 2 and "data.eval_samples=5: the run held out 3 samples" in said, said
     for k in range(2):
         shutil.copy(
             tmp_path / "train" / "ant" / "img00.jpg", tmp_path / "train" / "ant" / f"a{k}.jpg"
         )
-    added = evaluate()
-    assert added.returncode == 2, added.stderr[-3000:]
-    assert "images were added, removed or renamed since the run trained" in added.stderr
+    code, said = evaluate()
+    assert code == 2 and "images were added, removed or renamed since the run trained" in said
 
 
 def pillow_jpegs(data: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -23,7 +23,6 @@ from conftest import (
     run_train,
     said_lines,
     spawn,
-    together,
 )
 from faults import first_sample_of_step, recorded
 from hydra import compose, initialize_config_dir
@@ -221,27 +220,24 @@ def test_a_job_killed_whole_resumes_when_relaunched_with_the_same_command(tmp_pa
 
 def test_a_run_resumed_from_a_step_that_evaluated_trains_on_as_it_would_have(tmp_path):
     """The checkpoint of a step that also evaluates (by default every 100th does both) is saved
-    before the evaluation. A world of one killed at step 5 and relaunched resumes from step 3's
-    and trains steps 4-6 bit for bit as the uninterrupted run did, dropout's masks included:
-    the evaluation after the save draws from none of the generators the checkpoint carries."""
+    before the evaluation. A world of one resumed from step 3's checkpoint of a 6-step run
+    trains steps 4-6 bit for bit as that run did, dropout's masks included: the evaluation
+    after the save draws from none of the generators the checkpoint carries."""
     args = ["trainer.max_steps=6", "trainer.log_every=1", "trainer.eval_every=3", "ckpt.every=3"]
     args += ["data.num_workers=0", "model.dropout=0.2", *MODEL]
-    cut, whole, marker = tmp_path / "cut", tmp_path / "whole", tmp_path / "killed"
-    killed = [*args, *faulty("kill", rank=0, step=5, marker=marker), f"hydra.run.dir={cut}"]
-    never = faulty("kill", rank=-1, step=1, marker=tmp_path / "unused")
-    first, reference = together(
-        lambda: run_train(killed, cwd=tmp_path, nproc=None),
-        lambda: run_train([*args, *never, f"hydra.run.dir={whole}"], cwd=tmp_path, nproc=None),
-    )
-    assert first.returncode == -signal.SIGKILL and marker.exists(), output(first)[-3000:]
+    whole, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
+    reference = run_train([*args, f"hydra.run.dir={whole}"], cwd=tmp_path, nproc=None)
     assert reference.returncode == 0, output(reference)[-3000:]
-    resumed = run_train(killed, cwd=tmp_path, nproc=None)  # the marker: no second kill
+    start = step_dir(whole / "checkpoints", 3)
+    again = [*args, f"ckpt.resume={start}", f"hydra.run.dir={resumed_dir}"]
+    resumed = run_train(again, cwd=tmp_path, nproc=None)
     assert resumed.returncode == 0, output(resumed)[-3000:]
-    assert "resumed from " + str(step_dir(cut / "checkpoints", 3)) in output(resumed)
-    assert loss_record(cut) == loss_record(whole)
+    assert "resumed from " + str(start) in output(resumed)
+    after = {s: v for s, v in loss_record(whole).items() if s > 3}
+    assert loss_record(resumed_dir) == after and sorted(after) == [4, 5, 6]
     got, want = (
         torch.load(step_dir(d / "checkpoints", 6) / "state.pt", weights_only=True)
-        for d in (cut, whole)
+        for d in (resumed_dir, whole)
     )
     for name, tensor in want["model"].items():
         assert torch.equal(got["model"][name], tensor), name
