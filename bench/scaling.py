@@ -50,6 +50,9 @@ HERE = Path(__file__).resolve().parent
 ENGINES = ["none", "mgpu", "mgpu_uncaptured", "torch_ddp", "torch_ddp_tuned"]
 MINE = ("mgpu", "mgpu_uncaptured")  # mgpu's settings, the faster one reported
 MODES = ("compiled", "eager")
+# engines.py's MODELS (and its --quick stand-ins), named here so that a typo stops before any job
+# starts rather than in each job's torchrun; importing engines.py would cost this process torch.
+MODELS = ("gpt2_small", "gpt2_xl", "resnet50")
 
 
 def gpu_count(quick: bool) -> int:
@@ -250,20 +253,45 @@ def summarize(rows: list[dict], key: str, summary: dict, settings: tuple = MINE)
         summary["vs_ddp"][key] = round(min(ddp) / mgpu, 4)
 
 
+def at_least(least: int):  # noqa: ANN201
+    """An argparse type: a whole number of at least `least`, else one line (exit code 2) before
+    any job starts. Under --quick engines.py replaces --steps, --rounds and --warmup with its
+    own 2, 1 and 1, so a 0 there would run and be recorded as given."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of at least {least}")
+        return value
+
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["gpt2_small", "resnet50"])
+    parser.add_argument("--models", nargs="+", default=["gpt2_small", "resnet50"], choices=MODELS)
     parser.add_argument("--xl", action="store_true", help="GPT-2 XL too, compiled, --xl-accum")
-    parser.add_argument("--xl-accum", type=int, default=4)
-    parser.add_argument("--xl-steps", type=int, default=4, help="steps a round for GPT-2 XL")
-    parser.add_argument("--xl-job-timeout-s", type=int, default=420)
+    parser.add_argument("--xl-accum", type=at_least(1), default=4)
+    parser.add_argument(
+        "--xl-steps", type=at_least(1), default=4, help="steps a round for GPT-2 XL"
+    )
+    parser.add_argument("--xl-job-timeout-s", type=at_least(1), default=420)
     parser.add_argument("--xl-engines", nargs="+", default=["none", "mgpu", "torch_ddp_view"])
     parser.add_argument("--gpus", nargs="+", type=int, help="GPU counts (default: 2, 4, ... all)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--job-timeout-s", type=int, default=300)
+    quick = "; --quick runs engines.py's {} instead"
+    parser.add_argument(
+        "--steps", type=at_least(1), default=10, help="timed steps a round" + quick.format(2)
+    )
+    parser.add_argument("--rounds", type=at_least(1), default=3, help="rounds" + quick.format(1))
+    # at least 1: engines.py's warm-up divides its time by its steps (engines.timed)
+    parser.add_argument(
+        "--warmup", type=at_least(1), default=3, help="steps before timing" + quick.format(1)
+    )
+    parser.add_argument("--job-timeout-s", type=at_least(1), default=300)
     parser.add_argument(
         "--side-by-side",
         action=argparse.BooleanOptionalAction,

@@ -694,28 +694,69 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+# Argument types: a count or a time that could not be one is refused in one line (argparse's,
+# exit code 2), rather than printed as an efficiency above 1 or below 0, or as a traceback.
+
+
+def node_count(text: str) -> int:
+    try:
+        nodes = int(text)
+    except ValueError:
+        nodes = 0
+    if nodes < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of nodes, at least 1")
+    return nodes
+
+
+def number(text: str, what: str, zero_too: bool = False) -> float:
+    """`text` as a finite number above 0 (or 0 too), else argparse's error naming `what`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_too):
+        least = "0 or more" if zero_too else "a number above 0"
+        raise argparse.ArgumentTypeError(f"{text!r}: give {what}, {least}")
+    return value
+
+
+def model_step_ms(text: str) -> tuple[str, float]:
+    """MODEL=MS: a model of MODELS and its one-GPU step in ms."""
+    name, _, ms = text.partition("=")
+    if name not in MODELS:
+        choices = ", ".join(sorted(MODELS))
+        raise argparse.ArgumentTypeError(f"{text!r}: give MODEL=MS, MODEL one of {choices}")
+    try:
+        return name, number(ms, "ms")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give MODEL=MS, MS the one-GPU step in ms, a number above 0"
+        ) from None
+
+
 def parse_args() -> argparse.Namespace:
     raw = argparse.RawDescriptionHelpFormatter
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(COMPUTE))
-    ap.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 8, 64])
+    ap.add_argument("--nodes", nargs="+", type=node_count, default=[1, 2, 8, 64])
     ap.add_argument(
         "--links",
         nargs="+",
-        type=float,
+        type=lambda text: number(text, "a bandwidth in Gb/s"),
         default=[100, 200, 400],
         help="network bandwidth per GPU, Gb/s",
     )
     ap.add_argument(
         "--step-ms",
         nargs="+",
+        type=model_step_ms,
         default=[],
         metavar="MODEL=MS",
         help="a measured one-GPU step (at the model's own accumulation)",
     )
     ap.add_argument(
         "--slowdown",
-        type=float,
+        type=lambda text: number(text, "compute ms per comm ms", zero_too=True),
         default=None,
         help="compute ms per overlapped comm ms (default: fitted)",
     )
@@ -733,9 +774,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     compute = {m: COMPUTE[m] for m in args.models}
-    for item in args.step_ms:
-        name, ms = item.split("=")
-        compute[name] = (float(ms), "--step-ms")
+    for name, ms in args.step_ms:
+        compute[name] = (ms, "--step-ms")
     fitted = fit_slowdown([p for p in POINTS if p.fit])
     k = fitted if args.slowdown is None else args.slowdown
     rows = table(compute, args.nodes, args.links, k)

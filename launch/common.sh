@@ -15,8 +15,10 @@ TORCHRUN="$MGPU_ROOT/launch/torchrun.py"
 # single_node.sh's runs; a shared store would be one more that the agent binds on every interface.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
+# The script's own name; slurm.sbatch sets LAUNCH_SCRIPT, since SLURM runs a copy of it under
+# another name (slurm_script).
 die() {
-  echo "$(basename "$0"): $*" >&2
+  echo "${LAUNCH_SCRIPT:-$(basename "$0")}: $*" >&2
   exit 2
 }
 
@@ -38,10 +40,27 @@ check_count() { # NAME VALUE MIN
   [[ $2 =~ ^[0-9]+$ ]] && ((10#$2 >= $3)) || die "$1='$2': give a whole number of at least $3"
 }
 
-# NNODES: a count of nodes, or MIN:MAX for an elastic range.
+# NNODES: a count of nodes, or MIN:MAX for an elastic range (torchrun's AssertionError for a
+# range whose MIN is above its MAX).
 check_nodes() {
-  [[ $1 =~ ^[1-9][0-9]*(:[1-9][0-9]*)?$ ]] ||
+  [[ $1 =~ ^[1-9][0-9]{0,5}(:[1-9][0-9]{0,5})?$ ]] ||
     die "NNODES='$1': give a number of nodes (NNODES=2) or a range (NNODES=2:4)"
+  [[ $1 != *:* ]] || ((${1%:*} <= ${1#*:})) ||
+    die "NNODES='$1': a range is MIN:MAX with MIN <= MAX (NNODES=${1#*:}:${1%:*})"
+}
+
+# A TCP port that a store can listen on and the other nodes reach: 1-65535 (0 would be a free
+# port of the host's choosing, which no other node could know).
+valid_port() {
+  [[ $1 =~ ^[0-9]{1,5}$ ]] && ((10#$1 >= 1 && 10#$1 <= 65535))
+}
+
+# RDZV_ENDPOINT: HOST:PORT, the host a name or an IPv4 address (as torchrun reads it) or an IPv6
+# one in brackets; said here rather than as torchrun's ValueError traceback.
+check_endpoint() {
+  [[ $1 =~ ^([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]):([^:]*)$ ]] && valid_port "${BASH_REMATCH[2]}" ||
+    die "RDZV_ENDPOINT='$1': give HOST:PORT of one node, the port a number from 1 to 65535" \
+      "(RDZV_ENDPOINT=node0:29400)"
 }
 
 # TORCHRUN_ARGS holds extra torchrun flags, split on spaces into the array `torchrun_extra`

@@ -33,6 +33,7 @@ source "$MGPU_ROOT/launch/common.sh"
 [[ -n "${RUN_ID:-}" ]] || die "set RUN_ID=name, the same on every node (it names outputs/RUN_ID)"
 check_run_id "$RUN_ID"
 check_nodes "$NNODES"
+check_endpoint "$RDZV_ENDPOINT"
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(default_nproc)}
 check_count NPROC_PER_NODE "$NPROC_PER_NODE" 1
 check_count MAX_RESTARTS "${MAX_RESTARTS:-0}" 0

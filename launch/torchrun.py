@@ -11,13 +11,17 @@ same flags, and instead:
   so that torchrun does not print its banner saying that it did;
 - leaves out torchrun's two log lines for a failed worker (the stopped workers, the exit code);
 - ends with the root cause's line and the worker's exit code (128 + N for signal N), or with a
-  line naming the fix for a rendezvous port that another process holds (EADDRINUSE).
+  line naming the fix for a rendezvous port that another process holds (EADDRINUSE, bare from
+  the static rendezvous or wrapped in the c10d one's RendezvousConnectionError), or for a
+  rendezvous that timed out waiting for its nodes (RendezvousTimeoutError);
+- says, before a launch of several nodes waits for the others, for how many, where and how long.
 A worker of mgpu records its line where torchrun reads it (TORCHELASTIC_ERROR_FILE) and, seeing
 MGPU_LAUNCHER_SAYS_ERRORS=1, leaves saying it to this launcher, so that it is said once.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -32,11 +36,21 @@ from torch.distributed.elastic.multiprocessing.errors import (
     ProcessFailure,
     record,
 )
-from torch.distributed.run import determine_local_world_size, parse_args, run
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.run import (
+    determine_local_world_size,
+    parse_args,
+    parse_min_max_nnodes,
+    run,
+)
 
 SAYS_ERRORS = "MGPU_LAUNCHER_SAYS_ERRORS"  # read by mgpu.run.cli.stop_with_config_error
 # torchrun's log lines for a failed worker, which the last line says in full
 QUIET = ("Sending process %s closing signal %s", "failed (exitcode: %s) local_rank: %s")
+JOIN_TIMEOUT_S = "600"  # torch's dynamic rendezvous: join_timeout unless --rdzv-conf gives one
 
 
 def _not_quiet(record_: logging.LogRecord) -> bool:
@@ -73,6 +87,36 @@ def port_in_use(err: DistNetworkError) -> str | None:
     )
 
 
+def rdzv_port_in_use(err: RendezvousConnectionError, endpoint: str) -> str | None:
+    """One line naming the fix, for the c10d rendezvous's store failing to listen on the
+    endpoint's port: torch wraps that DistNetworkError (EADDRINUSE) in its own error."""
+    cause = err.__cause__
+    if not (isinstance(cause, DistNetworkError) and "EADDRINUSE" in str(cause)):
+        return None
+    return (
+        f"launch: the port of the rendezvous endpoint {endpoint} is in use on this machine "
+        "(another launch, or another program, listens there): choose another port, the same "
+        "on every node (RDZV_ENDPOINT=HOST:PORT; under SLURM, RDZV_PORT=PORT)"
+    )
+
+
+def waits_for_nodes(args: argparse.Namespace) -> tuple[int, int, str, str] | None:
+    """(the fewest and the most nodes, the endpoint, the join timeout in seconds) for a launch
+    whose rendezvous gathers several nodes, else None (one node, or the static rendezvous)."""
+    if args.standalone or args.rdzv_backend == "static":
+        return None
+    try:
+        low, high = parse_min_max_nnodes(args.nnodes)
+    except (RuntimeError, ValueError):
+        return None  # torchrun itself refuses it below
+    if high <= 1:
+        return None
+    # --rdzv-conf as torchrun reads it: key=value pairs, comma-separated, the last one kept
+    conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
+    timeout = conf.get("join_timeout", JOIN_TIMEOUT_S).strip()
+    return low, high, args.rdzv_endpoint, timeout
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)  # torchrun's own parser: its flags, its usage errors
     try:
@@ -82,6 +126,12 @@ def main(argv: list[str]) -> int:
     if several and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, without its banner
     os.environ[SAYS_ERRORS] = "1"
+    waits = waits_for_nodes(args)
+    if waits is not None:  # else a node that never arrives is silence until the timeout
+        low, high, endpoint, timeout = waits
+        nodes = f"{low} nodes" if low == high else f"{low} to {high} nodes"
+        said = f"launch: waiting for {nodes} at {endpoint} (for up to {timeout} s: join_timeout)"
+        print(said, file=sys.stderr, flush=True)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_quiet)
     try:
         # Where a scheduler gave this process an error file, torchrun's entry point copies the
@@ -98,6 +148,24 @@ def main(argv: list[str]) -> int:
         if line is None:
             raise
         print(line, file=sys.stderr)
+        return 1
+    except RendezvousConnectionError as err:
+        line = rdzv_port_in_use(err, args.rdzv_endpoint)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 1
+    except RendezvousTimeoutError:
+        if waits is None:
+            raise
+        low, _, endpoint, timeout = waits
+        print(
+            f"launch: fewer than {low} nodes joined the rendezvous at {endpoint} within "
+            f"{timeout} s (its join timeout): start the launch on every node with the same "
+            "NNODES, RDZV_ENDPOINT and RUN_ID, or give them longer "
+            "(--rdzv-conf=join_timeout=SECONDS)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

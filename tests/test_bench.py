@@ -3,6 +3,7 @@ not tests, but a refactor that breaks one should not wait for a GPU machine to s
 quick runs are marked bench and run when selected (`pytest -m bench`, before a GPU session or
 after changing a script); the plans, parsers and readers here run in every suite."""
 
+import ast
 import importlib.util
 import json
 import subprocess
@@ -443,14 +444,58 @@ def test_every_benchmark_has_one_readme_row_and_a_help():
     assert not no_help
 
 
-def test_scaling_plans_side_by_side_jobs_on_gpus_and_cores_of_their_own():
-    """On a 4-GPU machine, 2-GPU jobs start first, the longest first (XL, then compiled), two at
-    a time on aligned GPU pairs with each pair's share of the host's cores; 4-GPU jobs wait for
-    the whole machine."""
+def load_scaling():
     spec = importlib.util.spec_from_file_location("scaling", ROOT / "bench" / "scaling.py")
     scaling = importlib.util.module_from_spec(spec)
     sys.modules["scaling"] = scaling  # its dataclasses look their module up
     spec.loader.exec_module(scaling)
+    return scaling
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--models", "nosuch"], "--models: invalid choice: 'nosuch'"),
+        (["--steps", "0"], "--steps: '0': give a whole number of at least 1"),
+        (["--rounds", "0"], "--rounds: '0': give a whole number of at least 1"),
+        (["--warmup", "0"], "--warmup: '0': give a whole number of at least 1"),
+        (["--xl-accum", "0"], "--xl-accum: '0': give a whole number of at least 1"),
+        (["--job-timeout-s", "0"], "--job-timeout-s: '0': give a whole number of at least 1"),
+    ],
+)
+def test_scaling_refuses_what_no_job_could_run_before_any_starts(
+    tmp_path, monkeypatch, capsys, args, said
+):
+    """Under --quick as without it: before, a model no job knew started every job anyway, and
+    engines.py --quick ran 2 steps and 1 round for a 0, recorded as --steps 0."""
+    scaling = load_scaling()
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["scaling.py", "--quick", *args, "--out", str(out)])
+    monkeypatch.setattr(scaling, "run_all", None)  # a job started is a TypeError here
+    with pytest.raises(SystemExit) as stop:
+        scaling.main()
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"scaling.py: error: argument {said}"), last
+    assert not out.exists()
+
+
+def test_scaling_names_the_models_engines_builds():
+    """Read from engines.py's source: importing it costs torch and mgpu."""
+    source = ast.parse((ROOT / "bench" / "engines.py").read_text())
+    (models,) = [
+        node.value
+        for node in source.body
+        if isinstance(node, ast.Assign) and "MODELS" in [getattr(t, "id", "") for t in node.targets]
+    ]
+    assert set(load_scaling().MODELS) == {key.value for key in models.keys}
+
+
+def test_scaling_plans_side_by_side_jobs_on_gpus_and_cores_of_their_own():
+    """On a 4-GPU machine, 2-GPU jobs start first, the longest first (XL, then compiled), two at
+    a time on aligned GPU pairs with each pair's share of the host's cores; 4-GPU jobs wait for
+    the whole machine."""
+    scaling = load_scaling()
     jobs = [scaling.Job(m, n, mode) for m in ("gpt2_small", "resnet50") for mode in
             ("compiled", "eager") for n in (2, 4)] + [scaling.Job("gpt2_xl", n, "compiled")
                                                       for n in (2, 4)]  # fmt: skip

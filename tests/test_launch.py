@@ -201,6 +201,15 @@ def test_single_node_names_its_rendezvous_after_run_id(tmp_path):
         ("single_node.sh", {"NPROC": "2", "MAX_RESTARTS": "-1"}, "MAX_RESTARTS='-1': give"),
         ("multi_node.sh", {"NNODES": "two"}, "NNODES='two': give a number of nodes"),
         ("multi_node.sh", {"NNODES": "2", "NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0': give"),
+        # torchrun's AssertionError, and its ValueError for the port, before these
+        ("multi_node.sh", {"NNODES": "2:1"}, "NNODES='2:1': a range is MIN:MAX with MIN <= MAX"),
+        (
+            "multi_node.sh",
+            {"NNODES": "2", "RDZV_ENDPOINT": "node0:abc"},
+            "RDZV_ENDPOINT='node0:abc'",
+        ),
+        ("multi_node.sh", {"NNODES": "2", "RDZV_ENDPOINT": "node0:0"}, "RDZV_ENDPOINT='node0:0'"),
+        ("multi_node.sh", {"NNODES": "2", "RDZV_ENDPOINT": "node0"}, "RDZV_ENDPOINT='node0'"),
     ],
 )
 def test_a_count_that_cannot_work_is_one_line_from_the_launch_script(tmp_path, script, env, said):
@@ -276,7 +285,7 @@ def test_slurm_runs_one_torchrun_per_node_with_the_jobs_identity(tmp_path, fake_
     srun_options, args = srun_torchrun(srun)
     assert set(srun_options) == {"--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"}
     assert (args.nnodes, args.nproc_per_node, args.rdzv_backend) == ("2", "4", "c10d")
-    assert args.rdzv_endpoint == f"gpu07:{29400 + 4242 % 1000}"  # the allocation's first node
+    assert args.rdzv_endpoint == f"gpu07:{slurm_port(4242)}"  # the allocation's first node
     assert args.training_script == str(ROOT / "train.py")
     assert args.training_script_args == ["model=mlp", "data=images"]
     # every worker, on any node and after a requeue, names the run directory the same way
@@ -287,6 +296,73 @@ def test_slurm_runs_one_torchrun_per_node_with_the_jobs_identity(tmp_path, fake_
     proc, log = run_script("slurm.sbatch", tmp_path, **array)
     _, args = srun_torchrun(recorded(log, "srun")[-1])
     assert args.rdzv_id == launch_run_name(torchrun_env(UUID, **array)) == "slurm-4240_2"
+    # an array task without its array's job id: the job's own, as run_name.py names it
+    del array["SLURM_ARRAY_JOB_ID"]
+    proc, log = run_script("slurm.sbatch", tmp_path, **array)
+    assert proc.returncode == 0, proc.stderr
+    _, args = srun_torchrun(recorded(log, "srun")[-1])
+    assert args.rdzv_id == launch_run_name(torchrun_env(UUID, **array)) == "slurm-4242_2"
+
+
+def slurm_port(job: int) -> int:
+    """The rendezvous port slurm.sbatch derives from a job id (where nothing listens on it)."""
+    return 20000 + job % 9000
+
+
+@pytest.mark.parametrize(
+    "missing", ["SLURM_JOB_NODELIST", "SLURM_JOB_NUM_NODES", "SLURM_SUBMIT_DIR"]
+)
+def test_slurm_without_what_sbatch_sets_says_so_in_one_line(tmp_path, fake_slurm, missing):
+    env = {k: v for k, v in fake_slurm.items() if k != missing}
+    proc, log = run_script("slurm.sbatch", tmp_path, **env)
+    assert proc.returncode == 2, proc.stderr  # bash's own "unbound variable" exits 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"slurm.sbatch: {missing} is not set: submit it with sbatch"), line
+    assert not (log.exists() and recorded(log, "srun"))
+
+
+def slurm_endpoint(tmp_path, fake_slurm, **env: str) -> tuple[str, int]:
+    proc, log = run_script("slurm.sbatch", tmp_path, **{**fake_slurm, **env})
+    assert proc.returncode == 0, proc.stderr
+    host, port = srun_torchrun(recorded(log, "srun")[-1])[1].rdzv_endpoint.rsplit(":", 1)
+    return host, int(port)
+
+
+def listening_on_a_port_of(jobs: range) -> tuple[socket.socket, int]:
+    """A socket listening, as a store would, on the port of the first of `jobs` whose port is
+    free here, and that job's id."""
+    for job in jobs:
+        held = socket.socket()
+        try:
+            held.bind(("127.0.0.1", slurm_port(job)))
+        except OSError:
+            held.close()
+            continue
+        held.listen()
+        return held, job
+    raise AssertionError(f"no free port for jobs {jobs}")
+
+
+def test_slurm_jobs_on_one_first_node_get_ports_of_their_own(tmp_path, fake_slurm):
+    """Jobs whose ids differ by a multiple of 1000 shared a port (29400 + id % 1000): the second
+    joined the first's rendezvous. Ports stay clear of torch's 29400 and 29500 and of the
+    kernel's for outgoing connections; one that something listens on is passed over."""
+    ports = [slurm_endpoint(tmp_path, fake_slurm, SLURM_JOB_ID=str(j))[1] for j in (4242, 5242)]
+    assert ports[0] != ports[1], ports
+    assert all(20000 <= p < 29000 for p in ports), ports
+    held, job = listening_on_a_port_of(range(90_000, 99_000))
+    with held:
+        taken = held.getsockname()[1]
+        host, port = slurm_endpoint(tmp_path, fake_slurm, SLURM_JOB_ID=str(job))
+        assert host == "gpu07" and port != taken and 20000 <= port < 29000
+        # one the user chose is theirs to change: one line, nothing started
+        proc, log = run_script("slurm.sbatch", tmp_path, RDZV_PORT=str(taken), **fake_slurm)
+        (line,) = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and f"RDZV_PORT={taken}: something on " in line, line
+        assert len(recorded(log, "srun")) == 3  # the 3 launches above, not this one
+    proc, _ = run_script("slurm.sbatch", tmp_path, RDZV_PORT="abc", **fake_slurm)
+    (line,) = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and line.startswith("slurm.sbatch: RDZV_PORT='abc': give a port")
 
 
 def test_slurm_without_gpus_asks_for_them(tmp_path, fake_slurm):
@@ -404,6 +480,48 @@ def test_a_launch_on_a_port_in_use_names_the_fix_in_one_line(tmp_path):
     assert len(said) == 1 and f"port {port} is in use" in said[0], proc.stderr
     assert "--master-port=PORT" in said[0] and "--standalone" in said[0], said[0]
     assert proc.returncode == 1 and not (tmp_path / "outputs").exists()
+
+
+def rdzv_launch(tmp_path, port: int, *flags: str) -> subprocess.CompletedProcess:
+    """launch/torchrun.py with the c10d rendezvous at 127.0.0.1:port, as the scripts run it."""
+    script = tmp_path / "worker.py"
+    script.write_text("pass\n")
+    return subprocess.run(
+        [sys.executable, str(LAUNCH / "torchrun.py"), "--nproc-per-node=1", "--rdzv-backend=c10d"]
+        + [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=r", *flags, str(script)],
+        cwd=tmp_path,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_rendezvous_on_a_port_in_use_names_the_endpoint_in_one_line(tmp_path):
+    """The c10d rendezvous wraps EADDRINUSE in its RendezvousConnectionError. The node that
+    hosts the store (is_host=1, as tests/test_two_nodes.py gives node 0) cannot listen there."""
+    with socket.socket() as first:
+        first.bind(("127.0.0.1", 0))
+        first.listen()
+        port = first.getsockname()[1]
+        proc = rdzv_launch(tmp_path, port, "--nnodes=1", "--rdzv-conf=is_host=1")
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(said) == 1, proc.stderr
+    assert f"rendezvous endpoint 127.0.0.1:{port} is in use" in said[0], said[0]
+    assert "RDZV_ENDPOINT=HOST:PORT" in said[0] and proc.returncode == 1
+
+
+def test_a_rendezvous_that_never_gathers_its_nodes_says_so_in_one_line(tmp_path):
+    """One node of two: it says that it waits, then, at its join timeout, what it waited for."""
+    port = free_port()
+    proc = rdzv_launch(tmp_path, port, "--nnodes=2:3", "--rdzv-conf=join_timeout=2")
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(said) == 2, proc.stderr
+    endpoint = f"127.0.0.1:{port}"
+    assert said[0].startswith(f"launch: waiting for 2 to 3 nodes at {endpoint} (for up to 2 s")
+    assert said[1].startswith(f"launch: fewer than 2 nodes joined the rendezvous at {endpoint}")
+    assert "within 2 s" in said[1] and "join_timeout=SECONDS" in said[1]
+    assert proc.returncode == 1
 
 
 def process_tree(root: int) -> list[int]:

@@ -103,7 +103,8 @@ def test_help_and_a_run_that_writes_its_json(tmp_path):
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--out" in out.stdout
     proc = subprocess.run(
-        [sys.executable, script, "--nodes", "1", "8", "--out", str(tmp_path)],
+        [sys.executable, script, "--nodes", "1", "8", "--step-ms", "gpt2_small=35.5"]
+        + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
     )
@@ -112,6 +113,7 @@ def test_help_and_a_run_that_writes_its_json(tmp_path):
     result = json.loads(written.read_text())
     assert {r["nodes"] for r in result["table"]} == {1, 8}
     assert len(result["table"]) == 3 * 3 * 2 and result["check"]
+    assert result["compute"]["gpt2_small"] == {"one_gpu_ms": 35.5, "source": "--step-ms"}
     across = result["measured_across_nodes"]
     # every point measured over the two-node stand-in's sockets (at the table's link or its
     # own job's probe of it), and no other
@@ -139,3 +141,26 @@ def test_the_tables_default_is_what_mgpu_does_with_a_compiled_model():
         assert r["default"] == round(default["efficiency"], 4)
         # the recommendation (sharded where it picks sharding) never falls below the default
         assert r["recommended"]["efficiency"] >= r["default"]
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--nodes", "0", "-2"], "--nodes: '0': give a whole number of nodes, at least 1"),
+        (["--links", "-5"], "--links: '-5': give a bandwidth in Gb/s, a number above 0"),
+        (["--links", "0"], "--links: '0': give a bandwidth"),  # was a ZeroDivisionError
+        (["--step-ms", "gpt2_small=-3"], "--step-ms: 'gpt2_small=-3': give MODEL=MS, MS the"),
+        (["--step-ms", "foo=3"], "--step-ms: 'foo=3': give MODEL=MS, MODEL one of gpt2_small,"),
+        (["--step-ms", "gpt2_small"], "--step-ms: 'gpt2_small': give MODEL=MS"),  # a ValueError
+        (["--slowdown", "-1"], "--slowdown: '-1': give compute ms per comm ms, 0 or more"),
+    ],
+)
+def test_arguments_that_cannot_be_are_refused_in_one_line(monkeypatch, capsys, args, said):
+    """Before, these printed an efficiency of 1 for 0 nodes or one below 0 for a negative link,
+    or ended in a traceback."""
+    monkeypatch.setattr(sys, "argv", ["scaling_model.py", *args])
+    with pytest.raises(SystemExit) as stop:
+        sm.parse_args()
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"scaling_model.py: error: argument {said}"), last
