@@ -115,11 +115,23 @@ def test_multirun_is_refused_under_torchrun_with_several_processes():
     check_sweep_launch(multirun=True, env=parse_launch_env({"RANK": "0", "WORLD_SIZE": "1"}))
 
 
+def test_ranks_without_the_stores_address_are_refused_naming_what_is_missing():
+    """A launch of its own that sets RANK and WORLD_SIZE but not MASTER_ADDR (or MASTER_PORT)
+    is one line naming them and the fix, before any work (it was a KeyError)."""
+    two = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}
+    with pytest.raises(LaunchError) as refused:
+        check_launch("auto", parse_launch_env(two))
+    assert "but MASTER_ADDR not: start the processes with torchrun" in str(refused.value)
+    check_launch("auto", parse_launch_env({**two, "MASTER_ADDR": "127.0.0.1"}))
+    check_launch("auto", parse_launch_env({}))  # python train.py: a world of one
+
+
 def test_more_cpu_processes_than_cores_is_said_once_a_node(caplog):
     """On CPUs (CUDA hidden, as in the suite), a node's processes beyond its cores: rank 0 of
     the node says so and names the count that gives each a core; nothing stops."""
     cores = len(os.sched_getaffinity(0))
     many = {"RANK": "0", "WORLD_SIZE": str(cores + 1), "LOCAL_RANK": "0"}
+    many |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # as torchrun sets them
     with caplog.at_level(logging.WARNING, logger="mgpu.runtime.launch"):
         assert check_launch("auto", parse_launch_env(many)) == "gloo"
         check_launch("auto", parse_launch_env({**many, "RANK": "1", "LOCAL_RANK": "1"}))

@@ -41,6 +41,9 @@ class LaunchEnv:
     shared_store: bool = False  # the workers' store is the torchrun agent's own (torch's default)
     error_file: str = ""  # where torchrun reads why this worker failed (TORCHELASTIC_ERROR_FILE)
     launcher_says_errors: bool = False  # launch/torchrun.py ends with the recorded line itself
+    # The store's MASTER_ADDR and MASTER_PORT that are missing (torchrun sets both; a launch of
+    # its own that sets RANK and WORLD_SIZE must too)
+    missing_store: tuple[str, ...] = ()
 
 
 def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
@@ -61,6 +64,9 @@ def parse_launch_env(env: Mapping[str, str]) -> LaunchEnv:
         shared_store=under_torchrun and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         error_file=env.get("TORCHELASTIC_ERROR_FILE", "") if under_torchrun else "",
         launcher_says_errors=env.get("MGPU_LAUNCHER_SAYS_ERRORS") == "1",
+        missing_store=tuple(
+            k for k in ("MASTER_ADDR", "MASTER_PORT") if under_torchrun and k not in env
+        ),
     )
 
 
@@ -144,6 +150,13 @@ def cuda_connections_warning(environ: Mapping[str, str] | None = None) -> str | 
 def check_launch(backend: str, env: LaunchEnv | None = None) -> str:
     """Resolve `dist.backend` and fail before any work if the launch cannot run; returns it."""
     env = env or launch_env()
+    if env.missing_store:
+        raise LaunchError(
+            f"RANK and WORLD_SIZE are set, so this process is one of {env.world_size}, but "
+            f"{' and '.join(env.missing_store)} not: start the processes with torchrun "
+            "(torchrun --nproc_per_node=N train.py), or set MASTER_ADDR and MASTER_PORT to rank "
+            "0's host and a free port on it"
+        )
     cuda = torch.cuda.is_available()  # queries the driver; creates no context on any GPU
     if backend == "auto":
         backend = "nccl" if cuda else "gloo"
