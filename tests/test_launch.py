@@ -730,6 +730,7 @@ def test_multirun_under_torchrun_stops_before_any_work(tmp_path):
     # at Hydra's multirun start, before any process group; its exit (one line, exit code 2)
     # is the one a config error has, launched under torchrun in test_one_line.py.
     world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    world |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     proc = run_train(["-m", *TINY, "trainer.seed=1,2"], cwd=tmp_path, nproc=None, env=world)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "hydra -m (multirun) cannot run under torchrun with 2 processes" in proc.stderr
