@@ -4,9 +4,11 @@ tools that do not read mgpu checkpoints.
 python -m mgpu.export RUN_DIR_OR_CHECKPOINT OUT.safetensors
 
 Writes OUT.safetensors (the model's state_dict) and OUT.json: {"model": the model config
-(`_target_` and its arguments), "tied": {name: the name it shares its tensor with},
-"checkpoint", "step"}. Tied tensors (GPT's token embedding is its output head) are stored once,
-under the first name; safetensors refuses tensors that share memory. read() puts them back.
+(`_target_` and its arguments), "data": the run's data config (an image folder's "classes", in
+the order of the model's outputs; a token file's tokenizer), "inputs": what the model takes,
+"tied": {name: the name it shares its tensor with}, "checkpoint", "step"}. Tied tensors (GPT's
+token embedding is its output head) are stored once, under the first name; safetensors refuses
+tensors that share memory. read() puts them back.
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ def untied_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
     return state, tied
 
 
+def _plain(value: object) -> object:
+    """A config's enum (data.decode, ...) as the name a user types."""
+    return getattr(value, "value", str(value))
+
+
+def inputs(data) -> str:
+    """What the exported model takes, in words: for images the pixels' scaling, which mgpu does
+    on the device (mgpu.data.images.normalize_uint8), not the model."""
+    if hasattr(data, "image_size"):
+        return (
+            f"float32 [N, C, {data.image_size}, {data.image_size}] images (RGB for an image "
+            "folder), each uint8 value x as (x / 255 - 0.5) / 0.25; outputs: one logit per class"
+        )
+    return "int64 [N, T] token ids (T up to the model's block_size); outputs: logits per token"
+
+
 def export(restored: Restored, out: Path) -> Path:
     """Write `out` (.safetensors) and the config beside it (.json); returns the config's path."""
     # Imported here: only this command needs the library.
@@ -53,18 +71,22 @@ def export(restored: Restored, out: Path) -> Path:
     from safetensors.torch import save_file
 
     state, tied = untied_state(restored.model)
+    data = restored.config.data
     config = {
         "model": dataclasses.asdict(restored.config.model),
+        "data": dataclasses.asdict(data),
+        "inputs": inputs(data),
         "tied": tied,
         "checkpoint": str(restored.path),
         "step": restored.step,
     }
     meta = {"format": "pt", "tied": json.dumps(tied), "model": json.dumps(config["model"])}
     beside = out.with_suffix(".json")
+    text = json.dumps(config, indent=1, default=_plain) + "\n"
     # Each file appears whole or not at all: written under a temporary name, then renamed.
     for path, write in (
         (out, lambda tmp: save_file(state, tmp, metadata=meta)),
-        (beside, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=1) + "\n")),
+        (beside, lambda tmp: Path(tmp).write_text(text)),
     ):
         tmp = path.with_name(path.name + ".tmp")
         try:

@@ -170,6 +170,7 @@ def test_export_round_trips_to_the_same_logits(gpt_run, tmp_path):
     config = json.loads(out.with_suffix(".json").read_text())
     assert config["tied"] == {"lm_head.weight": "wte.weight"}
     assert config["step"] == GPT_STEPS
+    assert config["data"]["vocab_size"] == 256 and "token ids" in config["inputs"]
     umask = os.umask(0o022)
     os.umask(umask)
     for path in (out, out.with_suffix(".json")):  # as any file the user writes

@@ -184,6 +184,10 @@ NEWCOMER_MISTAKES = [
         ["model.kwargs.in_features='4'", "added with a '+': +model.kwargs.in_features=4"],
     ),
     (["data=tokens", "data.path=nope.bin"], ["data.path='nope.bin'", "mgpu.data.prepare"]),
+    (  # the class list given (as a saved config has it): the folder is still checked to train
+        ["model=resnet_tiny", "data=image_folder", "data.path=nope", "data.classes=[a,b]"],
+        ["data.path='nope': does not exist", "one subfolder of images"],
+    ),
     (
         ["data._target_=mypkg.data.MyDataset"],
         ["data._target_='mypkg.data.MyDataset'", "No module named 'mypkg'"],

@@ -4,6 +4,7 @@ gloo ranks; bad files and bad trees; a training run that records its classes and
 files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same crops."""
 
 import io
+import json
 import math
 import re
 import shutil
@@ -36,6 +37,7 @@ from mgpu.data.image_folder import BadImageFile, ImageFolder
 from mgpu.data.loader import build_dataloader, build_loader
 from mgpu.data.sampler import SampleKey
 from mgpu.evaluate import main as evaluate_main
+from mgpu.export import main as export_main
 from mgpu.runtime.dist import Runtime
 from mgpu.runtime.stops import PEER_GONE
 
@@ -571,6 +573,16 @@ def test_evaluate_refuses_a_holdout_that_holds_images_the_run_trained_on(
         )
     code, said = evaluate()
     assert code == 2 and "images were added, removed or renamed since the run trained" in said
+
+
+def test_export_names_the_classes_in_the_order_of_the_outputs(folder_run, tmp_path):
+    """A classifier exported from an image folder run: its json holds the class list (the
+    outputs' order) and the input scaling, which mgpu applies on the device, not the model."""
+    root, _, _ = folder_run
+    export_main([str(root / "a"), str(tmp_path / "m.safetensors")])
+    config = json.loads((tmp_path / "m.json").read_text())
+    assert config["data"]["classes"] == CLASSES and config["data"]["decode"] == "cpu"
+    assert "(x / 255 - 0.5) / 0.25" in config["inputs"] and "[N, C, 16, 16]" in config["inputs"]
 
 
 def pillow_jpegs(data: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ schema is mgpu.data.token_config's."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -229,6 +230,11 @@ class ImageFolderDataConfig(DataConfig):
     def _check_folders(self) -> None:
         """The image tree: missing paths, no class folders, empty ones. A folder listing per
         class, before any process group exists."""
+        if self.classes and not os.path.isdir(self.path):
+            # A saved config (its classes recorded) whose folder is gone or elsewhere from here:
+            # mgpu.export and mgpu.sample never read it, and evaluate and train.py check it
+            # where they read it (mgpu.run.cli.check_config for a run).
+            return
         try:
             check_root("data.path", self.path)
             discovered = class_folders(self.path)

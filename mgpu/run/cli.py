@@ -34,6 +34,8 @@ from omegaconf.errors import (
 from mgpu.config.checks import ConfigError, require
 from mgpu.config.schema import Precision
 from mgpu.config.targets import check_arguments
+from mgpu.data.config import ImageFolderDataConfig
+from mgpu.data.folder_files import FolderError, check_root
 from mgpu.data.token_config import NO_FILE, TokenFileDataConfig
 from mgpu.models.gpt import CUDA_ONLY_ATTENTION
 from mgpu.run.config import Config, describe_error, to_config
@@ -63,6 +65,11 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
         require(os.path.isfile(config.data.path), "data.path", config.data.path, NO_FILE)
         # a batch for every process left by the holdout: the world is known here, not in it
         config.data.check_train_batches(dist.launch_env().world_size)
+    if isinstance(config.data, ImageFolderDataConfig):  # with data.classes, it validates without
+        try:
+            check_root("data.path", config.data.path)
+        except FolderError as err:
+            raise ConfigError(err.key, err.value, err.why) from None
     dist.check_launch(config.dist.backend.value)
     if getattr(config.model, "head_loss", None) == "fused":
         from mgpu.run.build import fused_head_risk  # the device and world this run will have
