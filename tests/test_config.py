@@ -68,11 +68,12 @@ def test_gpt2_small_is_the_124m_shape():
         ("+optim.lrr=1", "optim.lrr"),
         ("data.seq_len=128", "data.seq_len"),  # longer than the tiny GPT's block_size of 64
         ("model.attention=fast", "model.attention"),
+        ("data=images data.num_classes=1", "data.num_classes"),  # nothing to learn
     ],
 )
 def test_nonsensical_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        to_config(compose_config(override))
+        to_config(compose_config(*override.split()))
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,9 @@ class ImageDataConfig(DataConfig):
         keys = ("num_classes", "image_size", "channels", "num_samples", "eval_samples")
         positive_fields(self, "data", keys)
         non_negative("data.noise", self.noise, "48")
+        # as an image folder of one class is refused: its loss is 0 from the first step
+        why = "a classifier learns nothing from one class (its loss is 0); e.g. data.num_classes=10"
+        require(self.num_classes > 1, "data.num_classes", self.num_classes, why)
 
 
 def _two_classes_or_more(path: str, classes: list[str], asked: bool, fix: str) -> None:
