@@ -15,6 +15,7 @@ from mgpu.data.token_file import (
     TOKEN_DTYPE,
     auto_eval_samples,
     check_token_file,
+    count_windows,
     eval_windows,
     looks_like_text,
     max_token,
@@ -95,7 +96,7 @@ class TokenFileDataConfig(DataConfig):
 
     def _windows(self) -> int:
         """The file's windows of seq_len + 1 tokens (TokenFile's cut)."""
-        return max(os.path.getsize(self.path) // TOKEN_DTYPE.itemsize - 1, 0) // self.seq_len
+        return count_windows(os.path.getsize(self.path) // TOKEN_DTYPE.itemsize, self.seq_len)
 
     def check_train_batches(self, world_size: int) -> None:
         """Training gets a whole batch on each of `world_size` processes from the windows the

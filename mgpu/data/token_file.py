@@ -73,6 +73,12 @@ def text_error(path: str) -> str:
     )
 
 
+def count_windows(n_tokens: int, seq_len: int) -> int:
+    """The non-overlapping windows of seq_len + 1 tokens (input and shifted target) that
+    `n_tokens` tokens hold: TokenFile's cut."""
+    return max(n_tokens - 1, 0) // seq_len
+
+
 def auto_eval_samples(windows: int) -> int:
     """data.eval_samples=auto for a file of `windows` windows."""
     return max(1, min(EVAL_WINDOWS, int(EVAL_MOST * windows)))
@@ -101,7 +107,7 @@ def check_token_file(path: str, seq_len: int, eval_samples: int | str) -> int:
             f"is not a flat uint16 token file (truncated write?)"
         )
     n_tokens = n_bytes // TOKEN_DTYPE.itemsize
-    windows = max(n_tokens - 1, 0) // seq_len
+    windows = count_windows(n_tokens, seq_len)
     held = eval_windows(windows, eval_samples)
     if windows <= held:
         empty = "is empty" if n_tokens == 0 else f"has {n_tokens} tokens"
@@ -134,7 +140,7 @@ class TokenFile(Dataset):
                 raise ValueError(f"{name}={value} must be a positive integer")
         path = os.fspath(path)
         n_tokens = check_token_file(path, seq_len, eval_samples)
-        windows = (n_tokens - 1) // seq_len
+        windows = count_windows(n_tokens, seq_len)
         eval_samples = eval_windows(windows, eval_samples)
         highest = max_token(path)
         if highest >= vocab_size:
