@@ -145,6 +145,35 @@ def host_cpus() -> dict:
     }
 
 
+def busy_processes(seconds: float = 1.0, above: float = 0.1) -> dict:
+    """The host's load averages and the processes that used more than `above` of a core over
+    `seconds` just before a run: what else shared the cores (a run is slower than the one before
+    it on the same machine only with a reason, and this is where to look for one)."""
+
+    def cpu_ticks() -> dict[int, tuple[str, int]]:
+        ticks = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:  # the process ended between the listing and the read
+                continue
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            fields = text[text.rindex(")") + 2 :].split()
+            ticks[int(stat.parent.name)] = (name, int(fields[11]) + int(fields[12]))
+        return ticks
+
+    first = cpu_ticks()
+    time.sleep(seconds)
+    second = cpu_ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = {
+        f"{pid} {name}": round((used - first[pid][1]) / hz / seconds, 2)
+        for pid, (name, used) in second.items()
+        if pid in first and pid != os.getpid() and (used - first[pid][1]) / hz / seconds > above
+    }
+    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "busy": busy}
+
+
 def launcher(gpus: int) -> list[str]:
     """train.py's launch as a user types it: python for one GPU, torchrun with one process a
     GPU for several (over gloo on a CPU)."""
@@ -549,6 +578,7 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
         row = {"name": name, "gpus": gpus, "cores": cores, "batch": batch, "kind": kind}
         row.update(decode=decode, cpu_decode_share=share, variant=variant, mix=mix or "-")
         row.update(env=environ, round=rnd)
+        row.update(before=busy_processes())
         try:
             raw = run_train(cmd, cores, gpus, work / name, args.timeout, args.quick, environ)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the call's other runs go on
