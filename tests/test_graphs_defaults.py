@@ -205,12 +205,12 @@ def test_a_bad_replay_update_setting_names_the_key(bad):
 
 
 def test_an_update_on_the_cpu_runs_uncaptured_and_true_there_stops():
-    """The Trainer on a CPU (the suite's runs): off by default, and under auto, the update runs
-    as it did; true is an error naming the key and why."""
+    """The Trainer on a CPU (the suite's runs): under auto (the default) and false the update
+    runs uncaptured; true is an error naming the key and why."""
     model = GPT(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    assert TrainerConfig().replay_update is False
+    assert TrainerConfig().replay_update == "auto"
     for setting in (False, "auto"):
         cfg = TrainerConfig(compile=False, replay_update=setting)
         assert not Trainer(cfg, model, optimizer, schedule, ONE).update.replayed()
