@@ -237,8 +237,7 @@ def agreed(shares: tuple[float, float], rt: Runtime) -> tuple[float, float]:
     every rank calls it): no rank's workers are asked for more than it measured they can give.
     Rounded to 3 places, so the log and the checkpoint say what is used."""
     if rt.distributed:
-        device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-        least = torch.tensor(shares, dtype=torch.float64, device=device)
+        least = torch.tensor(shares, dtype=torch.float64, device=rt.collective_device)
         with waiting(rt.rank, "the agreement on data.cpu_decode_share=auto's share"):
             all_reduce_min_(least, rt)
         # Sync point (start-up): the agreed shares are needed on the host, by the data sets.

@@ -104,8 +104,9 @@ class WorkerSwitch:
         # and an unknown pace never moves the JPEGs.
         pace = self.batch_size / max(statistics.median(between), 1e-9) if between else math.inf
         # On every rank the workers' margin over its pace; the least decides for all.
-        device = self.rt.device if self.rt.backend == "nccl" else torch.device("cpu")
-        least = torch.tensor([self.workers_rate - pace], dtype=torch.float64, device=device)
+        least = torch.tensor(
+            [self.workers_rate - pace], dtype=torch.float64, device=self.rt.collective_device
+        )
         if self.rt.distributed:
             with waiting(self.rt.rank, "the agreement on moving every JPEG to the workers"):
                 all_reduce_min_(least, self.rt)

@@ -74,6 +74,12 @@ class Runtime:
         return self.cpus or len(os.sched_getaffinity(0)) // max(1, self.local_world_size)
 
     @property
+    def collective_device(self) -> torch.device:
+        """Where the tensors of a collective of host values (flags, digests, shares) live: NCCL
+        reduces only device tensors, gloo host ones."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def is_primary(self) -> bool:
         return self.rank == 0
 
@@ -247,8 +253,7 @@ def all_ok(ok: bool, rt: Runtime) -> bool:
     must call it at the same point; a CPU-GPU sync point on NCCL (checkpoints and start-up)."""
     if not rt.distributed:
         return ok
-    device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-    flag = torch.tensor([int(ok)], device=device)
+    flag = torch.tensor([int(ok)], device=rt.collective_device)
     tdist.all_reduce(flag, op=tdist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -258,8 +263,7 @@ def all_flags(flag: bool, rt: Runtime) -> list[bool]:
     start-up checks that name the ranks that failed them."""
     if not rt.distributed:
         return [flag]
-    device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor([int(flag)], device=device)
+    mine = torch.tensor([int(flag)], device=rt.collective_device)
     flags = [torch.empty_like(mine) for _ in range(rt.world_size)]
     tdist.all_gather(flags, mine)
     return [bool(f.item()) for f in flags]
@@ -294,8 +298,9 @@ def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> No
     if not rt.distributed:
         return
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], device=device)
+    mine = torch.tensor(
+        [int.from_bytes(digest, "little", signed=True)], device=rt.collective_device
+    )
     digests = [torch.empty_like(mine) for _ in range(rt.world_size)]
     with waiting(rt.rank, "the first collective (the check that every rank has one config)"):
         tdist.all_gather(digests, mine)
