@@ -73,6 +73,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.children import exit_on_sigterm, run_child  # noqa: E402
 from bench.engines import versions  # noqa: E402
 from bench.make_image_folder import write_folder  # noqa: E402
 from tests.conftest import read_scalars  # noqa: E402
@@ -210,7 +211,8 @@ def run_train(
         **(environ or {}),
     }
     start = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # run_child: stopped with this script or at its timeout, torchrun's workers too
+    done = run_child(cmd, env=env, timeout=timeout)
     if done.returncode != 0:
         tail = (done.stdout + done.stderr)[-3000:]
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{tail}")
@@ -511,6 +513,7 @@ def round_ratios(results: dict) -> dict[tuple, list[float]]:
 
 
 def main() -> None:
+    exit_on_sigterm()  # `timeout`'s SIGTERM ends the runs through run_child's cleanup
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="real_images-"))
     folders, made = {}, {}  # image set -> its folder, and what was written there

@@ -48,6 +48,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from children import exit_on_sigterm, stop  # noqa: E402
 from scaling import MINE, MODES, summarize  # noqa: E402 - bench/ is not a package
 
 ROOT = HERE.parent
@@ -155,15 +156,18 @@ def two_nodes(program: list[str], per_node: int, wire: str, quick: bool, timeout
         )
     codes = []
     deadline = time.monotonic() + timeout_s
-    for agent in agents:
-        try:
-            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
-            codes.append(agent.returncode)
-        except subprocess.TimeoutExpired:
-            for a in agents:
-                a.kill()
-            agent.wait()
-            codes.append(124)
+    try:
+        for agent in agents:
+            try:
+                agent.wait(timeout=max(1.0, deadline - time.monotonic()))
+                codes.append(agent.returncode)
+            except subprocess.TimeoutExpired:
+                # SIGTERM first: a SIGKILL of an agent leaves its workers (each in a session of
+                # its own) running on the GPUs
+                stop(agents)
+                codes.append(124)
+    finally:  # Ctrl-C, SIGTERM (exit_on_sigterm), an error: no agent left running
+        stop(agents)
     outputs = []
     for log in logs:
         log.seek(0)
@@ -415,6 +419,7 @@ def main() -> None:
     if args.probe_worker:
         probe_worker(args.probe_worker, args.probe_mb, args.probe_repeats)
         return
+    exit_on_sigterm()  # `timeout`'s SIGTERM ends the agents through two_nodes' cleanup
     threads, socks = args.socket_threads, args.socks_per_thread
     if not 0 <= threads <= 16:
         parser.error(f"--socket-threads {threads}: NCCL takes 1 to 16 (0 leaves NCCL's own)")
