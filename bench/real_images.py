@@ -175,6 +175,69 @@ def busy_processes(seconds: float = 1.0, above: float = 0.1) -> dict:
     return {"loadavg": [round(x, 2) for x in os.getloadavg()], "busy": busy}
 
 
+class GpuWatch:
+    """Each GPU's SM clock, power, temperature and the reasons its clock was held below its
+    maximum (nvidia-smi's clocks_event_reasons), five times a second while a run goes, summed up
+    over the samples where the GPU was busy (utilization >= 50 %: the steps, not the compile): a
+    run slower than its neighbours on the same machine shows here whether its GPUs were held back
+    (power, heat) or ran at full clock. Nothing where nvidia-smi is absent (a CPU)."""
+
+    FIELDS = "index,utilization.gpu,clocks.sm,power.draw,temperature.gpu"
+    REASONS = "clocks_event_reasons.active"
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        # an unknown field fails the whole query: older drivers lack clocks_event_reasons
+        known = subprocess.run(["nvidia-smi", "--help-query-gpu"], capture_output=True, text=True)
+        fields = self.FIELDS + (f",{self.REASONS}" if self.REASONS in known.stdout else "")
+        query = [f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-lms", "200"]
+        # a file, not a pipe: a pipe nobody reads fills in a long run and stops the sampling
+        self.out = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", *query], stdout=self.out, stderr=subprocess.DEVNULL, text=True
+        )
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
+
+    def summary(self) -> dict | None:
+        """Stops the sampling; per GPU index, over its busy samples: how many, the SM clock's
+        median and least (MHz), the median power (W), the highest temperature (C), and the
+        clock-event reasons seen (nvidia-smi's bit masks, with how many samples had each)."""
+        if self.proc is None:
+            return None
+        self.stop()
+        self.out.seek(0)
+        per_gpu: dict[str, list[list[float | str]]] = {}
+        for line in self.out.read().splitlines():
+            fields = [f.strip() for f in line.split(",")]
+            try:
+                util, mhz, watts, temp = (float(v) for v in fields[1:5])
+            except ValueError:  # "[N/A]" where the GPU does not report one of them; a cut line
+                continue
+            if util >= 50:
+                per_gpu.setdefault(fields[0], []).append([mhz, watts, temp, *fields[5:6]])
+        summary = {}
+        for gpu, samples in per_gpu.items():
+            reasons: dict[str, int] = {}
+            for sample in samples:
+                if len(sample) > 3:
+                    reasons[sample[3]] = reasons.get(sample[3], 0) + 1
+            summary[gpu] = {
+                "busy_samples": len(samples),
+                "sm_mhz_median": statistics.median(s[0] for s in samples),
+                "sm_mhz_min": min(s[0] for s in samples),
+                "power_w_median": statistics.median(s[1] for s in samples),
+                "temp_c_max": max(s[2] for s in samples),
+                "clock_event_reasons": reasons,
+            }
+        return summary
+
+
 def launcher(gpus: int) -> list[str]:
     """train.py's launch as a user types it: python for one GPU, torchrun with one process a
     GPU for several (over gloo on a CPU)."""
@@ -582,14 +645,19 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
         row.update(decode=decode, cpu_decode_share=share, variant=variant, mix=mix or "-")
         row.update(env=environ, round=rnd)
         row.update(before=busy_processes())
+        watch = GpuWatch()
         try:
             raw = run_train(cmd, cores, gpus, work / name, args.timeout, args.quick, environ)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the call's other runs go on
             row["error"] = str(e)[-3000:]
+            row["gpu_watch"] = watch.summary()
             record["runs"].append(row)
             print(row["error"], flush=True)
             save(args.out, record, stamp)
             continue
+        finally:  # no sampler left running past its run (a no-op once summarised)
+            watch.stop()
+        row["gpu_watch"] = watch.summary()
         row.update(summarise(raw, args.warmup), cmd=raw["cmd"], cpus=raw["cpus"])
         row.update(wall_s=raw["wall_s"])
         said = [line.split("auto: ", 1)[1] for line in raw["split"]]
