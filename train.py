@@ -109,8 +109,10 @@ def main(dcfg: DictConfig) -> None:
                 with interrupted(
                     run_dir, lambda: run.trainer.step if run else None, advice
                 ) as ctrl_c:
+                    # saved with the data's paths absolute (mgpu.run.config.resolved_yaml)
+                    saved = resolved_yaml(dcfg, files_from=Path.cwd())
                     run = build_run(
-                        cfg, rt, run_dir, text, preemption=preemption, ctrl_c=ctrl_c,
+                        cfg, rt, run_dir, saved, preemption=preemption, ctrl_c=ctrl_c,
                         started_at=STARTED_AT,
                     )  # fmt: skip
                     collect_after_start()

@@ -2,18 +2,20 @@
 with one clear line before any process group or run directory exists."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, one_line_under_torchrun, run_train, said_by_train_py
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from mgpu.config.checks import ConfigError
 from mgpu.data.config import NgramDataConfig
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models.config import GPTModelConfig
 from mgpu.run.build import unused_vocabulary
-from mgpu.run.config import to_config
+from mgpu.run.config import resolved_yaml, to_config
 
 
 def compose_config(*overrides):
@@ -50,6 +52,24 @@ def token_file(tmp_path_factory) -> str:
 )
 def test_builtin_choices_compose_and_validate(overrides, token_file):
     to_config(compose_config(*(item.format(tokens=token_file) for item in overrides)))
+
+
+def test_the_saved_config_names_the_datas_files_from_anywhere(token_file):
+    """config.yaml and the checkpoints hold a relative data.path made absolute (mgpu.evaluate
+    run from another directory finds the file); the ranks compare the config as given (nodes
+    may start in other directories of one layout); a path that names nothing is left alone."""
+    folder = Path(token_file).parent
+    cfg = compose_config("data=tokens", "data.path=train.bin")
+    assert OmegaConf.create(resolved_yaml(cfg)).data.path == "train.bin"
+    assert OmegaConf.create(resolved_yaml(cfg, files_from=folder)).data.path == token_file
+    nowhere = compose_config("data=tokens", "data.path=nowhere.bin")
+    assert OmegaConf.create(resolved_yaml(nowhere, files_from=folder)).data.path == "nowhere.bin"
+    absolute = compose_config("data=tokens", f"data.path={token_file}")
+    assert OmegaConf.create(resolved_yaml(absolute, files_from=ROOT)).data.path == token_file
+    # the rest of the config is what the ranks compare
+    rest = OmegaConf.create(resolved_yaml(cfg, files_from=folder))
+    rest.data.path = "train.bin"
+    assert rest == OmegaConf.create(resolved_yaml(cfg))
 
 
 def test_gpt2_small_is_the_124m_shape():

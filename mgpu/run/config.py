@@ -8,6 +8,7 @@ import difflib
 import logging
 import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, read_write
@@ -151,10 +152,25 @@ def _image_shape(data: DataConfig) -> tuple[int | None, int | None]:
     return None, None
 
 
-def resolved_yaml(cfg: DictConfig) -> str:
-    """The composed config without Hydra's own node, resolved, as YAML: what the run directory's
-    config.yaml and every checkpoint hold, and what the ranks compare at start-up."""
+# The data keys that name the user's files (mgpu's token and image data sets)
+DATA_FILES = ("path", "eval_path")
+
+
+def resolved_yaml(cfg: DictConfig, files_from: Path | None = None) -> str:
+    """The composed config without Hydra's own node, resolved, as YAML: what the ranks compare at
+    start-up (as given: nodes may start in other directories of one layout) and, with
+    `files_from` (the working directory), what the run directory's config.yaml and every
+    checkpoint hold: there a relative data.path or data.eval_path that names a file or folder
+    from `files_from` is made absolute, so mgpu.evaluate, a resume or a look at the config from
+    another directory finds the same data."""
     resolved = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    if files_from is not None and isinstance(resolved.get("data"), DictConfig):
+        resolved = OmegaConf.create(OmegaConf.to_container(resolved, resolve=True))
+        for key in DATA_FILES:
+            value = resolved.data.get(key)
+            if isinstance(value, str) and value and not os.path.isabs(value):
+                if os.path.exists(files_from / value):
+                    resolved.data[key] = os.path.abspath(files_from / value)
     return OmegaConf.to_yaml(resolved, resolve=True)
 
 
