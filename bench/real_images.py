@@ -311,6 +311,12 @@ def summarise(scalars: dict, warmup: int) -> dict:
         slowest = [int(v) for s, v in scalars["ranks/data_wait_ms_slowest_rank"] if s > warmup]
         row["data_wait_slowest_rank"] = max(set(slowest), key=slowest.count) if slowest else None
         row["rank_step_ms_max"] = median("ranks/step_ms_max")
+    # Where each step's time went, as the run's own telemetry split it (compute, exposed
+    # communication, data waits, every rank's spread): a run slower than its neighbours shows
+    # in which part
+    row["breakdown"] = {
+        tag: median(tag) for tag in sorted(scalars) if tag.startswith(("time/", "ranks/"))
+    }
     return row
 
 
