@@ -10,18 +10,24 @@ same flags, and instead:
 - sets OMP_NUM_THREADS=1 where torchrun would (several processes per node, the variable unset),
   so that torchrun does not print its banner saying that it did;
 - leaves out torchrun's two log lines for a failed worker (the stopped workers, the exit code);
-- ends with the root cause's line and the worker's exit code (128 + N for signal N), or with a
+- ends with the root cause's line and the worker's exit code (128 + N for signal N), the line
+  left out where a worker's output on this console has shown it already, or with a
   line naming the fix for a rendezvous port that another process holds (EADDRINUSE, bare from
   the static rendezvous or wrapped in the c10d one's RendezvousConnectionError), or for a
   rendezvous that timed out waiting for its nodes (RendezvousTimeoutError);
 - says, before a launch of several nodes waits for the others, for how many, where and how long.
-A worker of mgpu records its line where torchrun reads it (TORCHELASTIC_ERROR_FILE) and, seeing
-MGPU_LAUNCHER_SAYS_ERRORS=1, leaves saying it to this launcher, so that it is said once.
+A worker of mgpu records its line where torchrun reads it (TORCHELASTIC_ERROR_FILE), so that it
+is said once: a config error, which no worker says itself seeing MGPU_LAUNCHER_SAYS_ERRORS=1,
+here; a stop later in the run, which a worker's log says on the console and its record marks as
+said (mgpu.runtime.stops.record_for_torchrun), there, unless torchrun keeps that worker's output
+off this console (--local-ranks-filter, --redirects).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import logging
 import os
 import re
@@ -30,7 +36,7 @@ import socket
 import sys
 
 from torch.distributed import DistNetworkError
-from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.api import SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
@@ -48,6 +54,7 @@ from torch.distributed.run import (
 )
 
 SAYS_ERRORS = "MGPU_LAUNCHER_SAYS_ERRORS"  # read by mgpu.run.cli.stop_with_config_error
+SAID = "mgpu_said"  # in an error file: its worker has said the line (mgpu.runtime.stops)
 # torchrun's log lines for a failed worker, which the last line says in full
 QUIET = ("Sending process %s closing signal %s", "failed (exitcode: %s) local_rank: %s")
 JOIN_TIMEOUT_S = "600"  # torch's dynamic rendezvous: join_timeout unless --rdzv-conf gives one
@@ -57,12 +64,57 @@ def _not_quiet(record_: logging.LogRecord) -> bool:
     return not str(record_.msg).startswith(QUIET)
 
 
-def failure_line(rank: int, failure: ProcessFailure) -> str:
+def on_console(args: argparse.Namespace, local_rank: int) -> bool:
+    """Whether torchrun shows this local rank's output on this console: not left out by
+    --local-ranks-filter, neither of its streams sent to a file by --redirects without --tee."""
+    if args.local_ranks_filter:
+        try:
+            shown = {int(r) for r in args.local_ranks_filter.split(",")}
+        except ValueError:
+            return False
+        if local_rank not in shown:
+            return False
+
+    def of_rank(std: Std | dict[int, Std]) -> int:
+        return int(std.get(local_rank, Std.NONE) if isinstance(std, dict) else std)
+
+    return of_rank(Std.from_str(args.redirects)) & ~of_rank(Std.from_str(args.tee)) == 0
+
+
+def said_by_a_worker(line: str, failure: ProcessFailure, args: argparse.Namespace) -> bool:
+    """Whether a worker of this attempt on this node has said `line` on this console itself: its
+    error file marks the line as said, and torchrun shows its output here. Every worker's file
+    counts, not only those of the failures torchrun reports (the workers that had exited when it
+    looked, before it stopped the others): rank 0, which says a stop that every rank meets, may
+    be the last to exit. torchrun keeps them as <attempt dir>/<local rank>/error.json."""
+    attempt = os.path.dirname(os.path.dirname(failure.error_file))
+    for path in glob.glob(os.path.join(attempt, "*", "error.json")):
+        local_rank = os.path.basename(os.path.dirname(path))
+        try:
+            with open(path) as f:
+                message = json.load(f)["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a record of mgpu's: nothing said
+        if not (isinstance(message, dict) and message.get(SAID) is True and local_rank.isdigit()):
+            continue
+        if first_line(message.get("message")) == line and on_console(args, int(local_rank)):
+            return True
+    return False
+
+
+def first_line(text: object) -> str:
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def failure_line(rank: int, failure: ProcessFailure, args: argparse.Namespace) -> str | None:
     """The line a worker recorded for torchrun (mgpu's own, or a @record'ed exception's first
-    line), else what torchrun knows: the exit code or the signal."""
+    line), else what torchrun knows: the exit code or the signal. None where a worker has said
+    the recorded line on this console already: the launch ends with it there, said once."""
     said = failure.message
     if isinstance(said, dict) and said.get("message"):
-        return str(said["message"]).strip().splitlines()[0]
+        line = first_line(said["message"])
+        return None if said_by_a_worker(line, failure, args) else line
     where = f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()})"
     if failure.exitcode < 0:
         return f"launch: {where} was killed by {failure.signal_name()}"
@@ -139,7 +191,9 @@ def main(argv: list[str]) -> int:
         (record(run) if os.environ.get("TORCHELASTIC_ERROR_FILE") else run)(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        print(failure_line(rank, failure), file=sys.stderr)
+        line = failure_line(rank, failure, args)
+        if line is not None:
+            print(line, file=sys.stderr)
         return exit_code(failure)
     except SignalException as err:  # the launch was stopped (Ctrl-C, a scheduler's SIGTERM)
         return 128 + signal.Signals(err.sigval).value

@@ -137,8 +137,8 @@ def test_stopped_turns_a_lost_peer_into_one_line_and_keeps_its_own_stops(caplog)
         assert stop.value.code == 1
         assert caplog.messages == [
             "rank 1: stopped: another rank's process ended under a collective (the backend: "
-            "connection closed by peer); that rank's log and torchrun's summary ('Root Cause') "
-            "say why"
+            "connection closed by peer); that rank's log in the run directory and the end of "
+            "the launch's output on its node say why"
         ]
         caplog.clear()
         own = f"rank 1: timed out (dist.timeout_s) waiting for the other ranks; {gloo}"

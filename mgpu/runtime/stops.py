@@ -109,22 +109,40 @@ def waiting(rank: int, what: str) -> Iterator[None]:
         ) from err
 
 
-def record_for_torchrun(line: str, path: str) -> bool:
+SAID = "mgpu_said"  # the error file's key for record_for_torchrun's `said` (launch/torchrun.py)
+
+
+def record_for_torchrun(line: str, path: str, said: bool = False) -> bool:
     """`line` in this worker's error file (`path`: LaunchEnv.error_file), where torchrun reads why
     a worker failed: its closing table shows the line there instead of a link to its docs, and
     launch/torchrun.py ends with it. False without torchrun or where it cannot be written. The
     table's traceback column gets the line without its "mgpu: " (the table names train.py);
-    torch's @record would write a traceback that a stop does not have."""
+    torch's @record would write a traceback that a stop does not have. `said`: this process has
+    said the line on its console already, and launch/torchrun.py, where it shows that console,
+    does not say it again."""
     if not path:
         return False
     shown = line.removeprefix("mgpu: ")
     extra = {"py_callstack": shown, "timestamp": str(int(time.time()))}
+    message: dict = {"message": line, "extraInfo": extra}
+    if said:
+        message[SAID] = True
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": extra}}, f)
+            json.dump({"message": message}, f)
     except OSError:
         return False
     return True
+
+
+def on_console(level: int) -> bool:
+    """Whether a line that mgpu logs at `level` reaches this process's console: Hydra's console
+    handler (a plain StreamHandler; mgpu.runtime.dist.quiet_other_ranks raises its level on
+    every rank but 0) lets it through."""
+    if not logging.getLogger("mgpu").isEnabledFor(level):
+        return False
+    handlers = logging.getLogger().handlers
+    return any(type(h) is logging.StreamHandler and level >= h.level for h in handlers)
 
 
 @contextmanager
@@ -141,9 +159,13 @@ def stopped(rt: Place) -> Iterator[None]:
             # first of them exits, would turn the others' into -15 on their way out.
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         loud = rt.is_primary or not err.every_rank  # an agreed stop is said once
-        logging.getLogger("mgpu").log(err.level if loud else logging.INFO, "%s", err.report())
-        # torchrun's closing table (and launch/torchrun.py's last line) say it too
-        record_for_torchrun(f"mgpu: {err.report()}", launch_env().error_file)
+        level = err.level if loud else logging.INFO
+        logging.getLogger("mgpu").log(level, "%s", err.report())
+        # torchrun's closing table says it too; launch/torchrun.py ends with it only where no
+        # worker's console that it shows has (a node without rank 0, say). Logged first: a
+        # SIGTERM from torchrun in between leaves a line said twice rather than not at all.
+        said = on_console(level)
+        record_for_torchrun(f"mgpu: {err.report()}", launch_env().error_file, said)
         raise SystemExit(err.exit_code) from None
     except RuntimeError as err:
         words = peer_gone(err)
@@ -166,8 +188,8 @@ def peer_gone_line(rank: int, words: str, gone: str) -> str:
     (Runtime.ranks_gone)."""
     return (
         f"rank {rank}: stopped: another rank's process ended under a collective (the backend: "
-        f"{words}){f'; {gone}' if gone else ''}; that rank's log and torchrun's summary "
-        "('Root Cause') say why"
+        f"{words}){f'; {gone}' if gone else ''}; that rank's log in the run directory and the "
+        "end of the launch's output on its node say why"
     )
 
 

@@ -34,7 +34,7 @@ from mgpu.runtime.dist import RunStopped, Runtime, first_line
 from mgpu.runtime.flight import behind, issued, recorded_collectives
 from mgpu.runtime.launch import launch_env
 from mgpu.runtime.peers import nccl_lost_peer, store_client
-from mgpu.runtime.stops import lost_peer_stop, record_for_torchrun
+from mgpu.runtime.stops import lost_peer_stop, on_console, record_for_torchrun
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,9 @@ class Watchdog:
         """Say the line and end the process: the main thread is stuck in a call it does not
         return from, so no exception can reach it. A rank that waited outlives the hung one."""
         log.error("%s. Ending this process (exit %d).", line, code)
-        record_for_torchrun(f"mgpu: {line}", launch_env().error_file)  # torchrun's root cause
+        # torchrun's root cause; marked as said where the line above reached the console, so
+        # that launch/torchrun.py does not say it again
+        record_for_torchrun(f"mgpu: {line}", launch_env().error_file, on_console(logging.ERROR))
         for handler in logging.getLogger().handlers:
             handler.flush()
         if code != STALLED_EXIT_CODE:
