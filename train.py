@@ -93,9 +93,9 @@ def main(dcfg: DictConfig) -> None:
         # that never came) becomes one line and the process's exit code
         # (mgpu.runtime.dist.RunStopped).
         with stopped(rt):
+            quiet_other_ranks(rt)  # first: a stop below is said once, by rank 0
             text = resolved_yaml(dcfg)
             check_same_config(text, rt, run_dir)  # before any work: stops every rank if differ
-            quiet_other_ranks(rt)
             # One launch per run directory (exit 2 if another holds it); Preemption: SIGTERM
             # and SIGUSR1 save, then stop.
             run = None

@@ -286,12 +286,18 @@ def _shown_dir(run_dir: Path) -> str:
     return str(run_dir.relative_to(cwd)) if run_dir.is_relative_to(cwd) else str(run_dir)
 
 
+class ConfigsDiffer(RunStopped):
+    """Some ranks resolved another config (or run directory) than rank 0: a config error."""
+
+    exit_code = 2
+
+
 def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> None:
     """Stop every rank, with one message naming the ranks that differ, unless all ranks resolved
     the same config text (and run directory) as rank 0.
 
-    A collective: every rank must call it at the same point, before any other collective. It
-    exits (SystemExit 2) rather than raising, so that each rank logs one line, not a traceback.
+    A collective: every rank must call it at the same point, before any other collective. Every
+    rank raises ConfigsDiffer (exit 2), which stopped() has rank 0 say, once.
     """
     if run_dir is not None:
         text = f"{text}run_dir: {_shown_dir(run_dir)}\n"
@@ -310,8 +316,7 @@ def check_same_config(text: str, rt: Runtime, run_dir: Path | None = None) -> No
         return
     texts: list[str] = [""] * rt.world_size
     tdist.all_gather_object(texts, text)
-    log.error("%s", describe_config_mismatch(texts))
-    raise SystemExit(2)
+    raise ConfigsDiffer(describe_config_mismatch(texts))
 
 
 def quiet_other_ranks(rt: Runtime) -> None:
