@@ -13,8 +13,14 @@ same flags, and instead:
 - ends with the root cause's line and the worker's exit code (128 + N for signal N), the line
   left out where a worker's output on this console has shown it already, or with a
   line naming the fix for a rendezvous port that another process holds (EADDRINUSE, bare from
-  the static rendezvous or wrapped in the c10d one's RendezvousConnectionError), or for a
-  rendezvous that timed out waiting for its nodes (RendezvousTimeoutError);
+  the static rendezvous or wrapped in the c10d one's RendezvousConnectionError), for a
+  rendezvous that timed out waiting for its nodes (RendezvousTimeoutError), or for a node
+  that lost the c10d rendezvous's store mid-run, its host node lost or its launch ended
+  (RendezvousConnectionError from a broken connection, raised while the agent ran);
+- leaves out what the agent says while that store does not answer, which the last line sums
+  up: the c10d rendezvous's warnings of a failed heartbeat and of a failed close, and torch's
+  C++ warnings with their stack traces (TCPStore: broken pipe, connection reset), by logging
+  at ERROR in this process alone (TORCH_CPP_LOG_LEVEL, unless set; the workers keep it unset);
 - says, before a launch of several nodes waits for the others, for how many, where and how long.
 A worker of mgpu records its line where torchrun reads it (TORCHELASTIC_ERROR_FILE), so that it
 is said once: a config error, which no worker says itself seeing MGPU_LAUNCHER_SAYS_ERRORS=1,
@@ -34,34 +40,54 @@ import re
 import signal
 import socket
 import sys
+import traceback
 
-from torch.distributed import DistNetworkError
-from torch.distributed.elastic.multiprocessing.api import SignalException, Std
-from torch.distributed.elastic.multiprocessing.errors import (
+# torch reads its C++ log level once, as it loads: the agent's own is ERROR, its store client's
+# warnings (a heartbeat's broken pipe, each with a stack trace) left out; workers inherit none.
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+_CPP_LOG_LEVEL_SET = CPP_LOG_LEVEL not in os.environ
+if _CPP_LOG_LEVEL_SET:
+    os.environ[CPP_LOG_LEVEL] = "ERROR"
+
+from torch.distributed import DistNetworkError  # noqa: E402
+from torch.distributed.elastic.agent.server.api import ElasticAgent  # noqa: E402
+from torch.distributed.elastic.multiprocessing.api import SignalException, Std  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import (  # noqa: E402
     ChildFailedError,
     ProcessFailure,
     record,
 )
-from torch.distributed.elastic.rendezvous.api import (
+from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousTimeoutError,
 )
-from torch.distributed.run import (
+from torch.distributed.run import (  # noqa: E402
     determine_local_world_size,
     parse_args,
     parse_min_max_nnodes,
     run,
 )
 
+if _CPP_LOG_LEVEL_SET:
+    del os.environ[CPP_LOG_LEVEL]
+
 SAYS_ERRORS = "MGPU_LAUNCHER_SAYS_ERRORS"  # read by mgpu.run.cli.stop_with_config_error
 SAID = "mgpu_said"  # in an error file: its worker has said the line (mgpu.runtime.stops)
 # torchrun's log lines for a failed worker, which the last line says in full
 QUIET = ("Sending process %s closing signal %s", "failed (exitcode: %s) local_rank: %s")
 JOIN_TIMEOUT_S = "600"  # torch's dynamic rendezvous: join_timeout unless --rdzv-conf gives one
+# the c10d rendezvous's warnings while its store does not answer (each heartbeat, the close at
+# the end), which the last line sums up where the agent ends on it (rdzv_host_lost)
+UNANSWERED = ("has failed to send a keep-alive heartbeat", "has failed to shutdown the rendezvous")
 
 
 def _not_quiet(record_: logging.LogRecord) -> bool:
     return not str(record_.msg).startswith(QUIET)
+
+
+def _not_unanswered(record_: logging.LogRecord) -> bool:
+    said = str(record_.msg)
+    return not (any(s in said for s in UNANSWERED) and "RendezvousConnectionError" in said)
 
 
 def on_console(args: argparse.Namespace, local_rank: int) -> bool:
@@ -152,6 +178,29 @@ def rdzv_port_in_use(err: RendezvousConnectionError, endpoint: str) -> str | Non
     )
 
 
+def rdzv_host_lost(err: RendezvousConnectionError, endpoint: str) -> str | None:
+    """One line for a node whose agent lost the c10d rendezvous's store while it ran: the node
+    that hosts it (RDZV_ENDPOINT's) was lost, or its launch ended, and the connection broke
+    (DistNetworkError: broken pipe, connection reset). The agent has stopped this node's
+    workers. Not for a store never reached (an error of the connection's start, before the
+    agent runs), nor for a port in use (rdzv_port_in_use)."""
+    cause = err.__cause__
+    if not isinstance(cause, DistNetworkError) or "EADDRINUSE" in str(cause):
+        return None
+    agent_ran = any(
+        isinstance(frame.f_locals.get("self"), ElasticAgent)
+        for frame, _ in traceback.walk_tb(err.__traceback__)
+    )
+    if not agent_ran:
+        return None
+    return (
+        f"launch: the node that hosts the rendezvous at {endpoint} is gone or unreachable "
+        "(lost, or its launch ended): the run cannot go on without it, and this node's workers "
+        "were stopped; run the same command on every node again to resume from the newest "
+        "checkpoint"
+    )
+
+
 def waits_for_nodes(args: argparse.Namespace) -> tuple[int, int, str, str] | None:
     """(the fewest and the most nodes, the endpoint, the join timeout in seconds) for a launch
     whose rendezvous gathers several nodes, else None (one node, or the static rendezvous)."""
@@ -185,6 +234,8 @@ def main(argv: list[str]) -> int:
         said = f"launch: waiting for {nodes} at {endpoint} (for up to {timeout} s: join_timeout)"
         print(said, file=sys.stderr, flush=True)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_quiet)
+    rendezvous = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+    logging.getLogger(rendezvous).addFilter(_not_unanswered)
     try:
         # Where a scheduler gave this process an error file, torchrun's entry point copies the
         # root cause there (record); without one, record only logs that it could not.
@@ -204,7 +255,7 @@ def main(argv: list[str]) -> int:
         print(line, file=sys.stderr)
         return 1
     except RendezvousConnectionError as err:
-        line = rdzv_port_in_use(err, args.rdzv_endpoint)
+        line = rdzv_port_in_use(err, args.rdzv_endpoint) or rdzv_host_lost(err, args.rdzv_endpoint)
         if line is None:
             raise
         print(line, file=sys.stderr)

@@ -1,8 +1,9 @@
 """What a user sees at the end of a failed launch through launch/torchrun.py (the launch scripts'
 torchrun), with real processes: a stop after start-up, which rank 0's log says on the console,
 said once (not again as the launcher's last line) unless torchrun keeps rank 0's output off the
-console; and a rank that lost its peer pointing at what the launch shows, not at torchrun's
-summary, which the launcher leaves out. Config errors before any process group are
+console; a rank that lost its peer pointing at what the launch shows, not at torchrun's
+summary, which the launcher leaves out; and a node that lost the node hosting the rendezvous
+ending in one line, not in torch's tracebacks. Config errors before any process group are
 tests/test_launch.py's."""
 
 import socket
@@ -10,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, free_port
 from test_launch import TINY, script_env
 
 LAUNCH = ROOT / "launch" / "torchrun.py"
@@ -90,3 +91,70 @@ def test_a_rank_that_lost_its_peer_points_at_what_the_launch_shows(tmp_path):
         == f"launch: rank 1 (local rank 1 on {socket.gethostname()}) was killed by SIGKILL"
     )
     assert proc.returncode == 128 + 9, lines
+
+
+# Two nodes of one worker each, as tests/test_two_nodes.py launches them (one agent per node on
+# loopback, c10d rendezvous). Node 0's worker, once both are in the process group, kills its
+# agent, which hosts the rendezvous's store, and then itself (SIGKILL): node 0 is lost as a
+# machine is. Node 1's worker meets the loss in its next collective, under mgpu's stopped(),
+# holding its agent's SIGTERM back as train.py's Preemption does during training.
+LOSES_THE_HOST = """
+import os, signal
+import torch
+import torch.distributed as tdist
+from mgpu.runtime.dist import distributed, exit_process, stopped
+
+def main():
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    with distributed("gloo", timeout_s=60) as rt, stopped(rt):
+        tdist.all_reduce(torch.ones(1))
+        if os.environ.get("LOSE_THIS_NODE"):
+            os.kill(os.getppid(), signal.SIGKILL)  # the agent, and the rendezvous store with it
+            os.kill(os.getpid(), signal.SIGKILL)
+        tdist.all_reduce(torch.ones(1))
+
+exit_process(main)
+"""
+WORKER = "[default0]:"  # torchrun's prefix of its worker's lines under --tee (local rank 0)
+
+
+def test_a_node_that_lost_the_rendezvous_host_ends_in_one_line(tmp_path):
+    """Node 1's agent, its rendezvous store gone with node 0, ends in one line that names the
+    endpoint, says that its workers were stopped and what to run, and exits 1: no traceback,
+    nor torch's warnings of each failed heartbeat. Its worker's own line stays. --tee keeps
+    the worker's lines on the console, marked, to tell them from the agent's."""
+    worker = tmp_path / "loses_the_host.py"
+    worker.write_text(LOSES_THE_HOST)
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def node(index: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, str(LAUNCH), "--nnodes=2", "--nproc-per-node=1"]
+            + ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=lost-host"]
+            + [f"--rdzv-conf=is_host={int(index == 0)}", f"--local-addr=127.0.0.{index + 1}"]
+            + ["--tee=3", f"--log-dir={tmp_path / f'logs{index}'}", str(worker)],
+            cwd=tmp_path,
+            env=script_env(**({"LOSE_THIS_NODE": "1"} if index == 0 else {})),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    nodes = [node(0), node(1)]
+    try:
+        lost, _ = nodes[0].communicate(timeout=60)
+        assert nodes[0].returncode == -9, lost[-3000:]  # its agent killed
+        out, _ = nodes[1].communicate(timeout=60)
+    finally:
+        for n in nodes:
+            n.kill()
+    lines = out.strip().splitlines()
+    agent = [line for line in lines if not line.startswith(WORKER)]
+    said = f"launch: the node that hosts the rendezvous at {endpoint} is gone or unreachable"
+    assert [line for line in lines if said in line] == [lines[-1]], out[-3000:]
+    assert "this node's workers were stopped" in lines[-1], lines[-1]
+    assert "run the same command on every node again to resume" in lines[-1], lines[-1]
+    assert "Traceback" not in out and len(agent) < 15, out[-3000:]
+    assert nodes[1].returncode == 1, out[-3000:]
+    stopped = [line for line in lines if ": stopped: another rank's process ended" in line]
+    assert len(stopped) == 1 and stopped[0].startswith(WORKER), out[-3000:]
