@@ -52,7 +52,9 @@ def gpt_run(tmp_path_factory) -> Path:
     tokens = out / "text.bin"
     prepare_main([str(out / "text.txt"), str(tokens)])  # the token file training reads
     run_dir = out / "run"
-    args = [*GPT_TRAIN, f"data.path={tokens}", f"hydra.run.dir={run_dir}"]
+    # data.path relative, as a user types it from their data's folder: the run saves it absolute,
+    # and the tools below run from other directories (mgpu.run.config.resolved_yaml)
+    args = [*GPT_TRAIN, "data.path=text.bin", f"hydra.run.dir={run_dir}"]
     proc = run_train(args, cwd=out, nproc=None)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
@@ -80,7 +82,8 @@ def test_evaluate_reproduces_the_runs_last_eval_loss(gpt_run, nproc):
     assert step == GPT_STEPS
     # Two processes also take an override: batches of 5, so the shares end in ragged batches.
     overrides = ["data.batch_size=5"] if nproc else []
-    proc = tool("mgpu.evaluate", [gpt_run, *overrides], gpt_run.parent, nproc=nproc)
+    # from the run directory: not where the run's relative data.path was given
+    proc = tool("mgpu.evaluate", [gpt_run, *overrides], gpt_run, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = printed(proc.stdout)
     assert got["step"] == GPT_STEPS and got["processes"] == (nproc or 1)
@@ -339,31 +342,31 @@ def said(proc: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_a_moved_token_file_is_needed_by_evaluate_only(gpt_run, tmp_path):
+def test_a_moved_token_file_is_needed_by_evaluate_only(gpt_run, tmp_path, capsysbinary):
     """The run's token file moved away, its metadata (text.bin.meta.json) left behind: sample
     and export need the checkpoint and the tokenizer, not the file; evaluate reads it, and says
-    in one line how to point it at the file's new place, which then works."""
+    in one line how to point it at the file's new place, which then works.
+
+    What each command reads is the same in this process: sample, export and the evaluation that
+    works run here (launched as users run them, they are the tests above); the refusal, whose
+    one line and exit code are the process's, is launched."""
     tokens = gpt_run.parent / "text.bin"
     moved = tmp_path / "moved.bin"
     shutil.move(tokens, moved)
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "mgpu.sample", *sampled(gpt_run, 1)],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0 and len(proc.stdout) == 48, proc.stderr[-3000:]
+        sample.main(sampled(gpt_run, 1))  # a SystemExit (exit code 1) if it needed the file
+        assert len(capsysbinary.readouterr().out) == 48
         out = tmp_path / "model.safetensors"
-        proc = tool("mgpu.export", [gpt_run, out], tmp_path)
-        assert proc.returncode == 0 and out.is_file(), proc.stderr[-3000:]
+        export.main([str(gpt_run), str(out)])
+        assert out.is_file()
         proc = tool("mgpu.evaluate", [gpt_run], tmp_path)
         assert proc.returncode == 2, proc.stderr[-3000:]
         line = said(proc)
         assert f"data.path='{tokens}': no such file" in line and "data.path=PATH" in line, line
-        proc = tool("mgpu.evaluate", [gpt_run, f"data.path={moved}"], tmp_path)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert math.isclose(printed(proc.stdout)["loss"], last_eval_loss(gpt_run)[1], rel_tol=1e-5)
+        capsysbinary.readouterr()
+        evaluate.main([str(gpt_run), f"data.path={moved}"])
+        stdout = capsysbinary.readouterr().out.decode()
+        assert math.isclose(printed(stdout)["loss"], last_eval_loss(gpt_run)[1], rel_tol=1e-5)
     finally:
         shutil.move(moved, tokens)
 
