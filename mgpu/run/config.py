@@ -168,9 +168,9 @@ def resolved_yaml(cfg: DictConfig, files_from: Path | None = None) -> str:
         resolved = OmegaConf.create(OmegaConf.to_container(resolved, resolve=True))
         for key in DATA_FILES:
             value = resolved.data.get(key)
-            if isinstance(value, str) and value and not os.path.isabs(value):
-                if os.path.exists(files_from / value):
-                    resolved.data[key] = os.path.abspath(files_from / value)
+            # "" (no eval folder) and absolute paths stay; a relative one that names nothing too
+            if isinstance(value, str) and value and os.path.exists(files_from / value):
+                resolved.data[key] = os.path.abspath(files_from / value)
     return OmegaConf.to_yaml(resolved, resolve=True)
 
 
