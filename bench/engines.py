@@ -85,6 +85,7 @@ class Lever:
     preemptible: bool = False  # a Preemption takes part: the per-step agreement runs
     graphs: bool | None = None  # trainer.cuda_graphs for this lever; None: the run's --graphs
     compile_mode: str = "auto"  # trainer.compile_mode for this lever, with --compile
+    replay_update: bool | str = "auto"  # trainer.replay_update for this lever
 
 
 def whole_compiled(cap_mb: float, wire: ReduceDtype = ReduceDtype.fp32) -> Lever:
@@ -166,6 +167,9 @@ ENGINES = {  # name: Lever(dist config, and how it is set up beyond that)
     # reductions recorded inside the backward (mgpu.train.graphs; one micro-batch a step),
     # which auto does too wherever the reductions can be recorded
     "mgpu_graphs": Lever(DistConfig(engine=Engine.mgpu), graphs=True),
+    # trainer.replay_update=false: the step replayed as auto does, the optimizer step's kernels
+    # launched from Python after it (the default before the update was replayed too)
+    "mgpu_update_launched": Lever(DistConfig(engine=Engine.mgpu), replay_update=False),
     # trainer.cuda_graphs=false: every kernel and every bucket's all-reduce launched from Python
     "mgpu_uncaptured": Lever(DistConfig(engine=Engine.mgpu), graphs=False),
     # with --compile, a model compiled whole (ResNet-50): torch.compile's default mode rather
@@ -397,6 +401,7 @@ def build(
         compile_backend=compile_backend,
         compile_mode=spec.compile_mode,
         cuda_graphs=graphs if spec.graphs is None else spec.graphs,
+        replay_update=spec.replay_update,
         grad_accum_steps=accum,
     )
     if use_compile:
