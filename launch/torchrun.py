@@ -16,12 +16,17 @@ same flags, and instead:
   the static rendezvous or wrapped in the c10d one's RendezvousConnectionError), for a
   rendezvous that timed out waiting for its nodes (RendezvousTimeoutError), or for a node
   that lost the c10d rendezvous's store mid-run, its host node lost or its launch ended
-  (RendezvousConnectionError from a broken connection, raised while the agent ran);
+  (RendezvousConnectionError from a broken connection, raised while the agent ran), or for a
+  node that never reached that store (nothing answered at the endpoint within the c10d
+  rendezvous's read_timeout: the host node not started yet, a wrong address, a closed port);
 - leaves out what the agent says while that store does not answer, which the last line sums
   up: the c10d rendezvous's warnings of a failed heartbeat and of a failed close, and torch's
-  C++ warnings with their stack traces (TCPStore: broken pipe, connection reset), by logging
-  at ERROR in this process alone (TORCH_CPP_LOG_LEVEL, unless set; the workers keep it unset);
-- says, before a launch of several nodes waits for the others, for how many, where and how long.
+  C++ warnings and errors with their stack traces (TCPStore: broken pipe, connection reset, a
+  connection timed out), by logging only C++'s fatal errors in this process alone
+  (TORCH_CPP_LOG_LEVEL=FATAL, unless set; the workers keep it unset): the Python error each of
+  those ends in carries its words;
+- says, before a launch of several nodes waits for the others, for how many, where and how long
+  (the nodes' join_timeout, and the read_timeout within which the endpoint must answer).
 A worker of mgpu records its line where torchrun reads it (TORCHELASTIC_ERROR_FILE), so that it
 is said once: a config error, which no worker says itself seeing MGPU_LAUNCHER_SAYS_ERRORS=1,
 here; a stop later in the run, which a worker's log says on the console and its record marks as
@@ -42,12 +47,13 @@ import socket
 import sys
 import traceback
 
-# torch reads its C++ log level once, as it loads: the agent's own is ERROR, its store client's
-# warnings (a heartbeat's broken pipe, each with a stack trace) left out; workers inherit none.
+# torch reads its C++ log level once, as it loads: the agent's own is FATAL, its store client's
+# warnings and errors (a heartbeat's broken pipe, a connection timed out, each with a stack
+# trace) left out, the exception each ends in said instead; workers inherit none.
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 _CPP_LOG_LEVEL_SET = CPP_LOG_LEVEL not in os.environ
 if _CPP_LOG_LEVEL_SET:
-    os.environ[CPP_LOG_LEVEL] = "ERROR"
+    os.environ[CPP_LOG_LEVEL] = "FATAL"
 
 from torch.distributed import DistNetworkError  # noqa: E402
 from torch.distributed.elastic.agent.server.api import ElasticAgent  # noqa: E402
@@ -76,6 +82,9 @@ SAID = "mgpu_said"  # in an error file: its worker has said the line (mgpu.runti
 # torchrun's log lines for a failed worker, which the last line says in full
 QUIET = ("Sending process %s closing signal %s", "failed (exitcode: %s) local_rank: %s")
 JOIN_TIMEOUT_S = "600"  # torch's dynamic rendezvous: join_timeout unless --rdzv-conf gives one
+# the c10d rendezvous: how long a node's agent tries to reach the store at the endpoint (its
+# read_timeout unless --rdzv-conf gives one)
+READ_TIMEOUT_S = "60"
 # the c10d rendezvous's warnings while its store does not answer (each heartbeat, the close at
 # the end), which the last line sums up where the agent ends on it (rdzv_host_lost)
 UNANSWERED = ("has failed to send a keep-alive heartbeat", "has failed to shutdown the rendezvous")
@@ -201,6 +210,29 @@ def rdzv_host_lost(err: RendezvousConnectionError, endpoint: str) -> str | None:
     )
 
 
+def rdzv_never_reached(err: RendezvousConnectionError, args: argparse.Namespace) -> str | None:
+    """One line naming the fixes, for a node whose agent never reached the c10d rendezvous's
+    store: nothing answered at the endpoint within read_timeout (DistNetworkError, raised as the
+    rendezvous starts, before the agent runs; rdzv_host_lost is the same error mid-run)."""
+    cause = err.__cause__
+    if not isinstance(cause, DistNetworkError) or "EADDRINUSE" in str(cause):
+        return None
+    timeout = rdzv_conf(args).get("read_timeout", READ_TIMEOUT_S)
+    return (
+        f"launch: nothing answered at the rendezvous endpoint {args.rdzv_endpoint} within "
+        f"{timeout} s (read_timeout): start the launch on the node at that address first, "
+        "and the others within that time (or give them longer: --rdzv-conf=read_timeout="
+        "SECONDS); check that RDZV_ENDPOINT is that node's address, the same on every node, "
+        "and that its port is open between the nodes"
+    )
+
+
+def rdzv_conf(args: argparse.Namespace) -> dict[str, str]:
+    """--rdzv-conf as torchrun reads it: key=value pairs, comma-separated, the last one kept."""
+    pairs = (kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
 def waits_for_nodes(args: argparse.Namespace) -> tuple[int, int, str, str] | None:
     """(the fewest and the most nodes, the endpoint, the join timeout in seconds) for a launch
     whose rendezvous gathers several nodes, else None (one node, or the static rendezvous)."""
@@ -212,10 +244,7 @@ def waits_for_nodes(args: argparse.Namespace) -> tuple[int, int, str, str] | Non
         return None  # torchrun itself refuses it below
     if high <= 1:
         return None
-    # --rdzv-conf as torchrun reads it: key=value pairs, comma-separated, the last one kept
-    conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
-    timeout = conf.get("join_timeout", JOIN_TIMEOUT_S).strip()
-    return low, high, args.rdzv_endpoint, timeout
+    return low, high, args.rdzv_endpoint, rdzv_conf(args).get("join_timeout", JOIN_TIMEOUT_S)
 
 
 def main(argv: list[str]) -> int:
@@ -232,6 +261,9 @@ def main(argv: list[str]) -> int:
         low, high, endpoint, timeout = waits
         nodes = f"{low} nodes" if low == high else f"{low} to {high} nodes"
         said = f"launch: waiting for {nodes} at {endpoint} (for up to {timeout} s: join_timeout)"
+        if args.rdzv_backend == "c10d":  # its store, hosted by the endpoint's node
+            reach = rdzv_conf(args).get("read_timeout", READ_TIMEOUT_S)
+            said += f"; the endpoint must answer within {reach} s (read_timeout)"
         print(said, file=sys.stderr, flush=True)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_quiet)
     rendezvous = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -255,7 +287,11 @@ def main(argv: list[str]) -> int:
         print(line, file=sys.stderr)
         return 1
     except RendezvousConnectionError as err:
-        line = rdzv_port_in_use(err, args.rdzv_endpoint) or rdzv_host_lost(err, args.rdzv_endpoint)
+        line = (
+            rdzv_port_in_use(err, args.rdzv_endpoint)
+            or rdzv_host_lost(err, args.rdzv_endpoint)
+            or rdzv_never_reached(err, args)
+        )
         if line is None:
             raise
         print(line, file=sys.stderr)

@@ -536,6 +536,21 @@ def test_a_rendezvous_that_never_gathers_its_nodes_says_so_in_one_line(tmp_path)
     assert proc.returncode == 1
 
 
+def test_a_node_that_never_reaches_the_rendezvous_says_so_in_one_line(tmp_path):
+    """A node whose endpoint never answers (the node hosting it not started, a wrong address, a
+    closed port) says how long it waits for the endpoint, then, at the c10d rendezvous's read
+    timeout, the endpoint, that time and the fixes, exit 1: not torch's traceback and C++
+    stack, after a waiting line that promised only the nodes' join timeout."""
+    port = free_port()  # nothing listens there
+    proc = rdzv_launch(tmp_path, port, "--nnodes=2", "--rdzv-conf=is_host=0,read_timeout=2")
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(said) == 2 and proc.returncode == 1, proc.stderr[-3000:]
+    assert said[0].endswith("; the endpoint must answer within 2 s (read_timeout)"), said[0]
+    endpoint = f"127.0.0.1:{port}"
+    assert said[1].startswith(f"launch: nothing answered at the rendezvous endpoint {endpoint}")
+    assert "within 2 s" in said[1] and "--rdzv-conf=read_timeout=SECONDS" in said[1], said[1]
+
+
 def process_tree(root: int) -> list[int]:
     """`root` and every process below it, from /proc."""
     parents: dict[int, list[int]] = {}
