@@ -97,20 +97,24 @@ def test_a_rank_that_lost_its_peer_points_at_what_the_launch_shows(tmp_path):
 # loopback, c10d rendezvous). Node 0's worker, once both are in the process group, kills its
 # agent, which hosts the rendezvous's store, and then itself (SIGKILL): node 0 is lost as a
 # machine is. Node 1's worker meets the loss in its next collective, under mgpu's stopped(),
-# holding its agent's SIGTERM back as train.py's Preemption does during training.
+# holding its agent's SIGTERM back as train.py's Preemption does during training; or, with
+# WORKER_WAITS, it sleeps outside any collective until its agent stops it.
 LOSES_THE_HOST = """
-import os, signal
+import os, signal, time
 import torch
 import torch.distributed as tdist
 from mgpu.runtime.dist import distributed, exit_process, stopped
 
 def main():
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    if not os.environ.get("WORKER_WAITS"):
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
     with distributed("gloo", timeout_s=60) as rt, stopped(rt):
         tdist.all_reduce(torch.ones(1))
         if os.environ.get("LOSE_THIS_NODE"):
             os.kill(os.getppid(), signal.SIGKILL)  # the agent, and the rendezvous store with it
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("WORKER_WAITS"):
+            time.sleep(120)  # in no collective: its agent is the first to meet the loss
         tdist.all_reduce(torch.ones(1))
 
 exit_process(main)
@@ -118,11 +122,16 @@ exit_process(main)
 WORKER = "[default0]:"  # torchrun's prefix of its worker's lines under --tee (local rank 0)
 
 
-def test_a_node_that_lost_the_rendezvous_host_ends_in_one_line(tmp_path):
-    """Node 1's agent, its rendezvous store gone with node 0, ends in one line that names the
-    endpoint, says that its workers were stopped and what to run, and exits 1: no traceback,
-    nor torch's warnings of each failed heartbeat. Its worker's own line stays. --tee keeps
-    the worker's lines on the console, marked, to tell them from the agent's."""
+@pytest.mark.parametrize("worker_waits", [False, True], ids=["in-a-collective", "between-them"])
+def test_a_node_that_lost_the_rendezvous_host_ends_in_one_line(tmp_path, worker_waits):
+    """Node 1, its rendezvous store gone with node 0. Its worker, in a collective when node 0
+    goes, stops at once with its line naming node 0 as gone (the store does not answer), then
+    the launch ends naming the worker: no stack trace of torch's client for each of its tries
+    to reach the store. Its worker between collectives: the agent meets the loss first, stops
+    the worker, and ends in one line that names the endpoint, says that its workers were
+    stopped and what to run. Exit 1, no traceback, nor torch's warnings of each failed
+    heartbeat. --tee keeps the worker's lines on the console, marked, to tell them from the
+    agent's."""
     worker = tmp_path / "loses_the_host.py"
     worker.write_text(LOSES_THE_HOST)
     endpoint = f"127.0.0.1:{free_port()}"
@@ -134,7 +143,10 @@ def test_a_node_that_lost_the_rendezvous_host_ends_in_one_line(tmp_path):
             + [f"--rdzv-conf=is_host={int(index == 0)}", f"--local-addr=127.0.0.{index + 1}"]
             + ["--tee=3", f"--log-dir={tmp_path / f'logs{index}'}", str(worker)],
             cwd=tmp_path,
-            env=script_env(**({"LOSE_THIS_NODE": "1"} if index == 0 else {})),
+            env=script_env(
+                **({"LOSE_THIS_NODE": "1"} if index == 0 else {}),
+                **({"WORKER_WAITS": "1"} if index == 1 and worker_waits else {}),
+            ),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -150,11 +162,17 @@ def test_a_node_that_lost_the_rendezvous_host_ends_in_one_line(tmp_path):
             n.kill()
     lines = out.strip().splitlines()
     agent = [line for line in lines if not line.startswith(WORKER)]
-    said = f"launch: the node that hosts the rendezvous at {endpoint} is gone or unreachable"
-    assert [line for line in lines if said in line] == [lines[-1]], out[-3000:]
-    assert "this node's workers were stopped" in lines[-1], lines[-1]
-    assert "run the same command on every node again to resume" in lines[-1], lines[-1]
     assert "Traceback" not in out and len(agent) < 15, out[-3000:]
     assert nodes[1].returncode == 1, out[-3000:]
+    if worker_waits:
+        said = f"launch: the node that hosts the rendezvous at {endpoint} is gone or unreachable"
+        assert [line for line in lines if said in line] == [lines[-1]], out[-3000:]
+        assert "this node's workers were stopped" in lines[-1], lines[-1]
+        assert "run the same command on every node again to resume" in lines[-1], lines[-1]
+        return
     stopped = [line for line in lines if ": stopped: another rank's process ended" in line]
     assert len(stopped) == 1 and stopped[0].startswith(WORKER), out[-3000:]
+    assert "rank 0's node (127.0.0.1, the launch's store) is gone" in stopped[0], stopped[0]
+    # the waiting line, the worker's, and the launch's naming the worker
+    assert len(lines) == 3 and "frame #" not in out, out[-3000:]
+    assert lines[-1].startswith("launch: rank 1 (local rank 0 on "), lines[-1]

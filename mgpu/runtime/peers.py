@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Protocol
@@ -31,16 +32,22 @@ def store_client(rt: Place, timeout_s: float) -> tdist.Store | None:
     if not host or not port:
         return None
     try:
-        return tdist.TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
+        return connect(host, int(port), timeout_s)
     except Exception as err:  # noqa: BLE001 - the side channel is lost, nothing else
         log.warning("the launch's store at %s:%s is unreachable: %s", host, port, err)
         return None
+
+
+def connect(host: str, port: int, timeout_s: float) -> tdist.TCPStore:
+    """A client of the store at host:port; OSError at once where nothing accepts a connection
+    there (a lost node's store: refused, or no answer within `timeout_s`). torch's client
+    retries a refused connection until its timeout, then some more, printing a C++ stack trace
+    for each try: 10-20 s and some 40 lines on a console for a store known to be gone."""
+    with socket.create_connection((host, port), timeout=timeout_s):
+        pass  # the store's host accepts connections: its own client's handshake follows
+    return tdist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 # How long a rank whose peer's process ended waits for the other survivors to say they are there:
@@ -58,13 +65,7 @@ def ranks_gone(rank: int, world_size: int, wait_s: float = GONE_WAIT_S) -> str:
     that node is the one named. For a stop's line only: costs up to `wait_s`, never raises."""
     host = os.environ.get("MASTER_ADDR", "")
     try:
-        client = tdist.TCPStore(
-            host,
-            int(os.environ.get("MASTER_PORT", "0")),
-            is_master=False,
-            timeout=timedelta(seconds=wait_s),
-            wait_for_workers=False,
-        )
+        client = connect(host, int(os.environ.get("MASTER_PORT", "0")), wait_s)
         store = tdist.PrefixStore(attempt_prefix(launch_env()), client)
         store.set(GONE_KEY, str(rank))  # first: the survivors that saw nothing learn it here
         store.set(f"gone/here/{rank}", "1")
