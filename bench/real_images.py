@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.children import exit_on_sigterm, run_child  # noqa: E402
 from bench.engines import versions  # noqa: E402
+from bench.host_watch import HostWatch  # noqa: E402
 from bench.make_image_folder import write_folder  # noqa: E402
 from tests.conftest import read_scalars  # noqa: E402
 
@@ -651,19 +652,20 @@ def measure_pair(args, gpus, cores, batch, folders, prepared, work, record, stam
         row.update(decode=decode, cpu_decode_share=share, variant=variant, mix=mix or "-")
         row.update(env=environ, round=rnd)
         row.update(before=busy_processes())
-        watch = GpuWatch()
+        watch, host = GpuWatch(), HostWatch()  # the GPUs, and each rank's threads on the CPUs
         try:
             raw = run_train(cmd, cores, gpus, work / name, args.timeout, args.quick, environ)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # the call's other runs go on
             row["error"] = str(e)[-3000:]
-            row["gpu_watch"] = watch.summary()
+            row.update(gpu_watch=watch.summary(), host_watch=host.summary())
             record["runs"].append(row)
             print(row["error"], flush=True)
             save(args.out, record, stamp)
             continue
         finally:  # no sampler left running past its run (a no-op once summarised)
             watch.stop()
-        row["gpu_watch"] = watch.summary()
+            host.stop()
+        row.update(gpu_watch=watch.summary(), host_watch=host.summary())
         row.update(summarise(raw, args.warmup), cmd=raw["cmd"], cpus=raw["cpus"])
         row.update(wall_s=raw["wall_s"])
         said = [line.split("auto: ", 1)[1] for line in raw["split"]]
