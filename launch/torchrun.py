@@ -86,7 +86,7 @@ JOIN_TIMEOUT_S = "600"  # torch's dynamic rendezvous: join_timeout unless --rdzv
 # read_timeout unless --rdzv-conf gives one)
 READ_TIMEOUT_S = "60"
 # the c10d rendezvous's warnings while its store does not answer (each heartbeat, the close at
-# the end), which the last line sums up where the agent ends on it (rdzv_host_lost)
+# the end), which the last line sums up where the agent ends on it (rdzv_store_unreachable)
 UNANSWERED = ("has failed to send a keep-alive heartbeat", "has failed to shutdown the rendezvous")
 
 
@@ -187,43 +187,35 @@ def rdzv_port_in_use(err: RendezvousConnectionError, endpoint: str) -> str | Non
     )
 
 
-def rdzv_host_lost(err: RendezvousConnectionError, endpoint: str) -> str | None:
-    """One line for a node whose agent lost the c10d rendezvous's store while it ran: the node
-    that hosts it (RDZV_ENDPOINT's) was lost, or its launch ended, and the connection broke
-    (DistNetworkError: broken pipe, connection reset). The agent has stopped this node's
-    workers. Not for a store never reached (an error of the connection's start, before the
-    agent runs), nor for a port in use (rdzv_port_in_use)."""
+def rdzv_store_unreachable(err: RendezvousConnectionError, args: argparse.Namespace) -> str | None:
+    """One line for a node whose agent cannot reach the c10d rendezvous's store
+    (DistNetworkError: broken pipe, connection reset, a connection timed out); not for a port
+    in use (rdzv_port_in_use). Raised while the agent ran: the node that hosts the store
+    (RDZV_ENDPOINT's) was lost or its launch ended, and the agent has stopped this node's
+    workers. Raised as the rendezvous started: nothing answered at the endpoint within
+    read_timeout (the host node not started yet, a wrong address, a closed port)."""
     cause = err.__cause__
     if not isinstance(cause, DistNetworkError) or "EADDRINUSE" in str(cause):
         return None
+    endpoint = args.rdzv_endpoint
     agent_ran = any(
         isinstance(frame.f_locals.get("self"), ElasticAgent)
         for frame, _ in traceback.walk_tb(err.__traceback__)
     )
-    if not agent_ran:
-        return None
-    return (
-        f"launch: the node that hosts the rendezvous at {endpoint} is gone or unreachable "
-        "(lost, or its launch ended): the run cannot go on without it, and this node's workers "
-        "were stopped; run the same command on every node again to resume from the newest "
-        "checkpoint"
-    )
-
-
-def rdzv_never_reached(err: RendezvousConnectionError, args: argparse.Namespace) -> str | None:
-    """One line naming the fixes, for a node whose agent never reached the c10d rendezvous's
-    store: nothing answered at the endpoint within read_timeout (DistNetworkError, raised as the
-    rendezvous starts, before the agent runs; rdzv_host_lost is the same error mid-run)."""
-    cause = err.__cause__
-    if not isinstance(cause, DistNetworkError) or "EADDRINUSE" in str(cause):
-        return None
+    if agent_ran:
+        return (
+            f"launch: the node that hosts the rendezvous at {endpoint} is gone or unreachable "
+            "(lost, or its launch ended): the run cannot go on without it, and this node's "
+            "workers were stopped; run the same command on every node again to resume from the "
+            "newest checkpoint"
+        )
     timeout = rdzv_conf(args).get("read_timeout", READ_TIMEOUT_S)
     return (
-        f"launch: nothing answered at the rendezvous endpoint {args.rdzv_endpoint} within "
-        f"{timeout} s (read_timeout): start the launch on the node at that address first, "
-        "and the others within that time (or give them longer: --rdzv-conf=read_timeout="
-        "SECONDS); check that RDZV_ENDPOINT is that node's address, the same on every node, "
-        "and that its port is open between the nodes"
+        f"launch: nothing answered at the rendezvous endpoint {endpoint} within {timeout} s "
+        "(read_timeout): start the launch on the node at that address first, and the others "
+        "within that time (or give them longer: --rdzv-conf=read_timeout=SECONDS); check that "
+        "RDZV_ENDPOINT is that node's address, the same on every node, and that its port is "
+        "open between the nodes"
     )
 
 
@@ -287,11 +279,7 @@ def main(argv: list[str]) -> int:
         print(line, file=sys.stderr)
         return 1
     except RendezvousConnectionError as err:
-        line = (
-            rdzv_port_in_use(err, args.rdzv_endpoint)
-            or rdzv_host_lost(err, args.rdzv_endpoint)
-            or rdzv_never_reached(err, args)
-        )
+        line = rdzv_port_in_use(err, args.rdzv_endpoint) or rdzv_store_unreachable(err, args)
         if line is None:
             raise
         print(line, file=sys.stderr)
