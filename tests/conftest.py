@@ -33,6 +33,13 @@ if _WORKER and _GPUS and len(_GPUS.split(",")) >= 2:
 gc.disable()
 import torch  # noqa: E402
 
+# On a CPU machine one thread for this process's own tensor work, as the processes the tests
+# start have (OMP_NUM_THREADS=1 below, _run_then_exit): pytest's workers and the runs they start
+# already take every core, and a thread per core more in each worker waits for them spinning
+# (pytest_xdist_auto_num_workers says what it cost). GPU machines' cores outnumber the workers.
+if not torch.cuda.is_available():
+    torch.set_num_threads(1)
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "train.py"
 
@@ -175,15 +182,18 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """pyproject's `-n auto`: one pytest worker per CPU this process may use (a serial run kept
-    about one of 2 CPUs busy: its processes start, wait for each other and time out one by
-    one); on a GPU machine one per GPU (none with fewer than 4), two on each pair of GPUs (the
-    top of this file): one worker a pair left the 4-GPU suite at 8:17 for 56 of its 58 tests,
-    its test time (~1,000 s) split over only two workers."""
+    """pyproject's `-n auto`: one pytest worker per CPU this process may use and one more. A
+    serial run kept about one of 2 CPUs busy (its processes start, wait for each other and time
+    out one by one); one worker a CPU kept 1.52 of 2 busy (10:24), and a third worker, once
+    every worker computes on one thread (the top of this file; before, its waiting threads spun
+    and the third worker added a tenth to the suite's CPU), 1.69 with the same CPU (9:14). On a
+    GPU machine one per GPU (none with fewer than 4), two on each pair of GPUs (the top of this
+    file): one worker a pair left the 4-GPU suite at 8:17 for 56 of its 58 tests, its test time
+    (~1,000 s) split over only two workers."""
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         return gpus if gpus >= 4 else 0
-    return len(os.sched_getaffinity(0))
+    return len(os.sched_getaffinity(0)) + 1
 
 
 def pytest_configure(config) -> None:
@@ -195,7 +205,7 @@ def pytest_configure(config) -> None:
         os.environ["MGPU_TEST_GPUS"] = ",".join(map(str, ids))
 
 
-# The files that take longest on 2 CPUs (a minute or more each), longest first, as a whole run
+# The files that take longest on 2 CPUs (25 s or more each), longest first, as a whole run
 # of the suite measured them (each file's tests summed). pytest-xdist hands out whole files in
 # collection order (pyproject: --dist loadfile, --no-loadscope-reorder): these go first, longest
 # first, so that no long file starts last and runs alone while the other workers sit idle.
@@ -203,19 +213,19 @@ SLOW_FILES = [
     "test_resume.py",
     "test_image_folder.py",
     "test_two_nodes.py",
-    "test_config.py",
-    "test_launch.py",
-    "test_tokenizer.py",
-    "test_nonfinite.py",
-    "test_after_training.py",
-    "test_progress.py",
-    "test_shard_resume.py",
-    "test_hang_report.py",
-    "test_one_line.py",
-    "test_ckpt_faults.py",
-    "test_train.py",
     "test_run_dir.py",
+    "test_ctrl_c.py",
+    "test_shard_resume.py",
+    "test_launch.py",
+    "test_after_training.py",
+    "test_hang_report.py",
+    "test_launch_lines.py",
+    "test_one_line.py",
+    "test_nonfinite.py",
+    "test_tokenizer.py",
     "test_eval_starts.py",
+    "test_rendezvous.py",
+    "test_config.py",
 ]
 
 

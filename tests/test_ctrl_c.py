@@ -226,7 +226,10 @@ def stops_after_the_same_step(tmp_path, nproc, hold_s, settings=(), env=None):
     args = ["model=custom", "model._target_=mypkg.nets.Signalling", "+model.kwargs.at=3"]
     args += [f"+model.kwargs.hold_s={hold_s}", f"+model.kwargs.record={record}"]
     args += ["data=images", "data.image_size=8", "data.num_classes=10", "data.batch_size=8"]
-    args += ["data.num_workers=1", "optim=sgd", "trainer.max_steps=1000", "trainer.eval_every=0"]
+    # One DataLoader worker in the plain runs: its fork server meets the group's Ctrl-C as it
+    # would under torchrun, where each rank's would add an interpreter and check nothing more.
+    args += [f"data.num_workers={1 if nproc is None else 0}", "optim=sgd"]
+    args += ["trainer.max_steps=1000", "trainer.eval_every=0"]
     args += ["ckpt.every=2", f"hydra.run.dir={run_dir}", *settings]
     proc = start_in_its_own_group(args, tmp_path, nproc, env)
     code = proc.wait(timeout=240)
