@@ -708,9 +708,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--engines", nargs="+", default=CORE, choices=list(ENGINES))
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, help="timed steps a round (20; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="timed rounds (5; --quick 1)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps (8; --quick 1)")
     parser.add_argument(
         "--compile",
         action="store_true",
@@ -762,8 +762,13 @@ def main() -> None:
         except ConfigError as err:
             parser.error(f"--engines {e} with --accum {args.accum}: {err}")
     backend, args.compile_backend = "nccl", "inductor"
+    # The counts the command line left out: --quick's few, or a GPU's
+    counts = (2, 1, 1) if args.quick else (20, 5, 8)
+    for key, count in zip(("steps", "rounds", "warmup"), counts, strict=True):
+        if getattr(args, key) is None:
+            setattr(args, key, count)
     if args.quick:
-        args.steps, args.rounds, args.warmup, backend = 2, 1, 1, "auto"
+        backend = "auto"
         # --compile on the CPU through torch.compile's aot_eager backend (as vs_plain.py and
         # fp8_layers.py --quick): dynamo and AOT autograd trace each engine's graphs as on a
         # GPU, but inductor's C++ kernels are not generated; those took scaling.py --quick's

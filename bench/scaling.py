@@ -122,10 +122,11 @@ def command(job: Job, args, out: Path) -> list[str]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={job.gpus}", str(HERE / "engines.py"),
-        "--models", job.model, "--engines", *names,
-        "--steps", str(args.xl_steps if xl else args.steps), "--rounds", str(args.rounds),
-        "--warmup", str(args.warmup), "--out", str(out), "--tag", job.tag,
+        "--models", job.model, "--engines", *names, "--out", str(out), "--tag", job.tag,
     ]  # fmt: skip
+    if not args.quick:  # --quick: engines.py's own few
+        cmd += ["--steps", str(args.xl_steps if xl else args.steps), "--rounds", str(args.rounds)]
+        cmd += ["--warmup", str(args.warmup)]
     if job.mode == "compiled":
         cmd.append("--compile")
     if xl:

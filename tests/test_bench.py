@@ -73,8 +73,10 @@ def test_vs_plain_quick_runs(tmp_path):
 @pytest.mark.bench
 def test_engines_quick_runs_every_core_engine_on_two_processes(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    result = run([*torchrun, "bench/engines.py", "--quick", "--models", "gpt2_small"], tmp_path)
-    assert result["world_size"] == 2
+    # --quick's few steps, but the count given on the command line (before, --quick replaced it)
+    command = ["bench/engines.py", "--quick", "--models", "gpt2_small", "--steps", "3"]
+    result = run([*torchrun, *command], tmp_path)
+    assert result["world_size"] == 2 and result["steps"] == 3 and result["rounds"] == 1
     rows = {r["engine"]: r for r in result["rows"]}
     assert set(rows) == {"none", "torch_ddp", "torch_ddp_tuned", "mgpu", "mgpu_sharded"}, rows
     assert all(r["step_ms"] > 0 for r in rows.values())
