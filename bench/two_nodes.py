@@ -277,13 +277,15 @@ def engines_job(model: str, mode: str, per_node: int, wire: str, accum: int, arg
     tag = job_key(model, mode, per_node, accum).replace("_", "-")
     program = [
         str(HERE / "engines.py"), "--models", model, "--engines", *names,
-        "--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup),
         "--out", str(tmp), "--tag", tag, "--accum", str(accum),
     ]  # fmt: skip
     if mode == "compiled":
         program.append("--compile")
-    if args.quick:
+    if args.quick:  # engines.py's own few steps
         program.append("--quick")
+    else:
+        program += ["--steps", str(args.steps), "--rounds", str(args.rounds)]
+        program += ["--warmup", str(args.warmup)]
     print(f"=== {model} {mode} x{accum} on {NODES} nodes of {per_node}, wire {wire}", flush=True)
     before = set(tmp.glob("engines-*.json"))
     code, output = two_nodes(
