@@ -1,17 +1,20 @@
 """What a user sees at the end of a failed launch through launch/torchrun.py (the launch scripts'
 torchrun), with real processes: a stop after start-up, which rank 0's log says on the console,
 said once (not again as the launcher's last line) unless torchrun keeps rank 0's output off the
-console; a rank that lost its peer pointing at what the launch shows, not at torchrun's
+console; a rank's hang report, which the hung rank's watchdog says and records, said once
+too; a rank that lost its peer pointing at what the launch shows, not at torchrun's
 summary, which the launcher leaves out; and a node that lost the node hosting the rendezvous
 ending in one line, not in torch's tracebacks. Config errors before any process group are
 tests/test_launch.py's."""
 
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT, free_port
+from test_hang_report import RUN as HANGS_AT_STEP_20
 from test_launch import TINY, script_env
 
 LAUNCH = ROOT / "launch" / "torchrun.py"
@@ -51,6 +54,33 @@ def test_a_stop_after_start_up_is_said_once(tmp_path, filtered):
     assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]
     if filtered:  # the launcher's own line, last
         assert output.strip().splitlines()[-1] == f"mgpu: {step}/manifest.json: {NO_MANIFEST}"
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["all-ranks", "rank-0-shown"])
+def test_a_hang_report_is_said_once(tmp_path, filtered):
+    """Rank 1 stops for good in its forward (tests.faults.HangGPT); its watchdog's stall clock
+    says why on its console and records the line for torchrun, marked as said, before it ends
+    the process (os._exit, code 70). Where torchrun shows only rank 0's output, the launcher
+    says the line, last; where it shows rank 1's too, the launcher does not repeat it."""
+    shown = ["--local-ranks-filter=0"] if filtered else []
+    proc = launch(
+        tmp_path,
+        *shown,
+        str(ROOT / "train.py"),
+        *HANGS_AT_STEP_20,
+        "dist.timeout_s=300",
+        "trainer.stall_timeout_s=4",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=240,
+    )
+    output = proc.stdout + proc.stderr
+    report = re.compile(r"rank 1: no progress for \d+ s .*: the other ranks wait for this one")
+    said = [line for line in output.splitlines() if report.search(line)]
+    assert len(said) == 1, output[-3000:]
+    assert proc.returncode == 70 and "Traceback" not in output, output[-3000:]
+    if filtered:  # the launcher's own line, last
+        last = output.strip().splitlines()[-1]
+        assert last == said[0] and last.startswith("mgpu: rank 1: no progress"), last
 
 
 # Two ranks in a gloo group under mgpu's stopped(); rank 1's process is killed (SIGKILL) while
