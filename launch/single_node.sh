@@ -34,7 +34,7 @@ fi
 # it. torch binds a TCP store on every interface whatever address it is given, so torchrun's
 # rendezvous keeps its state in a file instead (store_type=file), and the workers meet at
 # 127.0.0.1 (--local-addr becomes their MASTER_ADDR), where mgpu binds their store and points
-# gloo and NCCL at the loopback interface (mgpu/runtime/dist.py).
+# gloo and NCCL at the loopback interface (mgpu/runtime/launch.py, loopback_store).
 # The file is this user's alone (mktemp: 0600). Where /proc is there it is removed at once, so
 # that nothing is left behind: torchrun inherits it open through the exec below (bash leaves the
 # descriptor open across exec) and, keeping this shell's pid, reaches it as /proc/<pid>/fd/<n>.

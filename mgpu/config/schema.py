@@ -1,6 +1,7 @@
-"""The trainer, dist, optim and ckpt groups' typed schemas behind `conf/`, with their checks, and
-building a `_target_` from config. The data and model groups' schemas are their folders' own
-(mgpu.data.config, mgpu.models.config); the whole Config composes them all (mgpu.run.config).
+"""The trainer, dist, optim and ckpt groups' typed schemas behind `conf/`, with their checks
+(building a `_target_` from config is mgpu.config.targets'). The data and model groups' schemas
+are their folders' own (mgpu.data.config, mgpu.models.config); the whole Config composes them
+all (mgpu.run.config).
 
 Every key a user can set is a field with a docstring-comment; a bad value fails before any
 process group or run directory exists, with one line naming the key, the value and how to fix it.
@@ -97,12 +98,14 @@ class TrainerConfig:
     # torch.compile's mode for the model and the loss (inductor only): default, reduce-overhead
     # (each compiled region replayed as a CUDA graph, for steps bound by the host's launches),
     # max-autotune-no-cudagraphs, max-autotune; auto: mgpu.models.compile_mode decides (CUDA
-    # graphs for a model compiled whole on a GPU, one micro-batch a step).
+    # graphs for a model compiled whole on a GPU, one micro-batch a step, where mgpu does not
+    # replay the data-parallel step itself).
     compile_mode: str = "auto"
     # The forward, loss and backward captured from the first batch and replayed as CUDA graphs
     # (mgpu.train.graphs). auto: on a GPU, for a model neither compiled nor wrapped for data
-    # parallelism; true on several processes with dist.engine=mgpu and one micro-batch a step
-    # records the reductions too (compiled block by block too); else true is an error.
+    # parallelism, and on several processes with dist.engine=mgpu and one micro-batch a step,
+    # where the replay records the reductions too (the model eager, or compiled whole); true
+    # where neither holds is an error.
     cuda_graphs: Any = "auto"
     # The optimizer step replayed as one CUDA graph (mgpu.train.update_replay): auto where the
     # backward replays its reductions (above), with a fused optimizer, unsharded, not fp16;

@@ -295,7 +295,7 @@ class Recorder:
         waited = ""
         if "time/data_wait_pct" in values:
             waited = f" | data {values['time/data_wait_pct']:.1f}%"
-        if "time/no_comm_efficiency" in values:  # several processes reducing from hooks
+        if "time/no_comm_efficiency" in values:  # several processes, their exposed share measured
             waited += (
                 f" | comm {values['time/exposed_comm_ms']:.1f} ms exposed, "
                 f"{values['time/no_comm_efficiency']:.3f} of no-comm"

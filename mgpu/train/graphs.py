@@ -64,7 +64,7 @@ def use_graphs(
     `captures_reduction` (reduction_in_graphs says when): the model is wrapped by mgpu's reducer,
     whose bucket reductions the backward capture records on the communication stream, so the
     replayed backward overlaps them as an eager one does. Such a model replays under auto and
-    `true`, compiled (block by block, without CUDA graphs of torch.compile's own) or not: on 4
+    `true`, compiled (whole by default, without CUDA graphs of torch.compile's own) or not: on 4
     H200s it kept 0.968 of one GPU's step for ResNet-50 eager against 0.892 uncaptured, and
     GPT-2-small compiled ran 35.8 ms a step against 41.6 (bench/README.md, "Reductions inside
     CUDA graphs")."""
