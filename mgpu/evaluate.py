@@ -13,7 +13,6 @@ data.batch_size=256. The model runs eager (not compiled), under the run's traine
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
@@ -31,7 +30,14 @@ from mgpu.data.token_config import TokenFileDataConfig
 from mgpu.data.tokenizer import UNDECODED, Tokenizer
 from mgpu.models.loss import cross_entropy
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
-from mgpu.runtime.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
+from mgpu.runtime.dist import (
+    Runtime,
+    all_ok,
+    all_reduce_sum_,
+    broadcast_object,
+    distributed,
+    end_process,
+)
 from mgpu.runtime.launch import default_cuda_connections
 from mgpu.train.numerics import autocast_dtype
 
@@ -211,7 +217,4 @@ if __name__ == "__main__":
         sys.exit(code)
     # train.py's teardown rule: the process group is gone and every file closed; end without
     # the interpreter's teardown of torch's communication threads, which can abort.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    end_process(code)

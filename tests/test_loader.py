@@ -2,10 +2,12 @@
 epoch, and evaluation sees each sample exactly once across ranks."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import free_port, gloo_runtime, spawn
+from conftest import ROOT, free_port, gloo_runtime, spawn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mgpu.config.schema import Precision, TrainerConfig
@@ -260,3 +262,41 @@ def test_a_data_set_smaller_than_a_batch_per_process_is_one_config_line():
     with pytest.raises(ConfigError, match="only 0 training samples, less than one batch; run"):
         loader(1, 64)  # fewer samples than processes: no batch size fits
     assert len(next(iter(loader(25, 2)))[0]) == 25
+
+
+# A process that ends through mgpu's exit_process (train.py's end) while a multiprocessing
+# queue's feeder thread is still sending: the item's pickling, which the feeder does, takes
+# 0.5 s, so that the feeder is mid-send when the process ends, as a DataLoader's queue to a
+# worker can be when a run ends. Nothing reads the pipe; the item fits in its buffer.
+FEEDER_AT_EXIT = """
+import multiprocessing, time
+from mgpu.runtime.dist import exit_process
+
+class SlowToPickle:
+    def __reduce__(self):
+        time.sleep(0.5)
+        return (int, (1,))
+
+def main():
+    queue = multiprocessing.get_context("forkserver").Queue()
+    queue.put(SlowToPickle())
+    queue.cancel_join_thread()  # as torch's DataLoader does for its workers' queues
+    del queue
+
+exit_process(main)
+"""
+
+
+def test_a_process_ends_with_no_semaphore_left_to_the_resource_tracker(tmp_path):
+    """Its queue's semaphores are released before it ends: the resource tracker, which outlives
+    it, has no leaked semaphore to warn of (a finished run used to end with that warning)."""
+    script = tmp_path / "feeder_at_exit.py"
+    script.write_text(FEEDER_AT_EXIT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # The tracker warns as it ends, after the process, on the stderr it shares with it: run()
+    # reads that pipe until the tracker has closed it too.
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
