@@ -291,6 +291,18 @@ def run_train(
     return {"cmd": line, "cpus": "" if quick else cpus, "wall_s": wall, "split": split, **scalars}
 
 
+# The per-interval series each run keeps (summarise): the step, its data waits (the training
+# thread's on the host, the GPU's), its compute, and the slowest rank's step and data wait.
+SERIES = (
+    "time/step_ms",
+    "time/data_host_wait_ms",
+    "time/data_wait_ms",
+    "time/compute_ms",
+    "ranks/step_ms_max",
+    "ranks/data_wait_ms_max",
+)
+
+
 def summarise(scalars: dict, warmup: int) -> dict:
     def median(tag: str) -> float | None:
         values = [v for step, v in scalars.get(tag, []) if step > warmup]
@@ -317,6 +329,13 @@ def summarise(scalars: dict, warmup: int) -> dict:
     # in which part
     row["breakdown"] = {
         tag: median(tag) for tag in sorted(scalars) if tag.startswith(("time/", "ranks/"))
+    }
+    # Each interval's figures over the whole run, its warm-up too: whether a run slower than its
+    # neighbours was slow from its start, from some step on, or in bursts (a median hides which)
+    row["series"] = {
+        tag: [[step, round(value, 3)] for step, value in scalars[tag]]
+        for tag in SERIES
+        if tag in scalars
     }
     return row
 

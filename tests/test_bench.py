@@ -226,6 +226,9 @@ def test_real_images_quick_runs(tmp_path):
         ("folder", None, "traced"),
     }, runs
     assert all(r["img_per_s"] > 0 for r in runs.values()), runs
+    for r in runs.values():  # every interval's step time, the warm-up's too
+        steps = r["series"]["time/step_ms"]
+        assert len(steps) == r["intervals"] and all(ms > 0 for _, ms in steps), r["series"]
     assert all("data.worker_nice=1" in r["cmd"] for r in runs.values()), runs
     assert "data.cpu_decode_share=0.5" in runs["folder", "0.5", ""]["cmd"]
     assert "data.cpu_decode_share=auto" in runs["folder", "auto", ""]["cmd"]
