@@ -276,6 +276,8 @@ def test_corrupt_file_before_the_first_step_is_one_line_exit_2_from_every_rank(t
     line = one_line_under_torchrun(proc, None, prefix="not a readable image")
     assert "ant/img00.jpg: not a readable image" in line, line
     assert "Caught BadImageFile" not in proc.stderr  # the DataLoader worker's traceback
+    # nor, after the line, a warning of the semaphores of a loader the error left behind
+    assert "leaked semaphore" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_corrupt_file_after_the_first_step_is_one_line_from_each_rank(tmp_path):

@@ -7,6 +7,7 @@ mgpu.runtime.stops' (the names of both are importable from here too).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -354,8 +355,10 @@ def exit_process(main: Callable[[], None]) -> None:
     end_process(code)
 
 
-# How long a process that ends waits for its multiprocessing queues' feeder threads (below).
+# How long a process that ends waits for its multiprocessing queues' feeder threads, and one
+# that ends on an error for the collection of its garbage (end_process).
 FEEDER_GRACE_S = 2.0
+COLLECT_GRACE_S = 10.0
 
 
 def end_process(code: int) -> None:
@@ -369,7 +372,19 @@ def end_process(code: int) -> None:
     feeder still sending ended with its semaphores unreleased, and the resource tracker, left
     alone, warned of "leaked semaphore objects" after a finished run (1 in 4-5 two-process CPU
     runs). A feeder ends once its sentinel is sent; a name is all that tells its thread apart
-    (multiprocessing.queues names it)."""
+    (multiprocessing.queues names it).
+
+    A process that ends on an error (a non-zero `code`) collects its garbage first: the frames
+    its exception passed through held a DataLoader iterator mid-epoch, and the traceback keeps
+    them in reference cycles, so its queues' semaphores (11 a worker pool) were never released
+    and the tracker's warning followed the run's one-line error. A finished run has closed its
+    loaders (the teardown rule) and skips the collection's time. The collection runs finalizers
+    (a loader's shutdown joins its threads), so it gets COLLECT_GRACE_S on a thread of its own:
+    an error's exit is never held by one that does not return."""
+    if code != 0:
+        collecting = threading.Thread(target=gc.collect, name="mgpu-exit-collect", daemon=True)
+        collecting.start()
+        collecting.join(COLLECT_GRACE_S)
     deadline = time.monotonic() + FEEDER_GRACE_S
     for thread in threading.enumerate():
         if thread.name == "QueueFeederThread":
