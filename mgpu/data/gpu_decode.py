@@ -61,23 +61,15 @@ def resolve_decode(mode: str) -> str:
     why = gpu_decode_unavailable() if mode == "auto" else None
     if why is None:
         if mode == "auto":
-            _say_auto(None)
+            log.info(
+                "data.decode=auto: JPEGs decoded on the GPU (nvJPEG) and by the workers as "
+                "data.cpu_decode_share says, PNG and CMYK on the CPU: a GPU that decodes JPEGs "
+                "feeds the step faster than the host's cores can (bench/README.md, real_images)"
+            )  # fmt: skip
         _warn_crowded_queues(os.environ.get(CUDA_CONNECTIONS))
         return "gpu"
-    _say_auto(why)
+    log.info("data.decode=auto: images decoded on the CPU, in the workers (%s)", why)
     return "cpu"
-
-
-@functools.cache  # once a process and outcome: the train and eval datasets both resolve theirs
-def _say_auto(why: str | None) -> None:
-    if why is None:
-        log.info(
-            "data.decode=auto: JPEGs decoded on the GPU (nvJPEG) and by the workers as "
-            "data.cpu_decode_share says, PNG and CMYK on the CPU: a GPU that decodes JPEGs "
-            "feeds the step faster than the host's cores can (bench/README.md, real_images)"
-        )
-    else:
-        log.info("data.decode=auto: images decoded on the CPU, in the workers (%s)", why)
 
 
 @functools.cache  # once a process and value: the train and eval datasets both resolve theirs
