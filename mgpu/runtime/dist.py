@@ -1,20 +1,16 @@
 """The process's place in the run and the process group's lifetime: the pinned device, joining
 and leaving the group, the few collectives start-up and checkpoints use, the check that all
-ranks resolved the same config, and how the process ends (the teardown rule). What the launch
-environment says is mgpu.runtime.launch's, and the stops said in one line with an exit code are
-mgpu.runtime.stops' (the names of both are importable from here too).
+ranks resolved the same config. What the launch environment says is mgpu.runtime.launch's, the
+stops said in one line with an exit code are mgpu.runtime.stops', and how the process ends (the
+teardown rule) is mgpu.runtime.ending's (the names of all three are importable from here too).
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import logging
 import os
 import socket
-import sys
-import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+from mgpu.runtime.ending import end_process, exit_process  # noqa: F401 - re-exported
 from mgpu.runtime.launch import (  # noqa: F401 - re-exported: mgpu.runtime.dist was their home
     LaunchEnv,
     LaunchError,
@@ -328,68 +325,3 @@ def quiet_other_ranks(rt: Runtime) -> None:
         for handler in logging.getLogger().handlers:
             if type(handler) is logging.StreamHandler:
                 handler.setLevel(logging.WARNING)
-
-
-def _exit_code(stop: SystemExit) -> int:
-    if stop.code is None or isinstance(stop.code, int):
-        return stop.code or 0
-    print(stop.code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
-    return 1
-
-
-def exit_process(main: Callable[[], None]) -> None:
-    """Run `main` (Hydra's, which ends with sys.exit, errors included) and end the process.
-
-    Teardown rule: by the time `main` returns, the process group is destroyed, every file the
-    run writes is closed and its DataLoader workers are gone. The process then ends without
-    Python's and C++'s teardown of torch: after joining a process group, that teardown of
-    torch's communication threads can abort ("terminate called without an active exception")
-    after the work is done and turn a finished run into a failed one; and in every process it
-    took 1.45 s on a 2-core CPU host after the run's last line (the interpreter freeing torch's
-    modules), which each run, and each of its test's launches, would wait for."""
-    try:
-        main()
-        code = 0
-    except SystemExit as stop:
-        code = _exit_code(stop)
-    end_process(code)
-
-
-# How long a process that ends waits for its multiprocessing queues' feeder threads, and one
-# that ends on an error for the collection of its garbage (end_process).
-FEEDER_GRACE_S = 2.0
-COLLECT_GRACE_S = 10.0
-
-
-def end_process(code: int) -> None:
-    """End this process with `code` under exit_process's teardown rule, once its logs are out
-    and its multiprocessing queues' feeder threads have ended (up to FEEDER_GRACE_S).
-
-    Why wait for the feeders: a DataLoader's queue to a worker hands what the process puts in
-    it to the pipe from a feeder thread of multiprocessing's, which holds two of the queue's
-    semaphores until it has sent the worker's last message. The DataLoader's shutdown does not
-    wait for it (torch cancels the join), and os._exit skips the join Python's own exit does: a
-    feeder still sending ended with its semaphores unreleased, and the resource tracker, left
-    alone, warned of "leaked semaphore objects" after a finished run (1 in 4-5 two-process CPU
-    runs). A feeder ends once its sentinel is sent; a name is all that tells its thread apart
-    (multiprocessing.queues names it).
-
-    A process that ends on an error (a non-zero `code`) collects its garbage first: the frames
-    its exception passed through held a DataLoader iterator mid-epoch, and the traceback keeps
-    them in reference cycles, so its queues' semaphores (11 a worker pool) were never released
-    and the tracker's warning followed the run's one-line error. A finished run has closed its
-    loaders (the teardown rule) and skips the collection's time. The collection runs finalizers
-    (a loader's shutdown joins its threads), so it gets COLLECT_GRACE_S on a thread of its own:
-    an error's exit is never held by one that does not return."""
-    if code != 0:
-        collecting = threading.Thread(target=gc.collect, name="mgpu-exit-collect", daemon=True)
-        collecting.start()
-        collecting.join(COLLECT_GRACE_S)
-    deadline = time.monotonic() + FEEDER_GRACE_S
-    for thread in threading.enumerate():
-        if thread.name == "QueueFeederThread":
-            thread.join(max(0.0, deadline - time.monotonic()))
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
