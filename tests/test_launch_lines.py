@@ -68,7 +68,7 @@ def test_a_hang_report_is_said_once(tmp_path):
         "dist.timeout_s=300",
         "trainer.stall_timeout_s=4",
         f"hydra.run.dir={tmp_path / 'run'}",
-        timeout=240,
+        timeout=300,
     )
     output = proc.stdout + proc.stderr
     report = re.compile(r"rank 1: no progress for \d+ s .*: the other ranks wait for this one")

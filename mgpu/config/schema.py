@@ -104,7 +104,7 @@ class TrainerConfig:
     # The forward, loss and backward captured from the first batch and replayed as CUDA graphs
     # (mgpu.train.graphs). auto: on a GPU, for a model neither compiled nor wrapped for data
     # parallelism, and on several processes with dist.engine=mgpu and one micro-batch a step,
-    # where the replay records the reductions too (the model eager, or compiled whole); true
+    # where the replay records the reductions too (the model eager or compiled); true
     # where neither holds is an error.
     cuda_graphs: Any = "auto"
     # The optimizer step replayed as one CUDA graph (mgpu.train.update_replay): auto where the
