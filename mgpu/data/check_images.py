@@ -44,8 +44,9 @@ def unreadable(path: str) -> str | None:
     return None
 
 
-def check(root: str, workers: int) -> tuple[int, list[str]]:
-    """(images in `root`, why each unreadable one is), in the folder's order."""
+def check(root: str, workers: int) -> tuple[int, list[str], list[str]]:
+    """(images in `root`, why each unreadable one is, in the folder's order, and what the folder
+    holds that training leaves out: left_out's list)."""
     classes = class_folders(root) if os.path.isdir(root) else []
     check_layout("DIR", root, classes)  # FolderError, said as a usage error
     files, _ = list_images(root, classes)
@@ -57,7 +58,7 @@ def check(root: str, workers: int) -> tuple[int, list[str]]:
         for why in results:
             found.append(why)
             progress.update(len(found))
-    return len(files), [why for why in found if why is not None]
+    return len(files), [why for why in found if why is not None], left_out(root, classes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,13 +77,12 @@ def main(argv: list[str] | None = None) -> None:
     for root in args.dirs:  # every folder, whatever an earlier one showed
         started = time.monotonic()
         try:
-            n, bad = check(root, args.workers)
+            n, bad, skipped = check(root, args.workers)
         except FolderError as err:
             print(f"{PROG}: {err}", file=sys.stderr)
             code = 2
             continue
         took = time.monotonic() - started
-        skipped = left_out(root, class_folders(root))
         if skipped:  # not unreadable images, so not a failure: training leaves them out too
             print(left_out_line("DIR", root, skipped))
         if not bad:
