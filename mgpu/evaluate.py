@@ -30,14 +30,8 @@ from mgpu.data.token_config import TokenFileDataConfig
 from mgpu.data.tokenizer import UNDECODED, Tokenizer
 from mgpu.models.loss import cross_entropy
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
-from mgpu.runtime.dist import (
-    Runtime,
-    all_ok,
-    all_reduce_sum_,
-    broadcast_object,
-    distributed,
-    end_process,
-)
+from mgpu.runtime.dist import Runtime, all_ok, all_reduce_sum_, broadcast_object, distributed
+from mgpu.runtime.ending import end_process, exit_code
 from mgpu.runtime.launch import default_cuda_connections
 from mgpu.train.numerics import autocast_dtype
 
@@ -212,7 +206,7 @@ if __name__ == "__main__":
         main()
         code = 0
     except SystemExit as stop:  # argparse's and one_line_errors' exits
-        code = stop.code if isinstance(stop.code, int) else 1
+        code = exit_code(stop)
     if not JOINED:
         sys.exit(code)
     # train.py's teardown rule: the process group is gone and every file closed; end without

@@ -37,11 +37,12 @@ def exit_process(main: Callable[[], None]) -> None:
         main()
         code = 0
     except SystemExit as stop:
-        code = _exit_code(stop)
+        code = exit_code(stop)
     end_process(code)
 
 
-def _exit_code(stop: SystemExit) -> int:
+def exit_code(stop: SystemExit) -> int:
+    """The process's exit code for a SystemExit, as Python's own exit gives it."""
     if stop.code is None or isinstance(stop.code, int):
         return stop.code or 0
     print(stop.code, file=sys.stderr)  # sys.exit("message") prints it and exits 1
