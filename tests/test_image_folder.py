@@ -6,6 +6,7 @@ files. GPU (skipped without CUDA): decode=gpu against decode=cpu on the same cro
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -793,24 +794,33 @@ def test_check_images_names_every_unreadable_file_as_training_would_meet_it(tmp_
 
 
 def test_what_the_folder_holds_but_does_not_read_is_said_by_training_and_check_images(
-    tmp_path, caplog, capsys
+    tmp_path, caplog, capsys, monkeypatch
 ):
     """A sub-folder of a class folder, a file of another format, an image beside the class
     folders: none is read, and both training (a warning) and check_images say each kind, with
-    the files; hidden files are not mentioned. What is read is exactly list_images' files."""
+    the files; hidden files are not mentioned; a sub-folder named like an image is a sub-folder.
+    Each folder is listed once to learn all of it (a tree on network storage)."""
     write_tree(tmp_path / "train", per_class=2)
     (tmp_path / "train" / "ant" / "nested").mkdir()
+    (tmp_path / "train" / "cow" / "odd.jpg").mkdir()
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "ant" / "nested" / "n.jpg")
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "bee" / "b.webp")
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "stray.jpg")
     (tmp_path / "train" / "cow" / ".DS_Store").write_bytes(b"\0")
     cfg = ImageFolderDataConfig(**folder(tmp_path / "train", eval_samples=1))
+    listed, scandir, listdir = [], os.scandir, os.listdir
+    monkeypatch.setattr(os, "scandir", lambda path: listed.append(str(path)) or scandir(path))
+    monkeypatch.setattr(os, "listdir", lambda path: listed.append(str(path)) or listdir(path))
     with caplog.at_level("WARNING", logger="mgpu.data.image_folder"):
         dataset = ImageFolder("train", **cfg.dataset_kwargs())
+    monkeypatch.undo()
+    assert sorted(listed) == sorted({*listed}), listed  # no folder listed twice
     assert len(dataset) == 5 and not any("nested" in f or "webp" in f for f in dataset.files)
+    assert not any("odd" in f for f in dataset.files)
     (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    for words in ("1 file(s) beside the class folders", "stray.jpg", "1 sub-folder(s)",
-                  "ant/nested/", "1 file(s) not .jpg, .jpeg or .png", "bee/b.webp"):  # fmt: skip
+    for words in ("1 file(s) beside the class folders", "stray.jpg", "2 sub-folder(s)",
+                  "ant/nested/", "cow/odd.jpg/", "1 file(s) not .jpg, .jpeg or .png",
+                  "bee/b.webp"):  # fmt: skip
         assert words in said, said
     assert ".DS_Store" not in said
     with pytest.raises(SystemExit) as stop:

@@ -21,11 +21,9 @@ from PIL import Image
 
 from mgpu.data.folder_files import (
     FolderError,
-    check_layout,
     class_folders,
-    left_out,
     left_out_line,
-    list_images,
+    scan,
 )
 from mgpu.data.image_folder import UNREADABLE, eight_bits, unreadable_line
 from mgpu.data.progress import Progress
@@ -46,10 +44,9 @@ def unreadable(path: str) -> str | None:
 
 def check(root: str, workers: int) -> tuple[int, list[str], list[str]]:
     """(images in `root`, why each unreadable one is, in the folder's order, and what the folder
-    holds that training leaves out: left_out's list)."""
+    holds that training leaves out: scan's `skipped`)."""
     classes = class_folders(root) if os.path.isdir(root) else []
-    check_layout("DIR", root, classes)  # FolderError, said as a usage error
-    files, _ = list_images(root, classes)
+    files, _, skipped = scan("DIR", root, classes)  # FolderError, said as a usage error
     workers = min(workers, len(files))
     progress = Progress(f"{root}: checked", len(files), "images")
     found = []
@@ -58,7 +55,7 @@ def check(root: str, workers: int) -> tuple[int, list[str], list[str]]:
         for why in results:
             found.append(why)
             progress.update(len(found))
-    return len(files), [why for why in found if why is not None], left_out(root, classes)
+    return len(files), [why for why in found if why is not None], skipped
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import NamedTuple
 
 from mgpu.config.checks import ConfigError
 
@@ -41,64 +42,95 @@ def check_root(key: str, root: str) -> None:
         )
 
 
+def _no_classes(key: str, root: str) -> FolderError:
+    return FolderError(
+        key,
+        root,
+        "has no class subfolders; put each class's images in a subfolder named after the "
+        f"class, e.g. {os.path.join(root, 'cat', '001.jpg')}",
+    )
+
+
+def _no_folder(key: str, root: str, name: str, folder: str) -> FolderError:
+    return FolderError(
+        key,
+        root,
+        f"has no folder for class {name!r} ({folder}); add it, or train on the classes it holds "
+        "with data.classes=[...]",
+    )
+
+
+def _no_images(key: str, root: str, folder: str) -> FolderError:
+    return FolderError(
+        key,
+        root,
+        f"the class folder {folder} holds no images (.jpg, .jpeg, .png); add some, or remove "
+        "the folder",
+    )
+
+
 def check_layout(key: str, root: str, classes: list[str]) -> None:
     """Each class has a folder under `root` holding at least one image. Stops at the first
-    image of each folder, so a million-image tree is checked in a directory listing per class."""
+    image of each folder, so a million-image tree is checked in a directory listing per class
+    (a run's config checks this before any process group exists; `scan` lists it all)."""
     check_root(key, root)
     if not classes:
-        raise FolderError(
-            key,
-            root,
-            "has no class subfolders; put each class's images in a subfolder named after the "
-            f"class, e.g. {os.path.join(root, 'cat', '001.jpg')}",
-        )
+        raise _no_classes(key, root)
     for name in classes:
         folder = os.path.join(root, name)
         if not os.path.isdir(folder):
-            raise FolderError(
-                key,
-                root,
-                f"has no folder for class {name!r} ({folder}); add it, or train on the classes "
-                "it holds with data.classes=[...]",
-            )
+            raise _no_folder(key, root, name, folder)
         with os.scandir(folder) as entries:
             if not any(e.is_file() and _is_image(e.name) for e in entries):
-                raise FolderError(
-                    key,
-                    root,
-                    f"the class folder {folder} holds no images (.jpg, .jpeg, .png); add some, "
-                    "or remove the folder",
-                )
+                raise _no_images(key, root, folder)
 
 
-def list_images(root: str, classes: list[str]) -> tuple[list[str], list[int]]:
-    """Every image of the classes' folders under `root`: paths and labels, sorted by class,
-    then by file name (so that the sample order is the same on every host)."""
+class Listing(NamedTuple):
+    """An image folder's contents as training reads them."""
+
+    files: list[str]  # every image of the classes' folders, sorted by class, then by name
+    labels: list[int]  # each file's class index
+    skipped: list[str]  # what training does not read, relative to the root (left_out_line)
+
+
+def scan(key: str, root: str, classes: list[str]) -> Listing:
+    """`root`'s images and what it leaves out, in one listing of each class folder (a
+    million-image tree on network storage is listed once, not once per question), with
+    check_layout's checks. Sorted by class, then by file name, so that the sample order is the
+    same on every host. Left out: files beside the class folders, and in the classes' folders
+    sub-folders (only a class folder's own images are read) and files of other formats; hidden
+    entries (.DS_Store) are neither read nor said."""
+    check_root(key, root)
+    if not classes:
+        raise _no_classes(key, root)
+    with os.scandir(root) as entries:
+        skipped = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
     files, labels = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
-        names = sorted(n for n in os.listdir(folder) if _is_image(n))
-        files += [os.path.join(folder, n) for n in names]
-        labels += [label] * len(names)
-    return files, labels
-
-
-def left_out(root: str, classes: list[str]) -> list[str]:
-    """What list_images does not read under `root`, as paths relative to it: files beside the
-    class folders, and in the classes' folders sub-folders (only a class folder's own images are
-    read) and files of other formats. Hidden entries (.DS_Store) aside."""
-    with os.scandir(root) as entries:
-        skipped = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
-    for name in classes:
-        with os.scandir(os.path.join(root, name)) as entries:
+        if not os.path.isdir(folder):
+            raise _no_folder(key, root, name, folder)
+        images = []
+        with os.scandir(folder) as entries:
             for e in entries:
-                if not e.name.startswith(".") and (e.is_dir() or not _is_image(e.name)):
-                    skipped.append(os.path.join(name, e.name) + (os.sep if e.is_dir() else ""))
-    return sorted(skipped)
+                if e.name.startswith("."):
+                    continue
+                if e.is_dir():
+                    skipped.append(os.path.join(name, e.name) + os.sep)
+                elif _is_image(e.name):
+                    images.append(e.name)
+                else:
+                    skipped.append(os.path.join(name, e.name))
+        if not images:
+            raise _no_images(key, root, folder)
+        prefix = os.path.join(folder, "")  # os.path.join's result, at a million files' pace
+        files += [prefix + n for n in sorted(images)]
+        labels += [label] * len(images)
+    return Listing(files, labels, sorted(skipped))
 
 
 def left_out_line(key: str, root: str, skipped: list[str]) -> str:
-    """What is said of left_out's `skipped` entries: how many of each kind, with examples."""
+    """What is said of a Listing's `skipped` entries: how many of each kind, with examples."""
     beside = [s for s in skipped if os.sep not in s]
     folders = [s for s in skipped if s.endswith(os.sep)]
     files = [s for s in skipped if os.sep in s and not s.endswith(os.sep)]
@@ -162,5 +194,6 @@ def held_out_digest(root: str, files: list[str], held: list[int]) -> str:
     """sha256 of the held-out images' paths (`files[held]`, relative to `root`): a checkpoint
     keeps it, and an evaluation of the run compares, to know that the images it evaluates are
     the ones the run never trained on."""
-    names = "\n".join(os.path.relpath(files[i], root) for i in held)
+    inside = len(os.path.join(root, ""))  # files[i] is os.path.join(root, class, name)
+    names = "\n".join(files[i][inside:] for i in held)
     return hashlib.sha256(names.encode()).hexdigest()

@@ -33,12 +33,10 @@ from mgpu.data.encoded import (  # noqa: F401 - BadImageFile: users catch it her
     collate_encoded,
 )
 from mgpu.data.folder_files import (
-    check_layout,
     class_folders,
     held_out_digest,
-    left_out,
     left_out_line,
-    list_images,
+    scan,
     split_indices,
 )
 from mgpu.data.gpu_decode import gpu_decoder
@@ -145,13 +143,12 @@ class ImageFolder(Dataset):
 
     def _split_files(self, path: str, eval_path: str, eval_samples: int | str):
         if eval_path and not self.train:
-            check_layout("data.eval_path", eval_path, self.classes)
-            self._say_left_out("data.eval_path", eval_path)
-            return list_images(eval_path, self.classes)
-        check_layout("data.path", path, self.classes)
+            listing = scan("data.eval_path", eval_path, self.classes)
+            self._say_left_out("data.eval_path", eval_path, listing.skipped)
+            return listing.files, listing.labels
+        files, labels, skipped = scan("data.path", path, self.classes)
         if self.train:  # the folder's held-out images are the train split's folder's
-            self._say_left_out("data.path", path)
-        files, labels = list_images(path, self.classes)
+            self._say_left_out("data.path", path, skipped)
         if eval_path:
             return files, labels
         keep = split_indices(len(files), eval_samples, self.train)
@@ -159,8 +156,8 @@ class ImageFolder(Dataset):
         self.held_out = held_out_digest(path, files, held)
         return [files[i] for i in keep], [labels[i] for i in keep]
 
-    def _say_left_out(self, key: str, root: str) -> None:
-        skipped = left_out(root, self.classes)
+    @staticmethod
+    def _say_left_out(key: str, root: str, skipped: list[str]) -> None:
         if skipped:  # a warning once (rank 0), in every rank's log
             later_rank = torch.distributed.is_initialized() and torch.distributed.get_rank() > 0
             (log.info if later_rank else log.warning)(left_out_line(key, root, skipped))

@@ -25,11 +25,9 @@ from PIL import Image
 
 from mgpu.data.folder_files import (
     FolderError,
-    check_layout,
     class_folders,
-    left_out,
     left_out_line,
-    list_images,
+    scan,
 )
 from mgpu.data.image_folder import UNREADABLE, eight_bits, unreadable_line
 from mgpu.data.image_shards import FORMAT, INDEX_NAME, SAMPLE_FIELDS, VERSION, shard_name
@@ -200,7 +198,7 @@ def prepare(args: argparse.Namespace) -> None:
     src, dst = args.src, args.dst
     try:
         classes = class_folders(src) if os.path.isdir(src) else []
-        check_layout("SRC", src, classes)
+        files, labels, skipped = scan("SRC", src, classes)
     except FolderError as err:
         raise UsageError(str(err)) from None
     inside = os.path.realpath(dst) + os.sep
@@ -210,9 +208,7 @@ def prepare(args: argparse.Namespace) -> None:
         raise UsageError(f"DST={dst!r} is a file; name a folder (created if missing)")
     os.makedirs(dst, exist_ok=True)
     clear(dst, args.overwrite)
-    files, labels = list_images(src, classes)
     print(f"{PROG}: {len(files):,} images of {len(classes)} classes in {src}", flush=True)
-    skipped = left_out(src, classes)
     if skipped:
         print(f"{PROG}: {left_out_line('SRC', src, skipped)}", flush=True)
     writer = ShardWriter(dst, int(args.shard_mb * 2**20))
