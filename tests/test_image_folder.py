@@ -546,6 +546,38 @@ def test_a_class_folder_added_since_the_checkpoint_is_said_with_the_way_out(fold
     assert "data.classes" in line and "config.yaml" in line, line
 
 
+def test_a_folder_whose_images_changed_since_the_checkpoint_is_refused_with_the_way_out(
+    folder_run, tmp_path
+):
+    """A resume over the folder's images as they were, or refused in one line, exit 2, with
+    nothing written to the run directory: an image removed (as the unreadable-file stop tells
+    a user to) changes the training set, and the line says what changed and that an unreadable
+    one is kept and replaced with data.bad_files=skip; an image renamed keeps the count, but the
+    holdout then takes an image the run trained on."""
+    root, args, _ = folder_run
+    for case in ("removed", "renamed"):
+        shutil.copytree(root / "train", tmp_path / case / "train")
+        shutil.copytree(root / "a", tmp_path / case / "a")
+        ant = tmp_path / case / "train" / "ant"
+        if case == "removed":
+            (ant / "img05.png").unlink()
+        else:
+            (ant / "img00.jpg").rename(ant / "zzz.jpg")
+        written = sorted(p.name for p in (tmp_path / case / "a").rglob("*"))
+        again = train_on_cpu([*args, f"hydra.run.dir={tmp_path / case / 'a'}"], tmp_path / case)
+        assert again.returncode == 2, again.stderr[-3000:]
+        said = again.stdout + again.stderr
+        lines = [x for x in said.splitlines() if "hydra.run.dir=..." in x]
+        assert len(lines) == 1 and "Traceback" not in said, said[-3000:]
+        if case == "removed":
+            assert "trained on 15 samples; this run has 14" in lines[0], lines[0]
+            assert "images were added to or removed from data.path" in lines[0], lines[0]
+            assert "data.bad_files=skip" in lines[0], lines[0]
+        else:
+            assert "the images data.path holds out now are not those" in lines[0], lines[0]
+        assert sorted(p.name for p in (tmp_path / case / "a").rglob("*")) == written
+
+
 def test_evaluate_refuses_a_holdout_that_holds_images_the_run_trained_on(
     folder_run, tmp_path, capsys
 ):

@@ -184,29 +184,26 @@ def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str)
     if not differ:
         return
     more = f" (and {len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
-    changed = _changed_model_settings(loaded.shared.get("config"), config)
+    changed = _changed_settings(loaded.shared.get("config"), config, "model")
     since = f"; changed since: {changed}" if changed else ""
     since += _changed_classes(loaded.shared.get("config"), config)
-    # Afresh means a run directory with no checkpoint of its own (ckpt.resume=auto would find
-    # it, =never refuses to start over it), and no checkpoint named.
-    fresh = "in another run directory (hydra.run.dir=...)"
-    if resume != "auto":
-        fresh += ", without ckpt.resume"
     raise CheckpointMismatch(
         f"the model does not match {source}: {differ[0]}{more}{since}. Resume with the model "
-        f"settings it was trained with, or train this model afresh {fresh}"
+        f"settings it was trained with, or train this model afresh {_afresh(resume)}"
     )
 
 
-def _changed_model_settings(saved: str | None, current: str, limit: int = 4) -> str:
-    """`model.key old -> new` for each model setting that differs between two resolved
-    configs (YAML), at most `limit` of them; "" without a saved config."""
+def _changed_settings(
+    saved: str | None, current: str, group: str, limit: int = 4, skip: tuple[str, ...] = ()
+) -> str:
+    """`group.key old -> new` for each setting of a config group that differs between two
+    resolved configs (YAML), at most `limit` of them; "" without a saved config."""
     if not saved:
         return ""
-    old = OmegaConf.to_container(OmegaConf.create(saved)).get("model", {})
-    new = OmegaConf.to_container(OmegaConf.create(current)).get("model", {})
-    keys = [k for k in {**old, **new} if old.get(k) != new.get(k)]
-    said = [f"model.{k} {old.get(k)} -> {new.get(k)}" for k in keys[:limit]]
+    old = OmegaConf.to_container(OmegaConf.create(saved)).get(group, {})
+    new = OmegaConf.to_container(OmegaConf.create(current)).get(group, {})
+    keys = [k for k in {**old, **new} if old.get(k) != new.get(k) and k not in skip]
+    said = [f"{group}.{k} {old.get(k)} -> {new.get(k)}" for k in keys[:limit]]
     return ", ".join(said) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
@@ -222,10 +219,15 @@ def _changed_classes(saved: str | None, current: str, shown: int = 3) -> str:
     added, gone = [c for c in new if c not in old], [c for c in old if c not in new]
     said = [f"{what}: {', '.join(names[:shown])}{' ...' * (len(names) > shown)}"
             for what, names in (("added", added), ("gone", gone)) if names]  # fmt: skip
+    fixes = ["put the missing folders back"] if gone else []
+    if added:  # the checkpoint's list keeps out what was added, never brings back what is gone
+        fixes.append(
+            "move the added folders out of data.path, or set data.classes to the checkpoint's "
+            "list (data.classes in its run's config.yaml)"
+        )
     return (
         f"; the class folders changed ({len(old)} -> {len(new)} classes; {'; '.join(said)}): "
-        "move the added folders out of data.path, or set data.classes to the checkpoint's "
-        "list (data.classes in its run's config.yaml)"
+        + "; and ".join(fixes)
     )
 
 
@@ -265,27 +267,68 @@ def restore_optimizer(
     optimizer.load_state_dict(state_dict)
 
 
-def check_same_data(loaded: Loaded, sampler: ShardedSampler) -> None:
-    """A checkpoint's cursor only means something over the same samples in the same order."""
+def check_same_data(
+    loaded: Loaded,
+    sampler: ShardedSampler,
+    config_text: str,
+    resume: str = "auto",
+    held_out: str | None = None,
+) -> None:
+    """A checkpoint's cursor only means something over the same samples in the same order, and
+    its evaluations only over samples it never trained on: `held_out` is the data set's digest of
+    the images an image folder holds out now (mgpu.data.folder_files.held_out_digest), which the
+    checkpoint kept from its own start. `config_text`: this run's resolved config (YAML), to tell
+    a changed holdout from changed data in what is said."""
     cursor = DataCursor.from_dict(loaded.shared["data"])
-    if (cursor.num_samples, cursor.seed) != (sampler.num_samples, sampler.seed):
+    if cursor.seed != sampler.seed:
         raise CheckpointMismatch(
-            f"{loaded.path} trained on {cursor.num_samples} samples shuffled with "
-            f"trainer.seed={cursor.seed}; this run has {sampler.num_samples} with "
-            f"trainer.seed={sampler.seed}. Resuming needs the same training set and seed"
-            + _held_out_hint(loaded.shared.get("config", ""))
+            f"{loaded.path} trained with trainer.seed={cursor.seed}; this run has "
+            f"trainer.seed={sampler.seed}. Resuming needs the same seed: give "
+            f"trainer.seed={cursor.seed}"
+        )
+    if cursor.num_samples != sampler.num_samples:
+        raise CheckpointMismatch(
+            f"{loaded.path} trained on {cursor.num_samples} samples; this run has "
+            f"{sampler.num_samples}. Resuming needs the same training set: "
+            + _what_changed(loaded.shared.get("config", ""), config_text, _afresh(resume))
+        )
+    saved = (loaded.shared.get("dataset") or {}).get("held_out")
+    if saved and held_out and saved != held_out:
+        raise CheckpointMismatch(
+            f"the images data.path holds out now are not those {loaded.path} held out (images "
+            "were renamed, or as many added as removed, since), so resuming would train on "
+            "images its evaluations were of. Put the folder back as it was, or train afresh "
+            + _afresh(resume)
         )
 
 
-def _held_out_hint(config_text: str) -> str:
-    """The checkpoint's holdout, where its data held one out of the training file or folder:
-    another one (data.eval_samples=auto has followed the data's size since such a run started)
-    is the likeliest reason a training set changed."""
-    data = OmegaConf.create(config_text or "{}").get("data", {})
-    held = data.get("eval_samples") if not data.get("eval_path") else None
-    if not isinstance(held, int) or "path" not in data:
-        return ""
-    return (
-        f"; the checkpoint's run held out data.eval_samples={held} of data.path: give "
-        f"data.eval_samples={held} if this run holds out another number"
-    )
+def _afresh(resume: str) -> str:
+    """Where a run starts afresh: a run directory with no checkpoint of its own (ckpt.resume=auto
+    would find it, =never refuses to start over it), and no checkpoint named."""
+    fresh = "in another run directory (hydra.run.dir=...)"
+    return fresh + (", without ckpt.resume" if resume != "auto" else "")
+
+
+def _what_changed(saved_config: str, config_text: str, afresh: str) -> str:
+    """Why a training set differs from the checkpoint's, as far as the two configs tell: another
+    holdout (data.eval_samples=auto has followed the data's size since such a run started),
+    other data settings, or else the data themselves; and how to go on."""
+    saved = OmegaConf.create(saved_config or "{}").get("data", {})
+    now = OmegaConf.create(config_text or "{}").get("data", {})
+    held = saved.get("eval_samples") if not saved.get("eval_path") else None
+    if isinstance(held, int) and "path" in saved and now.get("eval_samples") != held:
+        return (
+            f"the checkpoint's run held out data.eval_samples={held} of data.path, this one "
+            f"{now.get('eval_samples')}: give data.eval_samples={held}"
+        )
+    # Paths aside: a folder or file moved since holds the same data.
+    changed = _changed_settings(saved_config, config_text, "data", skip=("path", "eval_path"))
+    if changed:
+        return f"changed since: {changed}; resume with those settings, or train afresh {afresh}"
+    if saved.get("classes") is not None:  # an image folder
+        return (
+            "images were added to or removed from data.path since; put them back (an "
+            "unreadable image among them: keep it in place and resume with data.bad_files=skip, "
+            f"which replaces it), or train afresh {afresh}"
+        )
+    return f"data.path holds other data than it did; resume on those, or train afresh {afresh}"

@@ -31,8 +31,12 @@ class BadImageFile(ValueError, RunStopped):
         return last.split(f"{type(self).__name__}: ", 1)[-1]
 
 
-# What to do about an unreadable file under bad_files=error
-REMOVE_OR_SKIP = "remove the file, or set data.bad_files=skip to replace it"
+# What to do about an unreadable file under bad_files=error. A run that stops on one may have
+# checkpoints, and removing the file changes the training set that their resume checks.
+REMOVE_OR_SKIP = (
+    "remove the file, or set data.bad_files=skip to replace it (to resume from a checkpoint, "
+    "keep the file in place and use skip: a resume needs the images the run started with)"
+)
 
 
 @dataclass

@@ -338,7 +338,10 @@ def build_run(
     )
     eval_loader = build_loader(cfg.data, eval_set, rt, seed=seed, train=False, layout=layout)
     if loaded is not None:
-        check_same_data(loaded, train_loader.sampler)
+        check_same_data(
+            loaded, train_loader.sampler, config_text, cfg.ckpt.resume,
+            held_out=getattr(train_set, "held_out", None),
+        )  # fmt: skip
         residual = cfg.model.residual if gpt else None
         check_settings(
             loaded, cfg.optim, cfg.trainer.max_steps, say=rt.is_primary, residual=residual,
