@@ -553,16 +553,19 @@ def test_a_folder_whose_images_changed_since_the_checkpoint_is_refused_with_the_
     nothing written to the run directory: an image removed (as the unreadable-file stop tells
     a user to) changes the training set, and the line says what changed and that an unreadable
     one is kept and replaced with data.bad_files=skip; an image renamed keeps the count, but the
-    holdout then takes an image the run trained on."""
+    holdout then takes an image the run trained on; a class folder renamed keeps the model's
+    shapes, but not what its labels mean."""
     root, args, _ = folder_run
-    for case in ("removed", "renamed"):
+    for case in ("removed", "renamed", "class"):
         shutil.copytree(root / "train", tmp_path / case / "train")
         shutil.copytree(root / "a", tmp_path / case / "a")
         ant = tmp_path / case / "train" / "ant"
         if case == "removed":
             (ant / "img05.png").unlink()
-        else:
+        elif case == "renamed":
             (ant / "img00.jpg").rename(ant / "zzz.jpg")
+        else:
+            ant.rename(ant.parent / "gnu")
         written = sorted(p.name for p in (tmp_path / case / "a").rglob("*"))
         again = train_on_cpu([*args, f"hydra.run.dir={tmp_path / case / 'a'}"], tmp_path / case)
         assert again.returncode == 2, again.stderr[-3000:]
@@ -573,8 +576,12 @@ def test_a_folder_whose_images_changed_since_the_checkpoint_is_refused_with_the_
             assert "trained on 15 samples; this run has 14" in lines[0], lines[0]
             assert "images were added to or removed from data.path" in lines[0], lines[0]
             assert "data.bad_files=skip" in lines[0], lines[0]
-        else:
+        elif case == "renamed":
             assert "the images data.path holds out now are not those" in lines[0], lines[0]
+        else:
+            changed = "trained on other classes: the class folders changed (3 -> 3 classes; "
+            changed += "added: gnu; gone: ant): put the missing folders back; and move the added"
+            assert changed in lines[0], lines[0]
         assert sorted(p.name for p in (tmp_path / case / "a").rglob("*")) == written
 
 

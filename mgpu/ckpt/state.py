@@ -279,6 +279,15 @@ def check_same_data(
     the images an image folder holds out now (mgpu.data.folder_files.held_out_digest), which the
     checkpoint kept from its own start. `config_text`: this run's resolved config (YAML), to tell
     a changed holdout from changed data in what is said."""
+    # An image folder's classes are found again at every start: a class folder renamed, or one
+    # added as another goes, keeps the model's shapes (check_same_model passes) but not what
+    # its labels mean.
+    classes = _changed_classes(loaded.shared.get("config"), config_text)
+    if classes:
+        raise CheckpointMismatch(
+            f"{loaded.path} trained on other classes: {classes[2:]}; or train afresh "
+            + _afresh(resume)
+        )
     cursor = DataCursor.from_dict(loaded.shared["data"])
     if cursor.seed != sampler.seed:
         raise CheckpointMismatch(
