@@ -32,7 +32,7 @@ from PIL import Image
 
 from mgpu.config.checks import ConfigError
 from mgpu.data.check_images import main as check_images
-from mgpu.data.config import ImageFolderDataConfig
+from mgpu.data.config import ImageFolderDataConfig, ImageShardsDataConfig
 from mgpu.data.folder_files import auto_eval_samples
 from mgpu.data.image_folder import BadImageFile, ImageFolder
 from mgpu.data.loader import build_dataloader, build_loader
@@ -335,6 +335,17 @@ def test_skip_replaces_and_counts(tmp_path):
         (lambda root: None, "does not exist"),
         (lambda root: root.mkdir(), "has no class subfolders"),
         (lambda root: (root / "ant").mkdir(parents=True), r"class folder .*ant holds no images"),
+        # a class folder linked from a share that is not mounted: said, not left out unsaid
+        (
+            lambda root: write_tree(root) and (root / "gnu").symlink_to(root.parent / "gone"),
+            r"gnu is a link to .*gone, which does not exist \(a share not mounted\?\)",
+        ),
+        # a set that prepare_images wrote, given to data=image_folder
+        (
+            lambda root: root.mkdir() or (root / "index.json").write_text("{}"),
+            "holds a set prepared by mgpu.data.prepare_images, not class subfolders: train on "
+            "it with data=image_shards",
+        ),
     ],
 )
 def test_bad_trees_are_config_errors(tmp_path, make, needle):
@@ -342,6 +353,23 @@ def test_bad_trees_are_config_errors(tmp_path, make, needle):
     make(root)
     with pytest.raises(ConfigError, match=needle):
         ImageFolderDataConfig(path=str(root))
+
+
+def test_an_image_folder_where_a_prepared_set_or_another_folder_belongs_is_said(tmp_path, caplog):
+    """data=image_shards on an image folder says to train on it with data=image_folder or
+    prepare it into a new folder (not into itself); data.eval_path naming data.path itself
+    evaluates on the training images: a warning says so (a deliberate check of a model's fit
+    on its own images stays possible)."""
+    write_tree(tmp_path / "train")
+    with pytest.raises(ConfigError) as refused:
+        ImageShardsDataConfig(path=str(tmp_path / "train"))
+    said = str(refused.value)
+    assert "an image folder (class subfolders), not a prepared set" in said, said
+    assert f"prepare_images {tmp_path / 'train'} {tmp_path / 'train-shards'} " in said, said
+    with caplog.at_level("WARNING", logger="mgpu.data.config"):
+        ImageFolderDataConfig(path=str(tmp_path / "train"), eval_path=f"{tmp_path}/./train/")
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "is data.path itself: evaluations are of images the run trains on" in said, said
 
 
 def test_one_class_is_a_config_error_naming_how_to_give_more(tmp_path):

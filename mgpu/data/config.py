@@ -248,6 +248,7 @@ class ImageFolderDataConfig(DataConfig):
             fix = "put each class's images in a subfolder of its own"
             _two_classes_or_more(self.path, self.classes, asked, fix)
             if self.eval_path:
+                self._eval_path_apart()
                 check_layout("data.eval_path", self.eval_path, self.classes)
                 found = class_folders(self.eval_path)
                 _no_extra_classes(self.eval_path, found, self.classes, "class folders", "remove")
@@ -255,6 +256,13 @@ class ImageFolderDataConfig(DataConfig):
                 self._hold_out(count_images(self.path, self.classes))
         except FolderError as err:
             raise ConfigError(err.key, err.value, err.why) from None
+
+    def _eval_path_apart(self) -> None:
+        if os.path.realpath(self.eval_path) == os.path.realpath(self.path):
+            log.warning(
+                "data.eval_path=%s is data.path itself: evaluations are of images the run "
+                "trains on; leave it unset to hold some of them out", self.eval_path,
+            )  # fmt: skip
 
     def _hold_out(self, images: int) -> None:
         """eval_samples of data.path's `images` held out: auto resolved, a number checked (too
@@ -324,6 +332,7 @@ class ImageShardsDataConfig(ImageFolderDataConfig):
             if not self.eval_path:
                 self._hold_out(int((labels >= 0).sum()))
             if self.eval_path:
+                self._eval_path_apart()
                 evals = load_index("data.eval_path", self.eval_path)
                 evals.labels_for("data.eval_path", self.classes)
                 _no_extra_classes(

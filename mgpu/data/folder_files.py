@@ -31,7 +31,10 @@ def class_folders(root: str) -> list[str]:
     return sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
 
 
-def check_root(key: str, root: str) -> None:
+def check_root(key: str, root: str) -> list[str]:
+    """`root` is a folder, and none of its entries is a link to nothing: a class folder linked
+    from a share that is not mounted would be neither read nor said (its class left out).
+    Returns the files beside its class folders (hidden ones aside), which training leaves out."""
     if not os.path.isdir(root):
         what = "is not a folder" if os.path.exists(root) else "does not exist"
         raise FolderError(
@@ -40,9 +43,27 @@ def check_root(key: str, root: str) -> None:
             f"{what}; point it at a folder with one subfolder of images (.jpg, .jpeg, .png) "
             "per class",
         )
+    beside = []
+    with os.scandir(root) as entries:
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_symlink() and not os.path.exists(e.path):
+                raise FolderError(
+                    key,
+                    root,
+                    f"{e.name} is a link to {os.readlink(e.path)}, which does not exist (a share "
+                    "not mounted?); mount it, or remove the link",
+                )
+            if e.is_file():
+                beside.append(e.name)
+    return beside
 
 
 def _no_classes(key: str, root: str) -> FolderError:
+    if os.path.isfile(os.path.join(root, "index.json")):  # prepare_images' DST
+        why = "holds a set prepared by mgpu.data.prepare_images, not class subfolders: train "
+        return FolderError(key, root, why + "on it with data=image_shards")
     return FolderError(
         key,
         root,
@@ -100,11 +121,9 @@ def scan(key: str, root: str, classes: list[str]) -> Listing:
     same on every host. Left out: files beside the class folders, and in the classes' folders
     sub-folders (only a class folder's own images are read) and files of other formats; hidden
     entries (.DS_Store) are neither read nor said."""
-    check_root(key, root)
+    skipped = check_root(key, root)
     if not classes:
         raise _no_classes(key, root)
-    with os.scandir(root) as entries:
-        skipped = [e.name for e in entries if e.is_file() and not e.name.startswith(".")]
     files, labels = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)

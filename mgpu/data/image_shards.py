@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mgpu.data.folder_files import FolderError, split_indices
+from mgpu.data.folder_files import FolderError, class_folders, split_indices
 from mgpu.data.image_folder import ImageFolder
 
 INDEX_NAME = "index.json"  # written last by prepare_images: without it a folder is not a set
@@ -30,6 +30,13 @@ def shard_name(number: int) -> str:
 
 
 def not_prepared(root: str) -> str:
+    if os.path.isdir(root) and class_folders(root):  # a user's image folder itself
+        shards = os.path.normpath(root) + "-shards"
+        return (
+            f"an image folder (class subfolders), not a prepared set (no {INDEX_NAME}): train "
+            f"on it with data=image_folder, or prepare it once into a new folder: python -m "
+            f"mgpu.data.prepare_images {root} {shards} --max-side N, then data.path={shards}"
+        )
     return (
         f"not a prepared image set (no {INDEX_NAME}): run python -m mgpu.data.prepare_images "
         f"SRC {root} --max-side N on an image folder SRC"
