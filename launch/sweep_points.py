@@ -7,29 +7,15 @@ run them (the last key varies fastest). Lists (`a,b`), `choice(...)` and `range(
 other overrides go to every point unchanged.
 """
 
-import itertools
 import shlex
 import sys
+from pathlib import Path
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-
-def sweep_points(args: list[str]) -> list[list[str]]:
-    """The cartesian product of every override's values: one override list per point."""
-    per_override: list[list[str]] = []
-    for override in OverridesParser.create().parse_overrides(args):
-        if not override.is_sweep_override():
-            per_override.append([override.input_line])
-        elif override.is_hydra_override():
-            raise ValueError(f"{override.input_line}: Hydra's own settings cannot be swept")
-        elif override.is_discrete_sweep():
-            key = override.get_key_element()
-            per_override.append([f"{key}={v}" for v in override.sweep_string_iterator()])
-        else:
-            # interval(...) describes a search space for an optimizer, not a list of points.
-            raise ValueError(f"{override.input_line}: cannot list its points; use a,b or range()")
-    return [list(point) for point in itertools.product(*per_override)]
+# mgpu from this checkout, as train.py's own folder gives it to train.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mgpu.config.sweep import sweep_points  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, ROOT, free_port, run_train
+from conftest import FAST, ROOT, free_port, run_train, said_by_train_py
 from faults import first_sample_of_step
 from torch.distributed.run import parse_args
 
@@ -760,6 +760,23 @@ def test_multirun_in_a_world_of_one_runs_each_point(tmp_path):
     (sweep_dir,) = (tmp_path / "multirun").glob("*/*")
     for n, seed in enumerate((1, 2)):
         assert f"seed: {seed}\n" in (sweep_dir / str(n) / "config.yaml").read_text()
+
+
+def test_a_sweep_is_checked_point_by_point_before_its_first_point_trains(tmp_path):
+    """`-m` with a bad value in a later point, a typo'd key or group: mgpu's one line (the
+    typo's closest key), exit 2, before any point ran or any sweep directory exists (Hydra
+    alone met the bad value after point 0 trained, and said a typo in several lines)."""
+    for args, words in (
+        (["trainer.seed=1,2", "optim.lr=1e-3,-1"], "optim.lr=-1.0: must be > 0"),
+        (["optim.lrr=1e-3,3e-4"], "is not a key of optim; did you mean optim.lr=0.001?"),
+        (["model=gpt2,gpt_tiny"], "model='gpt2': is not a model config; did you mean"),
+    ):
+        assert words in said_by_train_py(["-m", *args], tmp_path)
+    proc = run_train(["-m", *TINY, "optim.lr=1e-3,-1"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = "mgpu: config error: optim.lr=-1.0: must be > 0, e.g. optim.lr=3e-4"
+    assert proc.stderr.strip() == said, proc.stderr[-3000:]
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
 
 
 def test_sweep_script_runs_one_torchrun_per_point(sweep):

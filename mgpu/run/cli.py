@@ -33,6 +33,7 @@ from omegaconf.errors import (
 
 from mgpu.config.checks import ConfigError, require
 from mgpu.config.schema import Precision
+from mgpu.config.sweep import sweep_points
 from mgpu.config.targets import check_arguments
 from mgpu.data.config import ImageFolderDataConfig
 from mgpu.data.folder_files import FolderError, check_root
@@ -45,6 +46,8 @@ from mgpu.runtime.stops import record_for_torchrun
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 LONGEST_KEY = 200  # characters; mgpu's longest is under 40
 KNOWN_KEYS = "write key=value with a key that `python train.py --help` lists"
+MULTIRUN_FLAGS = ("-m", "--multirun")
+SWEEP_POINTS_CHECKED = 64  # a point's check composes a config: ~0.1 s of a CPU
 
 
 def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
@@ -120,10 +123,14 @@ def _import_target(key: str, target: str) -> Any:
 
 def check_command_line(args: list[str], conf_dir: Path = CONF_DIR) -> None:
     """Compose and validate `args` as train.py's overrides; ConfigError (or LaunchError) if they
-    cannot work. Hydra's own flags (--multirun, --cfg, --help, ...) and sweeps are left to Hydra
-    and ValidateOnRunStart below, which check those runs as Hydra starts them."""
-    if any(arg.startswith("-") for arg in args):
+    cannot work. A sweep (`-m`) is checked point by point, up to SWEEP_POINTS_CHECKED of them,
+    before its first point trains: a bad value of a later point would be met only after the
+    points before it ran. Hydra's other flags (--cfg, --help, ...), a sweep's later points and
+    sweeps without a list of points are left to Hydra and ValidateOnRunStart below, which check
+    each run as Hydra starts it."""
+    if any(arg.startswith("-") and arg not in MULTIRUN_FLAGS for arg in args):
         return
+    args = [arg for arg in args if arg not in MULTIRUN_FLAGS]
     parser = OverridesParser.create()
     for arg in args:  # one at a time: the error names the one that fails
         try:
@@ -132,6 +139,12 @@ def check_command_line(args: list[str], conf_dir: Path = CONF_DIR) -> None:
             raise _override_error(arg, str(err)) from None
     overrides = parser.parse_overrides(args)
     if any(o.is_sweep_override() for o in overrides):
+        try:
+            points = sweep_points(args)
+        except ValueError:  # interval(...): a search space, for a sweeper plugin to sample
+            return
+        for point in points[:SWEEP_POINTS_CHECKED]:
+            check_command_line(point, conf_dir)
         return
     for override in overrides:
         if len(override.key_or_group) > LONGEST_KEY:  # Hydra would look for a file of its name
