@@ -88,9 +88,10 @@ def freeze_start_up_objects(on_gpu: bool) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(dcfg: DictConfig) -> None:
-    release_sigterm(HELD_SIGTERMS)  # the checks passed (Hydra's callback ran before this)
     cfg = to_config(dcfg)  # already validated before Hydra made the run directory
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    advice = resume_advice(run_dir, cfg.ckpt.resume)  # in the lines of the stops below
+    release_sigterm(HELD_SIGTERMS, advice)  # the checks passed (Hydra's callback ran before)
     pin = cfg.pins_cpus(launch_env().local_world_size)  # dist.cpu_affinity, auto resolved
     with distributed(cfg.dist.backend.value, cfg.dist.timeout_s, pin) as rt:
         # A stop (preemption, a hang, a bad checkpoint or config, a non-finite step, a rank
@@ -103,7 +104,6 @@ def main(dcfg: DictConfig) -> None:
             # One launch per run directory (exit 2 if another holds it); Preemption: SIGTERM
             # and SIGUSR1 save, then stop.
             run = None
-            advice = resume_advice(run_dir, cfg.ckpt.resume)  # in the lines of the stops below
             with (
                 hold_run_dir(run_dir, rt, cfg.dist.timeout_s),
                 Preemption(rt, advice=advice) as preemption,

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import FAST, ROOT, free_port, run_train, said_by_train_py
+from conftest import FAST, ROOT, free_port, run_train, said_by_train_py, train_command
 from faults import first_sample_of_step
 from torch.distributed.run import parse_args
 
@@ -777,6 +777,23 @@ def test_a_sweep_is_checked_point_by_point_before_its_first_point_trains(tmp_pat
     said = "mgpu: config error: optim.lr=-1.0: must be > 0, e.g. optim.lr=3e-4"
     assert proc.stderr.strip() == said, proc.stderr[-3000:]
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+
+
+def test_a_sigterm_while_starting_is_a_preemption_said_in_one_line(tmp_path):
+    """A SIGTERM before the run is built (here in the imports: held until the config checks
+    passed, then acted on) ends it as a preemption with nothing to save: one line and exit code
+    75, as a scheduler's requeue expects (its default action killed the process without a
+    word)."""
+    command, env = train_command([*TINY, f"hydra.run.dir={tmp_path / 'run'}"], nproc=None)
+    proc = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(1.0)  # importing torch takes seconds
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    line = "preempted (SIGTERM) while starting, before the first step: nothing to save; exit "
+    assert err.strip() == line + "code 75, run the same command to resume", err[-3000:]
 
 
 def test_sweep_script_runs_one_torchrun_per_point(sweep):

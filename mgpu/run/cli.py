@@ -41,6 +41,7 @@ from mgpu.data.token_config import NO_FILE, TokenFileDataConfig
 from mgpu.models.gpt import CUDA_ONLY_ATTENTION
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
+from mgpu.runtime.preempt import PREEMPTED_EXIT_CODE
 from mgpu.runtime.stops import record_for_torchrun
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -276,12 +277,28 @@ def stop_on_bad_command_line(args: list[str]) -> None:
         stop_with_config_error(err)
 
 
-def release_sigterm(held: list[int]) -> None:
-    """SIGTERM's default action back, once the config checks passed, and any SIGTERM that came
-    meanwhile (`held`) delivered. torchrun stops the other workers as soon as one exits with an
-    error, and would kill the one that says it (local rank 0) before it could: train.py holds
-    SIGTERM back from its first line until its checks and Hydra's (ValidateOnRunStart) ran."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def release_sigterm(held: list[int], advice: str) -> None:
+    """SIGTERM acted on, once the config checks passed, and any SIGTERM that came meanwhile
+    (`held`) delivered. torchrun stops the other workers as soon as one exits with an error,
+    and would kill the one that says it (local rank 0) before it could: train.py holds SIGTERM
+    back from its first line until its checks and Hydra's (ValidateOnRunStart) ran.
+
+    From here until Preemption takes SIGTERM over (once the process group and the run
+    directory's lock are held), a SIGTERM is a preemption before this launch's first step:
+    nothing of it to save, so one line from rank 0 with `advice` (resume_advice's) and exit 75,
+    as a preemption's, at once. Its default action killed the ranks without a word."""
+
+    def preempted_while_starting(_signum, _frame) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"preempted (SIGTERM) while starting, before the first step: nothing to save; "
+                f"exit code {PREEMPTED_EXIT_CODE}, {advice}",
+                file=sys.stderr,
+            )
+            sys.stderr.flush()
+        os._exit(PREEMPTED_EXIT_CODE)  # no traceback from whatever wait it arrived in
+
+    signal.signal(signal.SIGTERM, preempted_while_starting)
     if held:
         signal.raise_signal(signal.SIGTERM)
 
