@@ -197,7 +197,7 @@ def run(restored: Restored) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with one_line_errors(PROG):
-        run(restore(args.checkpoint, args.overrides))
+        run(restore(args.checkpoint, args.overrides, reads_data=True))
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with one_line_errors(PROG):
-        restored = restore(args.checkpoint)
+        restored = restore(args.checkpoint, reads_data=False)
         beside = export(restored, args.out)
     print(f"{restored.path} (step {restored.step}) -> {args.out}, {beside}")
 

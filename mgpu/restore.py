@@ -33,7 +33,7 @@ from mgpu.ckpt.checkpoint import (
 )
 from mgpu.ckpt.state import CheckpointMismatch, differing_parameters
 from mgpu.config.checks import ConfigError
-from mgpu.data.token_config import TokenFileDataConfig
+from mgpu.data.token_config import TokenFileDataConfig, reading_saved_run
 from mgpu.data.tokenizer import (
     BYTE_VOCAB,
     BYTES,
@@ -43,6 +43,8 @@ from mgpu.data.tokenizer import (
     JsonTokenizer,
     Tokenizer,
     TokenizerError,
+    describe_tokenizer,
+    prepare_with_run_tokenizer,
     sha256_file,
 )
 from mgpu.models import build_model
@@ -115,9 +117,10 @@ def _schema(group: str, section: dict) -> type:
     return custom
 
 
-def saved_config(text: str, overrides: list[str]) -> Config:
+def saved_config(text: str, overrides: list[str], run_dir: Path | str = "RUN") -> Config:
     """The typed Config of a checkpoint's saved YAML with `key=value` overrides applied, validated
-    as train.py validates a composed one (mgpu.run.config.to_config)."""
+    as train.py validates a composed one (mgpu.run.config.to_config). `run_dir`: the run's
+    directory, as messages name it."""
     tree = OmegaConf.create(text)
     typed = OmegaConf.structured(Config)
     for group in ("model", "data"):
@@ -133,6 +136,7 @@ def saved_config(text: str, overrides: list[str]) -> Config:
     tree.ckpt.resume = "auto"
     for item in overrides:
         _refuse_group_choice(item, tree)
+        _refuse_tokenizer_change(item, tree, run_dir)
     try:
         merged = OmegaConf.merge(typed, tree, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as err:
@@ -161,6 +165,27 @@ def _refuse_group_choice(item: str, tree: DictConfig) -> None:
             f"with {group}.KEY=VALUE"
         )
     raise ConfigError(group, value, why)
+
+
+def _refuse_tokenizer_change(item: str, tree: DictConfig, run_dir: Path | str) -> None:
+    """`data.tokenizer=auto` (or another tokenizer): the model's token ids are those of the
+    tokenizer it trained with, whatever a token file's metadata says; taking another would score
+    or decode the model with the wrong text, and its sha256 would no longer name the run's."""
+    key, _, value = item.partition("=")
+    data = tree.get("data") or {}
+    if key not in ("data.tokenizer", "data.tokenizer_sha256") or "tokenizer" not in data:
+        return
+    if str(data.get(key.split(".")[1], "")) == value:
+        return  # the run's own: nothing changes
+    run = describe_tokenizer(data.tokenizer, data.get("tokenizer_sha256", ""))
+    raise ConfigError(
+        key,
+        value,
+        f"a trained checkpoint's tokenizer cannot be changed: the model's token ids are those "
+        f"of {run}; leave {key}=... out. To use a text made with another tokenizer, prepare "
+        f"it with the run's ({prepare_with_run_tokenizer(data.tokenizer, run_dir)}) and pass "
+        "data.path=OUT.bin",
+    )
 
 
 def _override_error(err: OmegaConfBaseException, overrides: list[str]) -> Exception:
@@ -215,22 +240,30 @@ class Restored:
         if name == BYTES:
             return ByteTokenizer()
         copy = self.path.parent.parent / RUN_TOKENIZER  # <run dir>/checkpoints/step-N
+        # The fix names the content, not a file: data.tokenizer's path may hold another
+        # tokenizer by now (a token file prepared again), and a copy of that would decode the
+        # model's ids as other text.
+        fix = (
+            f"put back a copy of the tokenizer the run trained with: the file whose sha256 is "
+            f"{data.tokenizer_sha256} (it was {name} then; sha256sum tells whether it still is)"
+        )
         if not copy.is_file():
+            raise UsageError(f"{copy}: missing; {fix}")
+        found = sha256_file(copy)
+        if found != data.tokenizer_sha256:
             raise UsageError(
-                f"{copy}: missing; the run trained with data.tokenizer={name}: copy it there"
-            )
-        if sha256_file(copy) != data.tokenizer_sha256:
-            raise UsageError(
-                f"{copy}: not the tokenizer the checkpoint trained with (its sha256 is not "
-                f"data.tokenizer_sha256={data.tokenizer_sha256}); copy {name} there if that one "
-                "is unchanged"
+                f"{copy}: not the tokenizer the checkpoint trained with (its sha256 is "
+                f"{found[:12]}, the checkpoint's config records {data.tokenizer_sha256[:12]}); "
+                f"{fix}"
             )
         return JsonTokenizer(copy)
 
 
-def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
+def restore(path: Path | str, overrides: list[str] = (), *, reads_data: bool = False) -> Restored:
     """The model of the checkpoint `path` means (resolve_checkpoint), built from its saved config
-    with `overrides` applied and loaded with its weights."""
+    with `overrides` applied and loaded with its weights. `reads_data`: the command reads the
+    run's data (mgpu.evaluate), which is then checked against the run's tokenizer; else
+    (mgpu.sample, mgpu.export) the saved config is taken as it is and no data file is read."""
     checkpoint = resolve_checkpoint(path)
     # Every process reads the shared state (rank 0's file): the model and the config are there.
     # To the CPU: it also holds the optimizer's state, which no after-training command needs
@@ -239,7 +272,9 @@ def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
     for key in ("model", "config"):
         if key not in loaded.shared:
             raise CheckpointError(checkpoint, f"holds no {key!r}: not written by mgpu's trainer")
-    cfg = saved_config(loaded.shared["config"], list(overrides))
+    run_dir = checkpoint.parent.parent  # <run dir>/checkpoints/step-N
+    with reading_saved_run(run_dir, reads_data=reads_data):
+        cfg = saved_config(loaded.shared["config"], list(overrides), run_dir)
     model = build_model(cfg.model)
     _check_same_model(model, loaded.shared["model"], checkpoint, overrides)
     model.load_state_dict(loaded.shared["model"])  # keys and shapes checked just above
@@ -248,7 +283,9 @@ def restore(path: Path | str, overrides: list[str] = ()) -> Restored:
     holdout = [item for item in overrides if item.split("=")[0].lstrip("+") != "data.eval_samples"]
     trained = None
     if len(holdout) < len(overrides):
-        trained = getattr(saved_config(loaded.shared["config"], holdout).data, "eval_samples", None)
+        with reading_saved_run(run_dir, reads_data=reads_data):
+            saved = saved_config(loaded.shared["config"], holdout, run_dir)
+        trained = getattr(saved.data, "eval_samples", None)
     dataset_state = loaded.shared.get("dataset")
     return Restored(checkpoint, loaded.step, cfg, model, dataset_state, trained)
 

@@ -112,7 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with one_line_errors(PROG):
-        model, tokenizer = text_gpt(restore(args.checkpoint))
+        model, tokenizer = text_gpt(restore(args.checkpoint, reads_data=False))
         ids = tokenizer.encode(args.prompt)
         if not ids:
             raise UsageError(f"--prompt {args.prompt!r}: the run's tokenizer makes no token of it")

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, run_train, said_by_train_py
+from conftest import ROOT, one_line_under_torchrun, run_train, said_by_train_py
 from hydra import compose, initialize_config_dir
 
 from mgpu.config.checks import ConfigError
@@ -97,11 +97,42 @@ def test_a_holdout_that_leaves_less_than_a_batch_is_refused(tmp_path):
     line = str(refused.value)
     assert line.startswith("data.eval_samples=340: leaves 50 of data.path's 390 windows"), line
     assert "at most 326 (auto: 39 here)" in line and "\n" not in line
-    data.batch_size = 200
-    data.check_train_batches(world_size=2)  # no holdout leaves 400: the loader says so
+    data.batch_size = 200  # no holdout leaves 400: the batch is too big for the file
+    with pytest.raises(ConfigError) as refused:
+        data.check_train_batches(world_size=2)
+    line = str(refused.value)
+    assert line.startswith("data.batch_size=200: each of the 2 processes gets only 25 training")
+    assert "lower data.batch_size (at most 25 here)" in line, line
     # train.py's check of its command line says it, before any run directory
     said = said_by_train_py(["data=tokens", f"data.path={path}", "data.eval_samples=380"], tmp_path)
     assert said.startswith("mgpu: config error: data.eval_samples=380: leaves 10 of"), said
+
+
+def test_a_file_short_of_a_batch_per_process_stops_before_the_run_directory(tmp_path):
+    """50 windows, 5 held out: a batch of 32 for one process, not for each of two. Under
+    torchrun the config check knows the world size (WORLD_SIZE): one line, exit 2, and no run
+    directory, where the training loader would say it only after the run directory exists."""
+    path = prepared(tmp_path, 50 * SEQ + 1)
+    run_dir = tmp_path / "run"
+    args = ["data=tokens", f"data.path={path}", f"data.seq_len={SEQ}", "data.batch_size=32"]
+    proc = run_train([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, nproc=2)
+    line = one_line_under_torchrun(proc, run_dir)
+    said = "data.batch_size=32: each of the 2 processes gets only 22 training samples, less "
+    assert said in line and "lower data.batch_size (at most 22 here)" in line, line
+
+
+@pytest.mark.parametrize("companion", ["meta.json", "tokenizer.json"])
+def test_a_token_files_metadata_or_tokenizer_given_as_data_path_names_the_file(tmp_path, companion):
+    """`data.path=t.bin.meta.json` (a slip of tab completion): the token file beside it is named,
+    not `python -m mgpu.data.prepare t.bin.meta.json`, which prepare would refuse."""
+    (tmp_path / "t.txt").write_text(prose(30_000))
+    prepare_main([str(tmp_path / "t.txt"), str(tmp_path / "t.bin"), "--train-bpe", "300"])
+    line = said_by_train_py(["data=tokens", f"data.path=t.bin.{companion}"], tmp_path)
+    what = "metadata" if companion == "meta.json" else "tokenizer"
+    said = (
+        f"data.path='t.bin.{companion}': is the {what} of the token file t.bin: use data.path=t.bin"
+    )
+    assert line == f"mgpu: config error: {said}", line
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,13 +17,16 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, read_scalars, run_train, said_by_train_py
+from conftest import ROOT, read_scalars, run_train, said_by_train_py, said_lines
 from hydra import compose, initialize_config_dir
 from tokenizers import ByteLevelBPETokenizer, Tokenizer, models
 
-from mgpu import evaluate
-from mgpu.ckpt.checkpoint import load
+from mgpu import evaluate, export
+from mgpu.ckpt.checkpoint import Loaded, load
+from mgpu.ckpt.resume import check_settings
+from mgpu.ckpt.state import CheckpointMismatch
 from mgpu.config.checks import ConfigError
+from mgpu.config.schema import OptimConfig
 from mgpu.data import prepare as prepare_module
 from mgpu.data.prepare import main as prepare_main
 from mgpu.models import GPT
@@ -458,3 +462,195 @@ def test_a_run_saved_before_tokenizers_were_recorded(tmp_path, vocab, tokenizer)
 
 def test_sample_generates_200_tokens_unless_told():
     assert parse_args(["run", "--prompt", "x"]).tokens == DEFAULT_TOKENS == 200
+
+
+# ------------------------------------------------ a run's tokenizer is fixed once it trained
+
+
+def swapped_tokenizer(source: Path, out: Path) -> Path:
+    """`source` (a BPE tokenizer.json) with the ids of two byte tokens swapped: a text encodes to
+    as many tokens as before (the same windows), but ids 'e' and 't' mean each other."""
+    tree = json.loads(source.read_text())
+    vocab = tree["model"]["vocab"]
+    vocab["e"], vocab["t"] = vocab["t"], vocab["e"]
+    out.write_text(json.dumps(tree))
+    return out
+
+
+def refused_by(main, args: list, capsys) -> str:
+    """The one line a command's main (in this process) refuses `args` with, exit code 2;
+    `capsys` or capsysbinary."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main([str(a) for a in args])
+    out, err = (s.decode() if isinstance(s, bytes) else s for s in capsys.readouterr())
+    lines = err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and not out, (stop.value.code, out, err)
+    return lines[0]
+
+
+def test_evaluate_refuses_tokens_of_another_tokenizer_and_says_how_to_fix(
+    bpe_run, tmp_path, capsys
+):
+    """data.path=a file made with another tokenizer: refused naming the file's tokenizer and the
+    run's, each with its own hash, and how to make a file the run can read, which then works;
+    data.tokenizer=auto on top (what the old line advised) does not replace the run's."""
+    run_dir = bpe_run / "run"
+    kept = run_dir / "tokenizer.json"
+    ours, before = sha256(kept), kept.read_bytes()
+    swapped = swapped_tokenizer(kept, tmp_path / "swapped.json")
+    other = tmp_path / "other.bin"
+    prepare_main([str(bpe_run / "text.txt"), str(other), "--tokenizer", str(swapped)])
+    fix = f"python -m mgpu.data.prepare TEXT OUT.bin --tokenizer {kept}"
+    line = refused_by(evaluate.main, [run_dir, f"data.path={other}"], capsys)
+    said = f"mgpu.evaluate: error: data.path='{other}': its tokens are not the run's: "
+    assert line.startswith(said), line
+    made_with, _, trained_on = line.partition("and the run trained on")
+    assert f"sha256 {sha256(swapped)[:12]}" in made_with and ours[:12] not in made_with, line
+    assert f"sha256 {ours[:12]}" in trained_on and fix in trained_on, line
+    for tokenizer in ("auto", str(other) + ".tokenizer.json"):
+        args = [run_dir, f"data.path={other}", f"data.tokenizer={tokenizer}"]
+        line = refused_by(evaluate.main, args, capsys)
+        said = f"data.tokenizer='{tokenizer}': a trained checkpoint's tokenizer cannot be changed"
+        assert said in line and fix in line and "copy" not in line, line
+    assert kept.read_bytes() == before
+    # The fix: the same text prepared with the run's tokenizer is the run's own token file.
+    fixed = tmp_path / "fixed.bin"
+    prepare_main([str(bpe_run / "text.txt"), str(fixed), "--tokenizer", str(kept)])
+    capsys.readouterr()
+    evaluate.main([str(run_dir)])
+    own = capsys.readouterr().out
+    evaluate.main([str(run_dir), f"data.path={fixed}"])
+    assert capsys.readouterr().out == own and "eval loss" in own, own
+
+
+def test_sample_and_export_never_read_the_token_file(bpe_run, tmp_path, capsysbinary):
+    """The run's token file prepared again at its path with another tokenizer, then its metadata
+    made unreadable and the file text: sample and export (in this process) work from the
+    checkpoint and the run's own tokenizer.json alone; evaluate, which reads the file, refuses."""
+    run_dir = bpe_run / "run"
+    names = ("text.bin", "text.bin.meta.json", "text.bin.tokenizer.json")
+    kept = {name: (bpe_run / name).read_bytes() for name in names}
+    expected = sample(run_dir, capsysbinary, "--tokens", 20, "--temperature", 0)
+    swapped = swapped_tokenizer(run_dir / "tokenizer.json", tmp_path / "swapped.json")
+    try:
+        prepare_main(
+            [str(bpe_run / "text.txt"), str(bpe_run / "text.bin"), "--tokenizer", str(swapped)]
+        )
+        for damage in ("prepared-again", "unreadable"):
+            if damage == "unreadable":
+                (bpe_run / "text.bin.meta.json").write_text("{ not json")
+                (bpe_run / "text.bin").write_text("plain text, not token ids\n" * 1000)
+            assert sample(run_dir, capsysbinary, "--tokens", 20, "--temperature", 0) == expected
+            export.main([str(run_dir), str(tmp_path / f"{damage}.safetensors")])
+            assert (tmp_path / f"{damage}.json").is_file()
+        prepare_main(
+            [str(bpe_run / "text.txt"), str(bpe_run / "text.bin"), "--tokenizer", str(swapped)]
+        )
+        line = refused_by(evaluate.main, [run_dir], capsysbinary)
+        assert "its tokens are not the run's" in line, line
+    finally:
+        for name, data in kept.items():
+            (bpe_run / name).write_bytes(data)
+
+
+def test_a_run_whose_tokenizer_json_changed_is_refused_without_advice_to_copy_another(
+    bpe_run, tmp_path, capsys
+):
+    """The run directory's tokenizer.json replaced (a copy of another tokenizer put there): sample
+    refuses in one line, exit 1 (the run directory is damaged, not the command line), naming the
+    hash to look for rather than a file to copy, since the file the run trained from may hold
+    another tokenizer by now."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(bpe_run / "run", run_dir)
+    ours = sha256(run_dir / "tokenizer.json")
+    swapped_tokenizer(bpe_run / "run" / "tokenizer.json", run_dir / "tokenizer.json")
+    with pytest.raises(SystemExit) as stop:
+        sample_main([str(run_dir), "--prompt", PROMPT])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 1 and len(lines) == 1, lines
+    assert f"the file whose sha256 is {ours}" in lines[0], lines[0]
+    assert "copy" not in lines[0].replace("a copy of the tokenizer the run trained with", "")
+
+
+def resumed_onto(bpe_run: Path, tmp_path: Path, token_file: Path) -> subprocess.CompletedProcess:
+    """train.py resuming a copy of bpe_run's run, for 5 more steps, on `token_file`."""
+    shutil.copytree(bpe_run / "run", tmp_path / "run")
+    args = [*TRAIN, f"data.path={token_file}", f"hydra.run.dir={tmp_path / 'run'}"]
+    return run_train([*args, f"trainer.max_steps={STEPS + 5}"], cwd=tmp_path, nproc=None)
+
+
+def test_a_resume_onto_tokens_of_another_tokenizer_is_refused_before_writing(
+    bpe_run, tmp_path, capsysbinary
+):
+    """The run's text prepared with another tokenizer of as many tokens (so as many windows: the
+    same training set by its size): refused in one line, exit 2, before the run directory's
+    config.yaml, tokenizer.json or checkpoints change, so its checkpoint still samples."""
+    swapped = swapped_tokenizer(bpe_run / "run" / "tokenizer.json", tmp_path / "swapped.json")
+    other = tmp_path / "other.bin"
+    prepare_main([str(bpe_run / "text.txt"), str(other), "--tokenizer", str(swapped)])
+    assert other.stat().st_size == (bpe_run / "text.bin").stat().st_size
+    proc = resumed_onto(bpe_run, tmp_path, other)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in said_lines(proc) if "its tokens are not the run's" in line]
+    assert len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+    fix = f"--tokenizer {tmp_path / 'run' / 'tokenizer.json'}), or train afresh in another run"
+    assert f"sha256 {sha256(swapped)[:12]}" in lines[0] and fix in lines[0], lines[0]
+    run_dir = tmp_path / "run"
+    for name in ("config.yaml", "tokenizer.json"):
+        assert (run_dir / name).read_bytes() == (bpe_run / "run" / name).read_bytes(), name
+    assert os.listdir(run_dir / "checkpoints") == os.listdir(bpe_run / "run" / "checkpoints")
+    original = sample(bpe_run / "run", capsysbinary, "--tokens", 20, "--temperature", 0)
+    assert sample(run_dir, capsysbinary, "--tokens", 20, "--temperature", 0) == original
+
+
+@pytest.mark.parametrize("vocab", [500, 600])  # the model's 512 rows; 640
+def test_a_resume_onto_a_file_prepared_again_names_its_tokenizer(bpe_run, tmp_path, vocab):
+    """A file prepared again with a BPE of another size changes the model's shapes or the
+    training set's size too: the line names the tokenizer, the cause, not those."""
+    other = tmp_path / "other.bin"
+    prepare_main([str(bpe_run / "text.txt"), str(other), "--train-bpe", str(vocab)])
+    proc = resumed_onto(bpe_run, tmp_path, other)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in said_lines(proc) if "its tokens are not the run's" in line]
+    assert len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+
+
+def resumed_settings(tmp_path: Path, saved: dict, now: dict) -> None:
+    """check_settings of a resume from a checkpoint whose config's data section is `saved`, onto
+    a run whose data section is `now`."""
+    path = tmp_path / "run" / "checkpoints" / "step-00000001"
+    loaded = Loaded(path, 1, 1, {"config": yaml.safe_dump({"data": saved})}, None)
+    check_settings(loaded, OptimConfig(), 10, say=False, config_text=yaml.safe_dump({"data": now}))
+
+
+BPE = {"tokenizer": "a.bin.tokenizer.json", "tokenizer_sha256": "a" * 64, "vocab_size": 512}
+BYTE_LEVEL = {"tokenizer": "bytes", "tokenizer_sha256": "", "vocab_size": 256}
+
+
+@pytest.mark.parametrize(
+    "saved, now, refused",
+    [
+        (
+            {**BPE, "tokenizer": "bytes", "tokenizer_sha256": "", "vocab_size": 256},
+            BPE,
+            "byte-level",
+        ),
+        (BPE, {**BPE, "tokenizer_sha256": "b" * 64}, "sha256 bbbbbbbbbbbb"),
+        (BPE, {**BPE, "tokenizer": "none", "tokenizer_sha256": ""}, "data.tokenizer=none"),
+        (BPE, {**BPE, "vocab_size": 520}, "data.vocab_size=520: "),
+        # the same tokenizer, moved: a change logged, not refused
+        (BPE, {**BPE, "tokenizer": "/elsewhere/t.json"}, None),
+        # data without a tokenizer (images), or a checkpoint saved before runs recorded one
+        ({"vocab_size": 512}, BPE, None),
+    ],
+)
+def test_a_resume_refuses_token_ids_of_another_tokenizer(tmp_path, saved, now, refused):
+    if refused is None:
+        resumed_settings(tmp_path, saved, now)
+        return
+    with pytest.raises(CheckpointMismatch) as stop:
+        resumed_settings(tmp_path, saved, now)
+    line = str(stop.value)
+    assert refused in line and "\n" not in line and "hydra.run.dir=" in line, line
+    assert stop.value.exit_code == 2

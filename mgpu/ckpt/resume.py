@@ -39,6 +39,7 @@ from mgpu.ckpt.state import CheckpointMismatch, capture_rng, restore_rng
 from mgpu.ckpt.write import abort, finalize, keep_as_evidence, prune, write_rank_files
 from mgpu.config.schema import CheckpointConfig, OptimConfig
 from mgpu.data.sampler import ShardedSampler
+from mgpu.data.tokenizer import other_tokens
 from mgpu.runtime.dist import Runtime, all_ok, broadcast_object, waiting
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,8 @@ def check_settings(
     `residual`: GPT's model.residual (None for other models). The weights are the same either
     way, but the arithmetic is not, so a change of it is logged too (configs saved before the
     key existed trained with fp32). `config_text`: this run's config, whose data settings
-    (data.batch_size, ...) are logged where they changed too. A trainer.max_steps below the
+    (data.batch_size, ...) are logged where they changed too; token ids of another tokenizer or
+    vocabulary are refused (mgpu.data.tokenizer.other_tokens). A trainer.max_steps below the
     checkpoint's step is refused:
     the run would end at once, "done", with no checkpoint of the step it asked for."""
     if max_steps < loaded.step:
@@ -248,6 +250,10 @@ def check_settings(
             f"state {name} cannot continue from. Resume with optim.name={old['name']}, or start "
             "this run in another run directory (hydra.run.dir=...)"
         )
+    data = OmegaConf.to_container(OmegaConf.create(config_text)).get("data", {})
+    # Refused here, before the run's config.yaml and tokenizer.json are written (build_run)
+    if other := other_tokens(saved.get("data", {}), data, loaded.path, loaded.path.parent.parent):
+        raise CheckpointMismatch(other)
     changes = [
         (f"optim.{key}", old[key], getattr(optim, key))
         for key in (*_SETTINGS[name], *_SCHEDULE)
@@ -259,7 +265,6 @@ def check_settings(
     old_residual = saved.get("model", {}).get("residual", "fp32")
     if residual is not None and old_residual != residual:
         changes.append(("model.residual", old_residual, residual))
-    data = OmegaConf.to_container(OmegaConf.create(config_text)).get("data", {})
     changes += [
         (f"data.{key}", was, data[key])
         for key, was in saved.get("data", {}).items()

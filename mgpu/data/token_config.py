@@ -4,7 +4,11 @@ vocabulary and the sequence length, checked against the file before any process 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
@@ -27,13 +31,40 @@ from mgpu.data.tokenizer import (
     UNDECODED,
     TokenizerError,
     TokenMeta,
+    describe_tokenizer,
     load_tokenizer,
     meta_path,
+    prepare_with_run_tokenizer,
     read_meta,
     sha256_file,
 )
 
 NO_FILE = "no such file; make one from a text file with python -m mgpu.data.prepare"
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    """A trained run whose saved config an after-training command reads back (mgpu.restore)."""
+
+    run_dir: Path
+    # mgpu.evaluate reads the token file; mgpu.sample and mgpu.export never do: they work after
+    # it has gone, or been prepared again with another tokenizer.
+    reads_data: bool
+
+
+# Set while a saved config is validated (reading_saved_run): its values were resolved when the
+# run trained, and its tokenizer is the run's, fixed, not one to check the file's against.
+_SAVED_RUN: ContextVar[SavedRun | None] = ContextVar("saved_run", default=None)
+
+
+@contextmanager
+def reading_saved_run(run_dir: Path, *, reads_data: bool) -> Iterator[None]:
+    """The token file configs validated inside are `run_dir`'s saved one (SavedRun)."""
+    token = _SAVED_RUN.set(SavedRun(Path(run_dir), reads_data))
+    try:
+        yield
+    finally:
+        _SAVED_RUN.reset(token)
 
 
 @dataclass
@@ -65,11 +96,19 @@ class TokenFileDataConfig(DataConfig):
         why = "256 windows, at most a tenth of the file's"
         auto_or_positive_int("data.eval_samples", self.eval_samples, why)
         auto_or_positive_int("data.vocab_size", self.vocab_size, "the file's tokenizer's size")
+        if self._reads_no_file():
+            return
         self._resolve_tokenizer()
         if os.path.isfile(self.path):  # a saved config's file may be gone: checked where read
             self._check_ids()
         if self.seq_len != "auto":  # else once the model's context is known (follow_model)
             self._check_windows()
+
+    def _reads_no_file(self) -> bool:
+        """A saved run's config, every value resolved, read by a command that needs no data."""
+        saved = _SAVED_RUN.get()
+        resolved = "auto" not in (self.seq_len, self.eval_samples, self.vocab_size, self.tokenizer)
+        return saved is not None and not saved.reads_data and resolved
 
     def follow_model(self, block_size: int | None, model_name: str) -> None:
         """Resolve seq_len=auto from the model's context (None: the model gives none)."""
@@ -87,7 +126,7 @@ class TokenFileDataConfig(DataConfig):
         """The file holds enough windows of seq_len + 1 tokens for the eval split and more;
         eval_samples=auto resolved from them. A saved config's file may be gone (its
         eval_samples is a number there)."""
-        if os.path.isfile(self.path):
+        if os.path.isfile(self.path) and not self._reads_no_file():
             try:
                 check_token_file(self.path, self.seq_len, self.eval_samples)
             except ValueError as err:
@@ -100,14 +139,25 @@ class TokenFileDataConfig(DataConfig):
 
     def check_train_batches(self, world_size: int) -> None:
         """Training gets a whole batch on each of `world_size` processes from the windows the
-        holdout leaves; else its loader stops the run, after the run directory exists. For
-        training only: mgpu.evaluate reads the held-out windows alone, at any batch size."""
+        holdout leaves: said here, before any run directory exists (the training loader would
+        say so only after). For training only: mgpu.evaluate reads the held-out windows alone,
+        at any batch size."""
         if not os.path.isfile(self.path) or self.eval_samples == "auto":
             return  # no file: said in one line where it is read
         windows, need = self._windows(), self.batch_size * world_size
         train = windows - self.eval_samples
-        if train >= need or windows - need < 1:
-            return  # enough; or no holdout leaves enough: the loader names data.batch_size
+        if train >= need:
+            return
+        if windows - need < 1:  # no holdout leaves enough: the batch is too big for the file
+            per_rank = train // world_size
+            raise ConfigError(  # mgpu.data.loader's words, which it says once the run exists
+                "data.batch_size",
+                self.batch_size,
+                f"each of the {world_size} processes gets only {per_rank} training samples, "
+                "less than one batch; "
+                + (f"lower data.batch_size (at most {per_rank} here), " if per_rank else "")
+                + "run fewer processes, or train on more data",
+            )
         auto = auto_eval_samples(windows)
         also = f" (auto: {auto} here)" if windows - auto >= need else ""
         raise ConfigError(
@@ -194,6 +244,20 @@ class TokenFileDataConfig(DataConfig):
             require(size == 2 * meta.tokens, "data.path", self.path, why)
         theirs = meta.tokenizer if meta.tokenizer == BYTES else meta.tokenizer_sha256
         ours = self.tokenizer if self.tokenizer == BYTES else self.tokenizer_sha256
+        saved = _SAVED_RUN.get()
+        if saved is not None and ours != theirs:
+            # A trained run's tokenizer is fixed: the file is what is wrong, not data.tokenizer.
+            made_by = describe_tokenizer(meta.tokenizer_path(self.path), meta.tokenizer_sha256)
+            run = describe_tokenizer(self.tokenizer, self.tokenizer_sha256)
+            raise ConfigError(
+                "data.path",
+                self.path,
+                f"its tokens are not the run's: its metadata ({meta_path(self.path)}) says "
+                f"they were made with {made_by}, and the run trained on {run}, so their ids "
+                "mean other text to this model. Prepare the text with the run's tokenizer ("
+                f"{prepare_with_run_tokenizer(self.tokenizer, saved.run_dir)}) and pass "
+                "data.path=OUT.bin",
+            )
         require(
             ours == theirs,
             "data.tokenizer",

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from mgpu.data.tokenizer import META_SUFFIX, TOKENIZER_SUFFIX
+
 TOKEN_DTYPE = np.dtype("<u2")
 SCAN_CHUNK = 1 << 24  # tokens per chunk of the construction-time max-token scan
 TEXT_PROBE = 1 << 16  # bytes read from the start of a file to tell text from token ids
@@ -66,7 +68,12 @@ def looks_like_text(path: str) -> bool:
 
 
 def text_error(path: str) -> str:
-    """What to say about a text file given as a token file."""
+    """What to say about a text file given as a token file: a token file's metadata or
+    tokenizer (JSON text) is named as such, since preparing it as text would not help."""
+    for suffix, what in ((META_SUFFIX, "metadata"), (TOKENIZER_SUFFIX, "tokenizer")):
+        token_file = path[: -len(suffix)]
+        if path.endswith(suffix) and os.path.isfile(token_file):
+            return f"is the {what} of the token file {token_file}: use data.path={token_file}"
     return (
         "holds text, not token ids (uint16, nanoGPT's .bin layout): make a token file of it "
         f"with python -m mgpu.data.prepare {path} train.bin, then set data.path=train.bin"

@@ -168,6 +168,59 @@ def read_meta(token_file: str | Path) -> TokenMeta | None:
         ) from None
 
 
+def describe_tokenizer(tokenizer: str, sha256: str) -> str:
+    """A tokenizer as a message names it: byte-level, or its file and the start of its sha256."""
+    if tokenizer == BYTES:
+        return "byte-level tokens (data.tokenizer=bytes)"
+    if tokenizer in UNDECODED:
+        return f"token ids without a tokenizer (data.tokenizer={tokenizer or 'none'})"
+    return f"{tokenizer} (sha256 {sha256[:12] or '-'})"
+
+
+def prepare_with_run_tokenizer(tokenizer: str, run_dir: Path | str) -> str:
+    """The command that makes a token file of a text with a run's own tokenizer: its run
+    directory's copy (RUN_TOKENIZER), or byte-level (prepare's default)."""
+    if tokenizer == BYTES:
+        return "python -m mgpu.data.prepare TEXT OUT.bin"
+    return f"python -m mgpu.data.prepare TEXT OUT.bin --tokenizer {Path(run_dir) / RUN_TOKENIZER}"
+
+
+def other_tokens(saved: dict, now: dict, source: object, run_dir: Path | str) -> str | None:
+    """Why a run that resumes from `source` (whose data config is `saved`, its run directory
+    `run_dir`) cannot go on with data config `now`, or None: token ids of another tokenizer
+    (or vocabulary) than the checkpoint's mean other text to its model, which would train on as
+    if they did not, and the run's tokenizer.json would be replaced by the new one, so that its
+    older checkpoints could no longer be sampled. Configs of other data, or saved before runs
+    recorded their tokenizer, have none to compare."""
+    if "tokenizer" not in saved or "tokenizer" not in now:
+        return None
+
+    def identity(data: dict) -> str:
+        name = data["tokenizer"] or NONE
+        return name if name in (BYTES, NONE) else data.get("tokenizer_sha256", "")
+
+    old = describe_tokenizer(saved["tokenizer"], saved.get("tokenizer_sha256", ""))
+    afresh = "train afresh in another run directory (hydra.run.dir=...)"
+    if identity(saved) != identity(now):
+        new = describe_tokenizer(now["tokenizer"], now.get("tokenizer_sha256", ""))
+        on = "the token ids the run trained on"
+        if saved["tokenizer"] not in UNDECODED:
+            on = "a token file prepared with the run's tokenizer ("
+            on += f"{prepare_with_run_tokenizer(saved['tokenizer'], run_dir)})"
+        return (
+            f"data.path={now.get('path')}: its tokens are not the run's: they were made with "
+            f"{new}, and {source} trained on {old}, so each token id means other text to the "
+            f"model. Resume on {on}, or {afresh}"
+        )
+    if saved.get("vocab_size") != now.get("vocab_size"):
+        was = saved.get("vocab_size")
+        return (
+            f"data.vocab_size={now.get('vocab_size')}: {source} trained with data.vocab_size="
+            f"{was} ({old}); resume with data.vocab_size={was}, or {afresh}"
+        )
+    return None
+
+
 def copy_to_run(tokenizer: str, run_dir: Path) -> None:
     """Keep the run's tokenizer.json in its run directory, for mgpu.sample and mgpu.evaluate;
     the run's config.yaml holds its sha256 (data.tokenizer_sha256)."""

@@ -289,10 +289,15 @@ def build_run(
     # Nothing is written to the run directory until every check of the resume passed (the
     # model's shapes, the data, the optimizer's type): a refused resume leaves it as it was.
     loaded, token = resume_point(cfg.ckpt, root, rt)
+    gpt = isinstance(cfg.model, GPTModelConfig)
+    if loaded is not None:  # first: token ids of another tokenizer are named as such
+        check_settings(
+            loaded, cfg.optim, cfg.trainer.max_steps, say=rt.is_primary,
+            residual=cfg.model.residual if gpt else None, config_text=config_text,
+        )  # fmt: skip
     set_math_modes(cfg.trainer, rt.device)
     seed_everything(cfg.trainer.seed)  # the same initial weights on every rank
     model = build_model(cfg.model).to(rt.device)
-    gpt = isinstance(cfg.model, GPTModelConfig)
     risk = fused_head_risk(cfg, rt.device.type, rt.distributed)
     if risk and cfg.model.head_loss == "auto" and rt.device.type == "cuda" and rt.is_primary:
         # (model.head_loss=fused stopped before the run started: mgpu.run.cli.check_config)
@@ -341,11 +346,6 @@ def build_run(
         check_same_data(
             loaded, train_loader.sampler, config_text, cfg.ckpt.resume,
             held_out=getattr(train_set, "held_out", None),
-        )  # fmt: skip
-        residual = cfg.model.residual if gpt else None
-        check_settings(
-            loaded, cfg.optim, cfg.trainer.max_steps, say=rt.is_primary, residual=residual,
-            config_text=config_text,
         )  # fmt: skip
     if rt.is_primary:
         (run_dir / "config.yaml").write_text(config_text)
