@@ -372,6 +372,24 @@ def test_an_image_folder_where_a_prepared_set_or_another_folder_belongs_is_said(
     assert "is data.path itself: evaluations are of images the run trains on" in said, said
 
 
+def test_an_eval_folder_of_some_classes_evaluates_those_with_the_training_labels(tmp_path, caplog):
+    """data.eval_path with folders for 2 of the 3 classes: a warning names the one left out,
+    and the eval split holds the others' images labelled as training labels them; one with
+    none of the classes' folders is refused."""
+    write_tree(tmp_path / "train")
+    write_tree(tmp_path / "val", per_class=2)
+    shutil.rmtree(tmp_path / "val" / "bee")
+    with caplog.at_level("WARNING", logger="mgpu.data.config"):
+        cfg = ImageFolderDataConfig(**folder(tmp_path / "train", tmp_path / "val"))
+    (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "has no images of 1 of the 3 classes (bee): evaluations are of the others'" in said
+    evals = ImageFolder("eval", **cfg.dataset_kwargs())
+    assert evals.labels == [0, 0, 2, 2] and all("/bee/" not in f for f in evals.files)
+    (tmp_path / "none" / "gnu").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="has a folder for none of data.path's 3 classes"):
+        ImageFolderDataConfig(**folder(tmp_path / "train", tmp_path / "none"))
+
+
 def test_one_class_is_a_config_error_naming_how_to_give_more(tmp_path):
     """A classifier of one class learns nothing (its loss is 0 from the first step)."""
     write_tree(tmp_path / "train", per_class=1)

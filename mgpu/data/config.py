@@ -27,6 +27,7 @@ from mgpu.data.folder_files import (
     check_root,
     class_folders,
     count_images,
+    missing_classes,
 )
 from mgpu.data.gpu_decode import gpu_decode_unavailable, resolve_decode
 from mgpu.data.image_shards import load_index
@@ -151,6 +152,16 @@ def _two_classes_or_more(path: str, classes: list[str], asked: bool, fix: str) -
     require(len(classes) > 1, key, value, f"{why}; {'name two or more' if asked else fix}")
 
 
+def _some_classes_left_out(eval_path: str, missing: list[str], classes: int) -> None:
+    """data.eval_path holds a part of the classes: its evaluations are of those alone."""
+    if missing:
+        log.warning(
+            "data.eval_path=%s has no images of %d of the %d classes (%s%s): evaluations are of "
+            "the others' images alone", eval_path, len(missing), classes, ", ".join(missing[:3]),
+            ", ..." * (len(missing) > 3),
+        )  # fmt: skip
+
+
 def _no_extra_classes(eval_path: str, found, classes: list[str], what: str, fix: str) -> None:
     """data.eval_path holds no class that training lacks (its labels would not exist)."""
     extra = sorted(set(found) - set(classes))
@@ -249,7 +260,9 @@ class ImageFolderDataConfig(DataConfig):
             _two_classes_or_more(self.path, self.classes, asked, fix)
             if self.eval_path:
                 self._eval_path_apart()
-                check_layout("data.eval_path", self.eval_path, self.classes)
+                check_layout("data.eval_path", self.eval_path, self.classes, some=True)
+                missing = missing_classes("data.eval_path", self.eval_path, self.classes, True)
+                _some_classes_left_out(self.eval_path, missing, len(self.classes))
                 found = class_folders(self.eval_path)
                 _no_extra_classes(self.eval_path, found, self.classes, "class folders", "remove")
             else:
@@ -334,7 +347,9 @@ class ImageShardsDataConfig(ImageFolderDataConfig):
             if self.eval_path:
                 self._eval_path_apart()
                 evals = load_index("data.eval_path", self.eval_path)
-                evals.labels_for("data.eval_path", self.classes)
+                evals.labels_for("data.eval_path", self.classes, some=True)
+                missing = [name for name in self.classes if name not in evals.classes]
+                _some_classes_left_out(self.eval_path, missing, len(self.classes))
                 _no_extra_classes(
                     self.eval_path, evals.classes, self.classes, "classes", "prepare it without"
                 )

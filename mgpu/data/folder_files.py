@@ -90,17 +90,36 @@ def _no_images(key: str, root: str, folder: str) -> FolderError:
     )
 
 
-def check_layout(key: str, root: str, classes: list[str]) -> None:
-    """Each class has a folder under `root` holding at least one image. Stops at the first
-    image of each folder, so a million-image tree is checked in a directory listing per class
-    (a run's config checks this before any process group exists; `scan` lists it all)."""
+def missing_classes(key: str, root: str, classes: list[str], some: bool) -> list[str]:
+    """The classes with no folder under `root`: a FolderError for the first, or with `some`
+    (an evaluation folder, which may hold a part of the classes) only if none has one."""
+    missing = [name for name in classes if not os.path.isdir(os.path.join(root, name))]
+    if missing and not some:
+        raise _no_folder(key, root, missing[0], os.path.join(root, missing[0]))
+    if some and len(missing) == len(classes):
+        raise FolderError(
+            key,
+            root,
+            f"has a folder for none of data.path's {len(classes)} classes "
+            f"({', '.join(classes[:3])}{', ...' * (len(classes) > 3)}); point it at a folder "
+            "with one subfolder of images per class, named as data.path's",
+        )
+    return missing
+
+
+def check_layout(key: str, root: str, classes: list[str], some: bool = False) -> None:
+    """Each class has a folder under `root` holding at least one image (with `some`, each class
+    that has a folder; missing_classes). Stops at the first image of each folder, so a
+    million-image tree is checked in a directory listing per class (a run's config checks this
+    before any process group exists; `scan` lists it all)."""
     check_root(key, root)
     if not classes:
         raise _no_classes(key, root)
+    missing = missing_classes(key, root, classes, some)
     for name in classes:
         folder = os.path.join(root, name)
-        if not os.path.isdir(folder):
-            raise _no_folder(key, root, name, folder)
+        if name in missing:
+            continue
         with os.scandir(folder) as entries:
             if not any(e.is_file() and _is_image(e.name) for e in entries):
                 raise _no_images(key, root, folder)
@@ -114,21 +133,22 @@ class Listing(NamedTuple):
     skipped: list[str]  # what training does not read, relative to the root (left_out_line)
 
 
-def scan(key: str, root: str, classes: list[str]) -> Listing:
+def scan(key: str, root: str, classes: list[str], some: bool = False) -> Listing:
     """`root`'s images and what it leaves out, in one listing of each class folder (a
     million-image tree on network storage is listed once, not once per question), with
     check_layout's checks. Sorted by class, then by file name, so that the sample order is the
     same on every host. Left out: files beside the class folders, and in the classes' folders
     sub-folders (only a class folder's own images are read) and files of other formats; hidden
-    entries (.DS_Store) are neither read nor said."""
+    entries (.DS_Store) are neither read nor said. `some`: as check_layout's."""
     skipped = check_root(key, root)
     if not classes:
         raise _no_classes(key, root)
+    missing = missing_classes(key, root, classes, some)
     files, labels = [], []
     for label, name in enumerate(classes):
         folder = os.path.join(root, name)
-        if not os.path.isdir(folder):
-            raise _no_folder(key, root, name, folder)
+        if name in missing:
+            continue
         images = []
         with os.scandir(folder) as entries:
             for e in entries:

@@ -143,7 +143,7 @@ class ImageFolder(Dataset):
 
     def _split_files(self, path: str, eval_path: str, eval_samples: int | str):
         if eval_path and not self.train:
-            listing = scan("data.eval_path", eval_path, self.classes)
+            listing = scan("data.eval_path", eval_path, self.classes, some=True)
             self._say_left_out("data.eval_path", eval_path, listing.skipped)
             return listing.files, listing.labels
         files, labels, skipped = scan("data.path", path, self.classes)

@@ -56,12 +56,13 @@ class ShardIndex:
     label: np.ndarray  # [N] int64, a position in `classes`
     path: list[str]  # relative to the folder it was prepared from
 
-    def labels_for(self, key: str, classes: list[str]) -> np.ndarray:
+    def labels_for(self, key: str, classes: list[str], some: bool = False) -> np.ndarray:
         """Each sample's label as a position in `classes` (the run's class list, which may
         order or choose the classes otherwise than this index), -1 for a class not among
-        them. Every one of `classes` must have images here."""
+        them. Every one of `classes` must have images here (with `some`, an evaluation set, at
+        least one)."""
         missing = [name for name in classes if name not in self.classes]
-        if missing:
+        if missing and (not some or len(missing) == len(classes)):
             raise FolderError(
                 key,
                 self.root,
@@ -126,7 +127,7 @@ class ImageShards(ImageFolder):
         if eval_path and not self.train:
             key, root = ("data.eval_path", eval_path)
         index = load_index(key, root)
-        labels = index.labels_for(key, self.classes)
+        labels = index.labels_for(key, self.classes, some=key == "data.eval_path")
         taken = np.flatnonzero(labels >= 0)
         if not eval_path:
             taken = taken[split_indices(len(taken), eval_samples, self.train)]
