@@ -299,7 +299,7 @@ def test_bad_files_are_all_named_or_skipped(tmp_path, capsys):
     for name in ("ant/img01_rgb.jpg", "bee/img02_rgb.jpg"):  # each named by its path
         assert f"{tmp_path / 'src' / name}: not a readable image (" in line, line
     assert "BytesIO" not in line and "--bad-files skip" in line, line
-    assert list(dst.iterdir()) == []  # not even the shards written before the second
+    assert not dst.exists()  # not even the shards written before the second, nor DST itself
     run_prepare(tmp_path / "src", dst, "--bad-files", "skip")
     out = capsys.readouterr().out
     assert "skipped 2 unreadable image(s)" in out and "ant/img01_rgb.jpg" in out, out
@@ -362,10 +362,11 @@ def test_killed_run_leaves_no_index_and_training_refuses(tmp_path, capsys):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", KILLED, *args], env=env, capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    left = listing(dst)
-    finished = [n for n in left if n.startswith("shard-")]
-    assert "index.json" not in left and finished, sorted(left)
-    assert [n for n in left if n not in finished] == [f".shard-{len(finished):06d}.tar.tmp"]
+    # what it wrote is in DST's hidden temporary folder, the open shard with them, no index
+    assert os.listdir(dst) == [".prepare.tmp"]
+    left = listing(dst / ".prepare.tmp")
+    finished = sorted(left)[:-1]  # the last one was open
+    assert sorted(left) == [f"shard-{k:06d}.tar" for k in range(len(left))], sorted(left)
     with pytest.raises(ConfigError, match="not a prepared image set"):
         ImageShardsDataConfig(path=str(dst))
     # and train.py's first step (check_command_line, here in this process) says it in one line
@@ -379,8 +380,8 @@ def test_killed_run_leaves_no_index_and_training_refuses(tmp_path, capsys):
     run_prepare(src, dst, "--shard-mb", "0.008")
     run_prepare(src, tmp_path / "again", "--shard-mb", "0.008", workers=2)
     assert listing(dst) == listing(tmp_path / "again") and len(listing(dst)) > len(finished)
-    # a final name only on a whole shard: those of the killed run are the finished run's
-    assert all(left[name] == listing(dst)[name] for name in finished)
+    # the shards the killed run had finished are the finished run's
+    assert finished and all(left[name] == listing(dst)[name] for name in finished)
     capsys.readouterr()
     with pytest.raises(SystemExit) as stop:
         run_prepare(src, dst, "--shard-mb", "0.008")

@@ -25,6 +25,7 @@ from mgpu.data.folder_files import (
     auto_eval_samples,
     check_layout,
     check_root,
+    check_two_classes,
     class_folders,
     count_images,
     missing_classes,
@@ -144,14 +145,6 @@ class ImageDataConfig(DataConfig):
         require(self.num_classes > 1, "data.num_classes", self.num_classes, why)
 
 
-def _two_classes_or_more(path: str, classes: list[str], asked: bool, fix: str) -> None:
-    """A classifier of one class learns nothing (its loss is 0 from the first step). `fix`:
-    what gives data.path more classes; `asked`: data.classes named them."""
-    key, value = ("data.classes", classes) if asked else ("data.path", path)
-    why = f"gives one class ({classes[0]!r}), and a classifier learns nothing from one"
-    require(len(classes) > 1, key, value, f"{why}; {'name two or more' if asked else fix}")
-
-
 def _some_classes_left_out(eval_path: str, missing: list[str], classes: int) -> None:
     """data.eval_path holds a part of the classes: its evaluations are of those alone."""
     if missing:
@@ -256,8 +249,7 @@ class ImageFolderDataConfig(DataConfig):
             if not asked:
                 self.classes = discovered
             check_layout("data.path", self.path, self.classes)
-            fix = "put each class's images in a subfolder of its own"
-            _two_classes_or_more(self.path, self.classes, asked, fix)
+            check_two_classes(self.path, self.classes, asked)
             if self.eval_path:
                 self._eval_path_apart()
                 check_layout("data.eval_path", self.eval_path, self.classes, some=True)
@@ -341,7 +333,7 @@ class ImageShardsDataConfig(ImageFolderDataConfig):
             self.classes = self.classes or list(index.classes)
             labels = index.labels_for("data.path", self.classes)
             fix = "prepare it again from a folder of two or more class subfolders"
-            _two_classes_or_more(self.path, self.classes, asked, fix)
+            check_two_classes(self.path, self.classes, asked, fix)
             if not self.eval_path:
                 self._hold_out(int((labels >= 0).sum()))
             if self.eval_path:

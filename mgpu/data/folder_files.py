@@ -125,6 +125,41 @@ def check_layout(key: str, root: str, classes: list[str], some: bool = False) ->
                 raise _no_images(key, root, folder)
 
 
+def list_class(key: str, root: str, name: str) -> tuple[list[str], list[str]]:
+    """One class folder's images (sorted by file name) and what training leaves out of it (its
+    sub-folders and files of other formats, relative to `root`), in one listing; a FolderError
+    if it holds no images."""
+    folder = os.path.join(root, name)
+    images, skipped = [], []
+    with os.scandir(folder) as entries:
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_dir():
+                skipped.append(os.path.join(name, e.name) + os.sep)
+            elif _is_image(e.name):
+                images.append(e.name)
+            else:
+                skipped.append(os.path.join(name, e.name))
+    if not images:
+        raise _no_images(key, root, folder)
+    prefix = os.path.join(folder, "")  # os.path.join's result, at a million files' pace
+    return [prefix + n for n in sorted(images)], skipped
+
+
+ONE_FOLDER_FIX = "put each class's images in a subfolder of its own"
+
+
+def check_two_classes(root: str, classes: list[str], asked: bool, fix: str = ONE_FOLDER_FIX):
+    """A classifier of one class learns nothing (its loss is 0 from the first step). `fix`:
+    what gives data.path more classes; `asked`: data.classes named them."""
+    if len(classes) > 1:
+        return
+    key, value = ("data.classes", classes) if asked else ("data.path", root)
+    why = f"gives one class ({classes[0]!r}), and a classifier learns nothing from one"
+    raise FolderError(key, value, f"{why}; {'name two or more' if asked else fix}")
+
+
 class Listing(NamedTuple):
     """An image folder's contents as training reads them."""
 
@@ -146,25 +181,11 @@ def scan(key: str, root: str, classes: list[str], some: bool = False) -> Listing
     missing = missing_classes(key, root, classes, some)
     files, labels = [], []
     for label, name in enumerate(classes):
-        folder = os.path.join(root, name)
-        if name in missing:
-            continue
-        images = []
-        with os.scandir(folder) as entries:
-            for e in entries:
-                if e.name.startswith("."):
-                    continue
-                if e.is_dir():
-                    skipped.append(os.path.join(name, e.name) + os.sep)
-                elif _is_image(e.name):
-                    images.append(e.name)
-                else:
-                    skipped.append(os.path.join(name, e.name))
-        if not images:
-            raise _no_images(key, root, folder)
-        prefix = os.path.join(folder, "")  # os.path.join's result, at a million files' pace
-        files += [prefix + n for n in sorted(images)]
-        labels += [label] * len(images)
+        if name not in missing:
+            images, left = list_class(key, root, name)
+            files += images
+            labels += [label] * len(images)
+            skipped += left
     return Listing(files, labels, sorted(skipped))
 
 

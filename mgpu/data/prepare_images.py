@@ -4,8 +4,10 @@ layout tar shards (<key>.jpg, <key>.cls) with an index of each JPEG's offset in 
 
 python -m mgpu.data.prepare_images SRC DST --max-side N [--shard-mb M] [--workers K] [--quality Q]
 
-Atomic: a shard is written under a temporary name and renamed once complete, and the index,
-without which training refuses DST, is written last; an interrupted run leaves no index.
+Nothing half-written, nothing lost: the new set is written whole into DST/.prepare.tmp (its
+index last, once every shard is on disk) and only then swapped in for what DST held, so a run
+that fails or is stopped (Ctrl-C, SIGTERM) leaves DST as it was; the next run clears what a
+killed one left. DST must be new, empty, or a prepared set (replaced with --overwrite).
 """
 
 from __future__ import annotations
@@ -15,28 +17,27 @@ import io
 import json
 import os
 import re
+import shutil
+import signal
 import sys
 import tarfile
 import time
+from contextlib import contextmanager, nullcontext
 from functools import partial
-from multiprocessing import Pool
 
 from PIL import Image
 
-from mgpu.data.folder_files import (
-    FolderError,
-    class_folders,
-    left_out_line,
-    scan,
-)
+from mgpu.data.folder_files import FolderError, class_folders, left_out_line, scan
 from mgpu.data.image_folder import UNREADABLE, eight_bits, unreadable_line
 from mgpu.data.image_shards import FORMAT, INDEX_NAME, SAMPLE_FIELDS, VERSION, shard_name
 from mgpu.data.progress import Progress
+from mgpu.data.quiet_pool import quiet_pool
 
 PROG = "python -m mgpu.data.prepare_images"
-# What a run writes into DST, finished or not: removed before a run writes anew (--overwrite,
-# or what an interrupted run left), and nothing else in DST is touched.
+# What a run writes into DST, finished or not (the last two by runs before .prepare.tmp):
+# replaced by a new set, and nothing else in DST is touched.
 OURS = re.compile(r"(shard-\d{6}\.tar|\.shard-\d{6}\.tar\.tmp|\.index\.json\.tmp)")
+TEMP = ".prepare.tmp"  # in DST: the set being written; complete once its index.json is there
 
 
 class PrepareError(Exception):
@@ -46,6 +47,26 @@ class PrepareError(Exception):
 class UsageError(PrepareError):
     """A SRC or DST that cannot work, found before any image is read: exit 2, as argparse
     exits for a bad argument."""
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the same clean-up."""
+
+
+def on_sigterm(_signum, _frame) -> None:
+    raise Stopped
+
+
+@contextmanager
+def held():
+    """SIGINT and SIGTERM blocked until the block ends, then acted on: a swap or a clean-up cut
+    in two would leave DST half-replaced. (The pool's threads, which could take them, are gone.)"""
+    signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def target_size(width: int, height: int, max_side: int) -> tuple[int, int]:
@@ -86,9 +107,9 @@ def encode(path: str, max_side: int, quality: int) -> tuple[bytes, bool] | str:
 
 
 class ShardWriter:
-    """Samples appended in order to shard-NNNNNN.tar files in `dst` of about `limit` bytes:
-    each written as .shard-NNNNNN.tar.tmp and renamed when complete, its JPEGs' offsets read
-    back from the closed file with tarfile (the offsets the index records)."""
+    """Samples appended in order to shard-NNNNNN.tar files in `dst` (the run's temporary folder)
+    of about `limit` bytes, each one's JPEG offsets read back from the closed file with tarfile
+    (the offsets the index records)."""
 
     def __init__(self, dst: str, limit: int):
         self.dst, self.limit = dst, limit
@@ -104,12 +125,12 @@ class ShardWriter:
         member = 512 + -(-len(jpeg) // 512) * 512 + 2 * 512
         done = self.finish() if self._tar and self._size + member > self.limit else None
         if self._tar is None:
-            self._tar = tarfile.open(self._temp(len(self.shards)), "w", format=tarfile.USTAR_FORMAT)
+            shard = os.path.join(self.dst, shard_name(len(self.shards)))
+            self._tar = tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT)
             self._size, self._pending = 1024, []  # the two end-of-archive blocks
         key = f"{len(self.rows) + len(self._pending):09d}"
         for suffix, payload in ((".jpg", jpeg), (".cls", str(label).encode())):
-            # TarInfo's defaults (mtime 0, mode 0o644, no owner) keep the bytes the same run
-            # to run.
+            # TarInfo's defaults (mtime 0, mode 0o644, no owner): the same bytes run to run
             info = tarfile.TarInfo(key + suffix)
             info.size = len(payload)
             self._tar.addfile(info, io.BytesIO(payload))
@@ -118,39 +139,21 @@ class ShardWriter:
         return done
 
     def finish(self) -> str | None:
-        """Close the open shard, make it durable, give it its final name, record its rows."""
+        """Close the open shard, make it durable, record its rows."""
         if self._tar is None:
             return None
         self._tar.close()
         self._tar = None
-        number = len(self.shards)
-        temp, name = self._temp(number), shard_name(number)
-        with open(temp, "rb+") as f:
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
-        with tarfile.open(temp) as tar:
-            where = {m.name: (m.offset_data, m.size) for m in tar}
+        number, name = len(self.shards), shard_name(len(self.shards))
+        with open(os.path.join(self.dst, name), "rb") as f:
+            os.fsync(f.fileno())  # on disk before the index that names it
+            with tarfile.open(fileobj=f) as tar:
+                where = {m.name: (m.offset_data, m.size) for m in tar}
+            size = f.seek(0, os.SEEK_END)
         for key, label, path in self._pending:
             self.rows.append([number, *where[key + ".jpg"], label, path])
-        final = os.path.join(self.dst, name)
-        os.replace(temp, final)
-        self.shards.append(
-            {"name": name, "bytes": os.path.getsize(final), "samples": len(self._pending)}
-        )
+        self.shards.append({"name": name, "bytes": size, "samples": len(self._pending)})
         return name
-
-    def abort(self) -> None:
-        """Stop and remove every file written so far, finished shards too. (A process killed
-        outright leaves them, without an index: the next run into DST removes them.)"""
-        if self._tar is not None:
-            self._tar.close()
-            self._tar = None
-            os.remove(self._temp(len(self.shards)))
-        for shard in self.shards:
-            os.remove(os.path.join(self.dst, shard["name"]))
-        self.shards, self.rows = [], []
-
-    def _temp(self, number: int) -> str:
-        return os.path.join(self.dst, f".{shard_name(number)}.tmp")
 
 
 def write_index(dst: str, header: dict, shards: list[dict], rows: list[list]) -> None:
@@ -168,50 +171,74 @@ def write_index(dst: str, header: dict, shards: list[dict], rows: list[list]) ->
     os.replace(temp, os.path.join(dst, INDEX_NAME))
 
 
-def clear(dst: str, overwrite: bool) -> None:
-    """Make DST ready: refuse a prepared set unless overwriting; remove what an earlier run
-    wrote (the index first, so that no moment has an index over missing shards)."""
+def swap(dst: str, temp: str, shards: list[str]) -> None:
+    """Put the complete set in `temp` in place of whatever set DST holds. DST's index goes
+    first: from then on DST is no set until the new index lands, never an index over another
+    set's shards. A run killed on the way leaves temp's index, and tidy() finishes the swap."""
     index = os.path.join(dst, INDEX_NAME)
     if os.path.exists(index):
-        if not overwrite:
-            raise UsageError(
-                f"DST={dst!r} already holds a prepared image set ({INDEX_NAME}); pass "
-                "--overwrite to replace it, or choose another folder"
-            )
         os.remove(index)
-    for name in sorted(os.listdir(dst)):
-        if OURS.fullmatch(name):
+    for name in shards:
+        if os.path.exists(os.path.join(temp, name)):  # not yet moved by a swap cut short
+            os.replace(os.path.join(temp, name), os.path.join(dst, name))
+    for name in os.listdir(dst):  # the old set's other shards, and older runs' leftovers
+        if OURS.fullmatch(name) and name not in shards:
             os.remove(os.path.join(dst, name))
+    fd = os.open(dst, os.O_RDONLY)
+    os.fsync(fd)  # the shards' renames on disk before the index that names them
+    os.close(fd)
+    os.replace(os.path.join(temp, INDEX_NAME), index)
+    shutil.rmtree(temp)
 
 
-def encoded(files: list[str], args: argparse.Namespace):
-    """Each file's encode() result, in file order, from --workers processes."""
-    work = partial(encode, max_side=args.max_side, quality=args.quality)
-    if args.workers == 1:
-        yield from map(work, files)
-        return
-    with Pool(args.workers) as pool:
-        yield from pool.imap(work, files, chunksize=16)
+def tidy(dst: str) -> None:
+    """What a run killed outright (SIGKILL, power loss) left in DST: a set whose swap was cut
+    short is put in place; an unfinished one is removed."""
+    temp = os.path.join(dst, TEMP)
+    if os.path.isfile(os.path.join(temp, INDEX_NAME)):
+        with open(os.path.join(temp, INDEX_NAME), encoding="utf-8") as f:
+            shards = [shard["name"] for shard in json.load(f)["shards"]]
+        swap(dst, temp, shards)
+        print(f"{PROG}: put in place the set that a killed run had written into {dst}")
+    elif os.path.isdir(temp):
+        shutil.rmtree(temp)
 
 
-def prepare(args: argparse.Namespace) -> None:
-    src, dst = args.src, args.dst
-    try:
-        classes = class_folders(src) if os.path.isdir(src) else []
-        files, labels, skipped = scan("SRC", src, classes)
-    except FolderError as err:
-        raise UsageError(str(err)) from None
+def ready(src: str, dst: str, overwrite: bool) -> bool:
+    """Refuse a DST that cannot take a set: inside SRC, a file, a prepared set without
+    --overwrite, a folder holding anything else. Whether DST is still to be created."""
     inside = os.path.realpath(dst) + os.sep
     if inside.startswith(os.path.realpath(src) + os.sep):
         raise UsageError(f"DST={dst!r} is inside SRC={src!r}; write it somewhere else")
-    if os.path.exists(dst) and not os.path.isdir(dst):
+    if not os.path.exists(dst):
+        return True
+    if not os.path.isdir(dst):
         raise UsageError(f"DST={dst!r} is a file; name a folder (created if missing)")
-    os.makedirs(dst, exist_ok=True)
-    clear(dst, args.overwrite)
-    print(f"{PROG}: {len(files):,} images of {len(classes)} classes in {src}", flush=True)
-    if skipped:
-        print(f"{PROG}: {left_out_line('SRC', src, skipped)}", flush=True)
-    writer = ShardWriter(dst, int(args.shard_mb * 2**20))
+    tidy(dst)
+    prepared = os.path.exists(os.path.join(dst, INDEX_NAME))
+    if prepared and not overwrite:
+        raise UsageError(
+            f"DST={dst!r} already holds a prepared image set ({INDEX_NAME}); pass "
+            "--overwrite to replace it, or choose another folder"
+        )
+    # Hidden entries (.DS_Store) are not the user's data, as training does not read them.
+    other = sorted(e.name + os.sep * e.is_dir() for e in os.scandir(dst) if e.name[0] != ".")
+    other = [name for name in other if not OURS.fullmatch(name)]
+    if other and not prepared:
+        raise UsageError(
+            f"DST={dst!r} is not empty and not a prepared image set (no {INDEX_NAME}): it holds "
+            f"{', '.join(other[:5])}{', ...' * (len(other) > 5)}; name an empty or new folder, "
+            "or an existing prepared set with --overwrite"
+        )
+    return False
+
+
+def write_set(args: argparse.Namespace, listing, classes: list[str], temp: str):
+    """Every image encoded into shards in `temp`, its index last: (the ShardWriter, the bad
+    files as (path in SRC, why), how many kept their bytes). PrepareError, nothing written, for
+    a bad file under --bad-files error."""
+    (files, labels, _), src = listing, args.src
+    writer = ShardWriter(temp, int(args.shard_mb * 2**20))
     bad, kept, start = [], 0, time.monotonic()
     # Between the shards' lines (a shard can take minutes), on a terminal only.
     done = Progress(f"{PROG}: encoded", len(files), "images")
@@ -221,29 +248,26 @@ def prepare(args: argparse.Namespace) -> None:
             took = time.monotonic() - start
             print(f"  {shard}: {k + 1:,}/{len(files):,} images, {took:.0f} s", flush=True)
 
-    try:
-        for k, result in enumerate(encoded(files, args)):
+    work = partial(encode, max_side=args.max_side, quality=args.quality)
+    # A Ctrl-C leaves the `with` through terminate(): the workers end at once.
+    with quiet_pool(args.workers) if args.workers > 1 else nullcontext() as pool:
+        results = pool.imap(work, files, chunksize=16) if pool else map(work, files)
+        for k, result in enumerate(results):  # in file order
             done.update(k + 1)
             if isinstance(result, str):
                 bad.append((os.path.relpath(files[k], src), result))
-                if args.bad_files == "error":
-                    writer.abort()  # and go on, writing nothing, only to name every bad file
-                continue
-            if bad and args.bad_files == "error":
-                continue
+            if isinstance(result, str) or (bad and args.bad_files == "error"):
+                continue  # under error, read on only to name every bad file
             kept += result[1]
             # a shard that adding sample k completed holds the samples before it
             progress(writer.add(result[0], labels[k], os.path.relpath(files[k], src)), k - 1)
-        if bad and args.bad_files == "error":
-            raise PrepareError(
-                f"{len(bad)} unreadable image(s), nothing written: "
-                + "; ".join(why for _, why in bad)
-                + "; remove them, or pass --bad-files skip to leave them out"
-            )
-        progress(writer.finish(), len(files) - 1)
-    except BaseException:  # a bad file under error, Ctrl-C, a full disk: nothing left behind
-        writer.abort()
-        raise
+    if bad and args.bad_files == "error":
+        raise PrepareError(
+            f"{len(bad)} unreadable image(s), nothing written: "
+            + "; ".join(why for _, why in bad)
+            + "; remove them, or pass --bad-files skip to leave them out"
+        )
+    progress(writer.finish(), len(files) - 1)
     if not writer.rows:
         raise PrepareError(f"SRC={src!r}: none of its {len(files)} images can be read")
     header = {
@@ -256,7 +280,33 @@ def prepare(args: argparse.Namespace) -> None:
         "skipped": [path for path, _ in bad],
         "fields": SAMPLE_FIELDS,
     }
-    write_index(dst, header, writer.shards, writer.rows)
+    write_index(temp, header, writer.shards, writer.rows)
+    return writer, bad, kept
+
+
+def prepare(args: argparse.Namespace) -> None:
+    src, dst = args.src, args.dst
+    try:
+        classes = class_folders(src) if os.path.isdir(src) else []
+        listing = scan("SRC", src, classes)
+    except FolderError as err:
+        raise UsageError(str(err)) from None
+    created = ready(src, dst, args.overwrite)
+    print(f"{PROG}: {len(listing.files):,} images of {len(classes)} classes in {src}", flush=True)
+    if listing.skipped:
+        print(f"{PROG}: {left_out_line('SRC', src, listing.skipped)}", flush=True)
+    temp = os.path.join(dst, TEMP)
+    try:
+        os.makedirs(temp)
+        writer, bad, kept = write_set(args, listing, classes, temp)
+    except BaseException:  # a bad file under error, Ctrl-C, a full disk: DST as it was
+        with held():
+            shutil.rmtree(temp, ignore_errors=True)
+            if created:
+                shutil.rmtree(dst, ignore_errors=True)
+        raise
+    with held():
+        swap(dst, temp, [shard["name"] for shard in writer.shards])
     if bad:
         print(f"skipped {len(bad)} unreadable image(s) (--bad-files skip):")
         print("\n".join(f"  {why}" for _, why in bad))
@@ -279,7 +329,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "beyond --max-side for less to read and decode.",
     )
     parser.add_argument("src", help="the image folder, one subfolder of images per class")
-    parser.add_argument("dst", help="the folder to write (created if missing)")
+    parser.add_argument(
+        "dst", help="a new or empty folder, or a prepared set to replace (with --overwrite)"
+    )
     parser.add_argument(
         "--max-side",
         type=int,
@@ -325,13 +377,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    before = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         prepare(args)
+    except KeyboardInterrupt as stop:  # one line, as train.py says it; 128 + the signal
+        sig = signal.SIGTERM if isinstance(stop, Stopped) else signal.SIGINT
+        how = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+        print(f"{PROG}: interrupted ({how}); nothing half-written in {args.dst}", file=sys.stderr)
+        sys.exit(128 + sig)
     except UsageError as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         sys.exit(2)
     except PrepareError as err:  # images found unreadable: exit 1, as check_images does
         sys.exit(f"{PROG}: {err}")
+    finally:  # the caller's handler back (a test calls main in its own process)
+        signal.signal(signal.SIGTERM, before)
 
 
 if __name__ == "__main__":
