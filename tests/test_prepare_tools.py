@@ -48,8 +48,11 @@ def tree(root: Path) -> dict[str, bytes | None]:
 
 
 def command(module: str, args: list[str], hook: str = "") -> subprocess.CompletedProcess:
-    """`python -m module args` in a process group of its own, after the Python in `hook`."""
-    script = f"import sys\n{hook}\nfrom {module} import main\nmain(sys.argv[1:])\n"
+    """`python -m module args` in a process group of its own, after the Python in `hook`, with
+    Ctrl-C's default action, as a terminal's shell starts it (a suite run in the background
+    has SIGINT ignored, which a child inherits and Python then leaves ignored)."""
+    sigint = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    script = f"import sys\n{sigint}{hook}\nfrom {module} import main\nmain(sys.argv[1:])\n"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-c", script, *args],
