@@ -47,6 +47,20 @@ class BadFiles(Enum):
     skip = "skip"
 
 
+def short_of_a_batch(batch_size: int, world_size: int, per_rank: int) -> ConfigError:
+    """A training split that gives each of `world_size` processes `per_rank` samples, fewer than
+    data.batch_size: what the loader says once the data set is known, and a token file's config
+    before the run directory exists."""
+    return ConfigError(
+        "data.batch_size",
+        batch_size,
+        f"each of the {world_size} processes gets only {per_rank} training samples, less than "
+        "one batch; "
+        + (f"lower data.batch_size (at most {per_rank} here), " if per_rank else "")
+        + "run fewer processes, or train on more data",
+    )
+
+
 @dataclass
 class DataConfig:
     _target_: str = MISSING  # import path of a Dataset class built as Cls(split=..., **kwargs)

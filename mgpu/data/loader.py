@@ -34,7 +34,7 @@ from mgpu.data.batches import (  # noqa: F401 - re-exported: mgpu.data.loader wa
     to_device,
     transform_inputs,
 )
-from mgpu.data.config import DataConfig
+from mgpu.data.config import DataConfig, short_of_a_batch
 from mgpu.data.decode_switch import WorkerSwitch
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.data.sampler import ShardedSampler, epochs  # noqa: F401 - epochs re-exported
@@ -63,14 +63,7 @@ def build_dataloader(
     stream = train if stream is None else stream and train
     per_rank = len(dataset) // rt.world_size  # a training shard's samples an epoch
     if train and per_rank < cfg.batch_size:  # the data set is known only now: one line, exit 2
-        raise ConfigError(
-            "data.batch_size",
-            cfg.batch_size,
-            f"each of the {rt.world_size} processes gets only {per_rank} training samples, "
-            "less than one batch; "
-            + (f"lower data.batch_size (at most {per_rank} here), " if per_rank else "")
-            + "run fewer processes, or train on more data",
-        )
+        raise short_of_a_batch(cfg.batch_size, rt.world_size, per_rank)
     sampler = ShardedSampler(
         len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed,
         stream_batch=cfg.batch_size if stream else 0,

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from mgpu.config.checks import ConfigError, auto_or_positive_int, require
-from mgpu.data.config import DataConfig
+from mgpu.data.config import DataConfig, short_of_a_batch
 from mgpu.data.token_file import (
     TOKEN_DTYPE,
     auto_eval_samples,
@@ -149,15 +149,7 @@ class TokenFileDataConfig(DataConfig):
         if train >= need:
             return
         if windows - need < 1:  # no holdout leaves enough: the batch is too big for the file
-            per_rank = train // world_size
-            raise ConfigError(  # mgpu.data.loader's words, which it says once the run exists
-                "data.batch_size",
-                self.batch_size,
-                f"each of the {world_size} processes gets only {per_rank} training samples, "
-                "less than one batch; "
-                + (f"lower data.batch_size (at most {per_rank} here), " if per_rank else "")
-                + "run fewer processes, or train on more data",
-            )
+            raise short_of_a_batch(self.batch_size, world_size, train // world_size)
         auto = auto_eval_samples(windows)
         also = f" (auto: {auto} here)" if windows - auto >= need else ""
         raise ConfigError(
