@@ -222,6 +222,15 @@ NEWCOMER_MISTAKES = [
         ["data=tokens", "data.path={odd}", "data.tokenizer=bytes"],
         ["odd.bin", "2001 bytes, not a multiple of 2"],
     ),
+    (  # the folder the token file is in, whether anything else reads it first or not
+        ["data=tokens", "data.path={empty}"],
+        ["empty': is a folder; name the token file in it, e.g. data.path=", "empty/train.bin"],
+    ),
+    (
+        ["data=tokens", "data.path={empty}", "data.tokenizer=bytes", "data.vocab_size=256"],
+        ["empty': is a folder; name the token file in it"],
+    ),
+    (["data=tokens", "data.path=null"], ["data.path='null': field 'data.path' is not Optional"]),
 ]
 
 
@@ -232,7 +241,7 @@ def test_newcomer_mistakes_are_each_one_clear_line(tmp_path, bad_token_file, ove
     line = said_by_train_py(args, tmp_path)
     for word in expected:
         assert word in line, line
-    assert "schema" not in line
+    assert "schema" not in line and "???" not in line  # no required setting's placeholder
 
 
 # A launch under torchrun of a mistake in the data (a file the check opens): the line above,

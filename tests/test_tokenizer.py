@@ -330,8 +330,11 @@ def test_a_failed_prepare_leaves_the_previous_token_file_as_it_was(tmp_path, cap
     monkeypatch.setattr(prepare_module, "encoded", interrupted)
     monkeypatch.setattr(prepare_module, "byte_ids", interrupted)
     for args in (["--train-bpe", "300"], ["--tokenizer", "train.bin.tokenizer.json"], []):
-        with pytest.raises(KeyboardInterrupt):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:  # one line, exit 130, as train.py's Ctrl-C
             prepare_main(["corpus.txt", "train.bin", *args])
+        said = "python -m mgpu.data.prepare: interrupted (Ctrl-C); train.bin left as it was\n"
+        assert stop.value.code == 130 and capsys.readouterr().err == said, args
         assert files(tmp_path) == before, args
     cfg = to_config(compose_config(f"data.path={tmp_path / 'train.bin'}"))
     assert cfg.data.vocab_size == 300

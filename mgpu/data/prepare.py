@@ -265,6 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         meta = prepare(args)
+    except KeyboardInterrupt:  # one line, as train.py says it; 128 + SIGINT, as a shell
+        print(f"{PROG}: interrupted (Ctrl-C); {args.output} left as it was", file=sys.stderr)
+        sys.exit(130)
     except TokenizerError as err:
         # bad input found only once read (not UTF-8, a tokenizer that cannot be used): said
         # as argparse says a bad argument, and exit 2 as it does

@@ -42,6 +42,15 @@ from mgpu.data.tokenizer import (
 NO_FILE = "no such file; make one from a text file with python -m mgpu.data.prepare"
 
 
+def no_token_file(path: str) -> ConfigError:
+    """data.path names no file: a folder (the token file in it was meant), or nothing."""
+    if os.path.isdir(path):
+        example = os.path.join(path, "train.bin")
+        return ConfigError("data.path", path, f"is a folder; name the token file in it, e.g. "
+                           f"data.path={example}")  # fmt: skip
+    return ConfigError("data.path", path, NO_FILE)
+
+
 @dataclass(frozen=True)
 class SavedRun:
     """A trained run whose saved config an after-training command reads back (mgpu.restore)."""
@@ -179,7 +188,7 @@ class TokenFileDataConfig(DataConfig):
         value resolved) reads nothing but the metadata: its token file may be gone."""
         given = self.tokenizer not in ("auto", BYTES, *UNDECODED) and not self.tokenizer_sha256
         if (given or "auto" in (self.tokenizer, self.vocab_size)) and not os.path.isfile(self.path):
-            raise ConfigError("data.path", self.path, NO_FILE)
+            raise no_token_file(self.path)
         try:
             meta = read_meta(self.path)
         except TokenizerError as err:

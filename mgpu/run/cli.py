@@ -23,6 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
 from hydra.experimental.callback import Callback
+from omegaconf import MISSING as OMEGACONF_MISSING
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
@@ -37,7 +38,7 @@ from mgpu.config.sweep import sweep_points
 from mgpu.config.targets import check_arguments
 from mgpu.data.config import ImageFolderDataConfig
 from mgpu.data.folder_files import FolderError, check_root
-from mgpu.data.token_config import NO_FILE, TokenFileDataConfig
+from mgpu.data.token_config import TokenFileDataConfig, no_token_file
 from mgpu.models.gpt import CUDA_ONLY_ATTENTION
 from mgpu.run.config import Config, describe_error, to_config
 from mgpu.runtime import dist
@@ -66,7 +67,8 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
         why = "runs on CUDA GPUs only, and this machine has none; use auto, torch, flash or math"
         raise ConfigError("model.attention", attention, why)
     if isinstance(config.data, TokenFileDataConfig):  # set whole, it validates without it
-        require(os.path.isfile(config.data.path), "data.path", config.data.path, NO_FILE)
+        if not os.path.isfile(config.data.path):
+            raise no_token_file(config.data.path)
         # a batch for every process left by the holdout: the world is known here, not in it
         config.data.check_train_batches(dist.launch_env().world_size)
     if isinstance(config.data, ImageFolderDataConfig):  # with data.classes, it validates without
@@ -262,8 +264,10 @@ def composition_error(err: ConfigCompositionException, overrides: list[Override]
 
 
 def _default(schema: Any, name: str) -> Any:
+    """A setting's default, as an example of its values; None for one without (a required
+    setting's default is OmegaConf's "???", no example)."""
     for f in fields(schema) if is_dataclass(schema) else ():
-        if f.name == name and f.default is not MISSING:
+        if f.name == name and f.default not in (MISSING, OMEGACONF_MISSING):
             return getattr(f.default, "name", f.default)
     return None
 
