@@ -5,7 +5,8 @@ python -m mgpu.export RUN_DIR_OR_CHECKPOINT OUT.safetensors
 
 Writes OUT.safetensors (the model's state_dict) and OUT.json: {"model": the model config
 (`_target_` and its arguments), "data": the run's data config (an image folder's "classes", in
-the order of the model's outputs; a token file's tokenizer), "inputs": what the model takes,
+the order of the model's outputs; a token file's tokenizer: the name of OUT.tokenizer.json, a
+copy of the run's tokenizer written beside, where it has one), "inputs": what the model takes,
 "tied": {name: the name it shares its tensor with}, "checkpoint", "step"}. Tied tensors (GPT's
 token embedding is its output head) are stored once, under the first name; safetensors refuses
 tensors that share memory. read() puts them back.
@@ -17,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -72,9 +74,16 @@ def export(restored: Restored, out: Path) -> Path:
 
     state, tied = untied_state(restored.model)
     data = restored.config.data
+    files = [(out, lambda tmp: save_file(state, tmp, metadata=meta))]
+    data_config = dataclasses.asdict(data)
+    tokenizer = restored.tokenizer_file()
+    if tokenizer is not None:  # the export decodes without the run directory: a copy beside
+        copy = out.with_suffix(".tokenizer.json")
+        files.append((copy, lambda tmp: shutil.copyfile(tokenizer, tmp)))
+        data_config["tokenizer"] = copy.name  # beside the .json that names it
     config = {
         "model": dataclasses.asdict(restored.config.model),
-        "data": dataclasses.asdict(data),
+        "data": data_config,
         "inputs": inputs(data),
         "tied": tied,
         "checkpoint": str(restored.path),
@@ -84,10 +93,7 @@ def export(restored: Restored, out: Path) -> Path:
     beside = out.with_suffix(".json")
     text = json.dumps(config, indent=1, default=_plain) + "\n"
     # Each file appears whole or not at all: written under a temporary name, then renamed.
-    for path, write in (
-        (out, lambda tmp: save_file(state, tmp, metadata=meta)),
-        (beside, lambda tmp: Path(tmp).write_text(text)),
-    ):
+    for path, write in (*files, (beside, lambda tmp: Path(tmp).write_text(text))):
         tmp = path.with_name(path.name + ".tmp")
         try:
             write(str(tmp))

@@ -239,6 +239,15 @@ class Restored:
             )
         if name == BYTES:
             return ByteTokenizer()
+        return JsonTokenizer(self.tokenizer_file())
+
+    def tokenizer_file(self) -> Path | None:
+        """The run's own copy of its tokenizer.json, checked against the sha256 the checkpoint's
+        config recorded; None for a run without one (byte-level, token ids alone, other data)."""
+        data = self.config.data
+        name = getattr(data, "tokenizer", None)
+        if name in (None, NONE, "", BYTES):
+            return None
         copy = self.path.parent.parent / RUN_TOKENIZER  # <run dir>/checkpoints/step-N
         # The fix names the content, not a file: data.tokenizer's path may hold another
         # tokenizer by now (a token file prepared again), and a copy of that would decode the
@@ -256,7 +265,7 @@ class Restored:
                 f"{found[:12]}, the checkpoint's config records {data.tokenizer_sha256[:12]}); "
                 f"{fix}"
             )
-        return JsonTokenizer(copy)
+        return copy
 
 
 def restore(path: Path | str, overrides: list[str] = (), *, reads_data: bool = False) -> Restored:

@@ -546,7 +546,11 @@ def test_sample_and_export_never_read_the_token_file(bpe_run, tmp_path, capsysbi
                 (bpe_run / "text.bin").write_text("plain text, not token ids\n" * 1000)
             assert sample(run_dir, capsysbinary, "--tokens", 20, "--temperature", 0) == expected
             export.main([str(run_dir), str(tmp_path / f"{damage}.safetensors")])
-            assert (tmp_path / f"{damage}.json").is_file()
+            # the export carries the run's own tokenizer beside it, and its config names that
+            config = json.loads((tmp_path / f"{damage}.json").read_text())
+            assert config["data"]["tokenizer"] == f"{damage}.tokenizer.json", config["data"]
+            copy = (tmp_path / f"{damage}.tokenizer.json").read_bytes()
+            assert copy == (run_dir / "tokenizer.json").read_bytes()
         prepare_main(
             [str(bpe_run / "text.txt"), str(bpe_run / "text.bin"), "--tokenizer", str(swapped)]
         )
