@@ -5,6 +5,7 @@ communication figure grows when overlap is taken away."""
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -299,3 +300,27 @@ def test_gpu_stamps_recorded_in_a_graph_time_each_replay():
     (stamped, steps), timed = reading.reading(), before.elapsed_time(after)
     assert steps == 5 and product.shape == square.shape
     assert 0.5 * timed < stamped <= timed * 1.01, (stamped, timed)
+
+
+def test_the_console_eta_counts_from_the_step_reached_not_the_late_interval(caplog):
+    """An interval is written a log interval late (its loss is read once the device is past it):
+    its console line's eta counts the steps left from the step training has reached. Here the
+    line of step 5 of 10, said at step 10, at 200 ms a step: eta 0, not 5 x 200 ms."""
+    from pathlib import Path
+
+    from mgpu.runtime.dist import Runtime
+    from mgpu.telemetry.board import TensorBoard
+    from mgpu.telemetry.metrics import Recorder
+
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    board = TensorBoard(Path("."), enabled=False)
+    rec = Recorder(rt, board, samples_per_step=1, tokens_per_sample=None, max_steps=10)
+    with caplog.at_level("INFO", logger="mgpu.telemetry.metrics"):
+        for step in range(1, 11):
+            time.sleep(0.2)
+            rec.step(torch.tensor(1.0), torch.tensor(False))
+            if step % 5 == 0:
+                rec.close_interval(step, 1e-3, None)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 1 and lines[0].startswith("step 5/10 "), lines
+    assert lines[0].endswith("| eta 0:00:00"), lines[0]

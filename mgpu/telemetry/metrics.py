@@ -177,15 +177,16 @@ class Recorder:
         interval = self.snapshot(
             step, self._steps, self._loss_sum, lr, self._start, data_wait, loss_scale
         )
-        self.publish_pending()
+        self.publish_pending(now=step)
         self._pending, self._start, self._steps = interval, interval.end, 0
         self._loss_sum = torch.zeros(2, device=self.rt.device)
 
-    def publish_pending(self) -> None:
+    def publish_pending(self, now: int | None = None) -> None:
         """Publish the last closed interval now (before an evaluation or a save, and at the
-        end), not at the next close. A collective."""
+        end), not at the next close. `now`: the step training has reached (the interval's own
+        by default), from which the console's eta counts. A collective."""
         if self._pending is not None:
-            self.publish(self._pending)
+            self.publish(self._pending, self._pending.step if now is None else now)
             self._pending = None
 
     def restart_clock(self) -> None:
@@ -224,8 +225,9 @@ class Recorder:
         marks = self.timer.take()
         return Interval(step, steps, lr, loss, start, end, data_wait, comm, marks, counters)
 
-    def publish(self, iv: Interval) -> None:
-        """Write a closed interval. A collective (the rank spread): every rank calls it."""
+    def publish(self, iv: Interval, now: int | None = None) -> None:
+        """Write a closed interval. A collective (the rank spread): every rank calls it. `now`:
+        the step training has reached (an interval is published one log interval late)."""
         # A sync point, on an interval that ended a log interval ago. The loss is the mean over
         # ranks: the same on every rank.
         loss, good, *scale = iv.loss.read().tolist()
@@ -266,7 +268,7 @@ class Recorder:
                 self.save_goodput()
         self.board.scalars(iv.step, values)
         if self.rt.is_primary:
-            self._console(iv, values, good > 0)
+            self._console(iv, values, good > 0, iv.step if now is None else now)
 
     def _throughput(self, step_ms: float) -> dict[str, float]:
         world = self.rt.world_size
@@ -285,7 +287,7 @@ class Recorder:
             values["throughput/mfu_pct"] = 100.0 * achieved / (self.peak_tflops * 1e12)
         return values
 
-    def _console(self, iv: Interval, values: dict[str, float], has_loss: bool) -> None:
+    def _console(self, iv: Interval, values: dict[str, float], has_loss: bool, now: int) -> None:
         if "throughput/tokens_per_sec" in values:
             rate = f"{values['throughput/tokens_per_sec']:,.0f} tokens/s"
         else:
@@ -301,7 +303,8 @@ class Recorder:
                 f"{values['time/no_comm_efficiency']:.3f} of no-comm"
             )
         step_ms = values["time/step_ms"]
-        eta = timedelta(seconds=round((self.max_steps - iv.step) * step_ms / 1e3))
+        # From the step reached, not the interval's: the line comes a log interval late
+        eta = timedelta(seconds=round((self.max_steps - now) * step_ms / 1e3))
         log.info(
             "step %d/%d | loss %s | lr %.2e | %s | %.1f ms/step%s | eta %s",
             iv.step,
