@@ -963,3 +963,17 @@ def test_too_many_held_out_images_stop_in_the_config_check(tmp_path):
     assert (
         ImageFolderDataConfig(**folder(tmp_path / "train", eval_samples="auto")).eval_samples == 1
     )
+
+
+def test_a_folder_short_of_a_batch_per_process_stops_in_the_config_check(tmp_path):
+    """12 images, 2 held out: a batch of 5 for each of 2 processes, not of 6; said by train.py's
+    first step, before any run directory (the loader would say it once the run existed)."""
+    write_tree(tmp_path / "train", per_class=4)
+    cfg = ImageFolderDataConfig(**folder(tmp_path / "train", batch_size=5))
+    cfg.check_train_batches(world_size=2)
+    cfg.batch_size = 6
+    with pytest.raises(ConfigError, match="each of the 2 processes gets only 5 training samples"):
+        cfg.check_train_batches(world_size=2)
+    args = ["model=resnet_tiny", "data=image_folder", "data.path=train", "data.batch_size=11"]
+    line = said_by_train_py(args, tmp_path)
+    assert "data.batch_size=11: each of the 1 processes gets only 10 training samples" in line

@@ -286,6 +286,7 @@ class ImageFolderDataConfig(DataConfig):
     def _hold_out(self, images: int) -> None:
         """eval_samples of data.path's `images` held out: auto resolved, a number checked (too
         many would stop the run as it builds its data, after the run directory exists)."""
+        self._train_images = images  # less the holdout: check_train_batches
         if self.eval_samples == "auto":
             self.eval_samples = auto_eval_samples(images)
         require(
@@ -296,6 +297,16 @@ class ImageFolderDataConfig(DataConfig):
             f"data.eval_samples=auto ({auto_eval_samples(images)} here), a lower number, or "
             "data.eval_path",
         )
+
+    def check_train_batches(self, world_size: int) -> None:
+        """Training gets a whole batch on each of `world_size` processes from the images the
+        holdout leaves: said before any run directory exists (the training loader would say it
+        only after). Known where data.path's images were counted (no data.eval_path)."""
+        found = getattr(self, "_train_images", None)
+        if found is not None and (found - self.eval_samples) // world_size < self.batch_size:
+            raise short_of_a_batch(
+                self.batch_size, world_size, (found - self.eval_samples) // world_size
+            )
 
     def resolved(self) -> dict[str, Any]:
         """Values found on disk, for the run's saved config: the class list and the holdout."""

@@ -69,6 +69,7 @@ def check_config(cfg: DictConfig, *, multirun: bool = False) -> Config:
     if isinstance(config.data, TokenFileDataConfig):  # set whole, it validates without it
         if not os.path.isfile(config.data.path):
             raise no_token_file(config.data.path)
+    if hasattr(config.data, "check_train_batches"):  # token files, image folders and sets
         # a batch for every process left by the holdout: the world is known here, not in it
         config.data.check_train_batches(dist.launch_env().world_size)
     if isinstance(config.data, ImageFolderDataConfig):  # with data.classes, it validates without
