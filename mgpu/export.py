@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -76,7 +77,11 @@ def export(restored: Restored, out: Path) -> Path:
     data = restored.config.data
     files = [(out, lambda tmp: save_file(state, tmp, metadata=meta))]
     data_config = dataclasses.asdict(data)
-    tokenizer = restored.tokenizer_file()
+    try:
+        tokenizer = restored.tokenizer_file()
+    except UsageError as err:  # a checkpoint away from its run directory: the weights still go
+        print(f"{PROG}: warning: {err}; the export holds no tokenizer", file=sys.stderr)
+        tokenizer = None
     if tokenizer is not None:  # the export decodes without the run directory: a copy beside
         copy = out.with_suffix(".tokenizer.json")
         files.append((copy, lambda tmp: shutil.copyfile(tokenizer, tmp)))

@@ -561,6 +561,23 @@ def test_sample_and_export_never_read_the_token_file(bpe_run, tmp_path, capsysbi
             (bpe_run / name).write_bytes(data)
 
 
+def test_a_checkpoint_away_from_its_run_exports_its_weights_without_a_tokenizer(
+    bpe_run, tmp_path, capsys
+):
+    """A checkpoint copied out of its run directory (no tokenizer.json beside it): the weights
+    are exported all the same, a warning says the export holds no tokenizer, and its config
+    names the tokenizer the run recorded."""
+    step = sorted((bpe_run / "run" / "checkpoints").glob("step-*"))[-1]
+    shutil.copytree(step, tmp_path / "away" / "checkpoints" / step.name)
+    export.main(
+        [str(tmp_path / "away" / "checkpoints" / step.name), str(tmp_path / "m.safetensors")]
+    )
+    assert "the export holds no tokenizer" in capsys.readouterr().err
+    config = json.loads((tmp_path / "m.json").read_text())
+    assert config["data"]["tokenizer"].endswith("text.bin.tokenizer.json"), config["data"]
+    assert (tmp_path / "m.safetensors").is_file() and not (tmp_path / "m.tokenizer.json").exists()
+
+
 def test_a_run_whose_tokenizer_json_changed_is_refused_without_advice_to_copy_another(
     bpe_run, tmp_path, capsys
 ):
