@@ -283,17 +283,18 @@ def stop_on_bad_command_line(args: list[str]) -> None:
 
 
 def release_sigterm(held: list[int], advice: str) -> None:
-    """SIGTERM acted on, once the config checks passed, and any SIGTERM that came meanwhile
-    (`held`) delivered. torchrun stops the other workers as soon as one exits with an error,
-    and would kill the one that says it (local rank 0) before it could: train.py holds SIGTERM
-    back from its first line until its checks and Hydra's (ValidateOnRunStart) ran.
+    """SIGTERM's default action back, once the config checks passed; a SIGTERM that came
+    meanwhile (`held`) is a preemption before the first step: nothing of this launch to save,
+    so one line from rank 0 with `advice` (resume_advice's) and exit 75, as a preemption's.
+    torchrun stops the other workers as soon as one exits with an error, and would kill the one
+    that says it (local rank 0) before it could: train.py holds SIGTERM back from its first
+    line until its checks and Hydra's (ValidateOnRunStart) ran.
 
-    From here until Preemption takes SIGTERM over (once the process group and the run
-    directory's lock are held), a SIGTERM is a preemption before this launch's first step:
-    nothing of it to save, so one line from rank 0 with `advice` (resume_advice's) and exit 75,
-    as a preemption's, at once. Its default action killed the ranks without a word."""
-
-    def preempted_while_starting(_signum, _frame) -> None:
+    From here until Preemption takes SIGTERM over, the default action: the process group's join
+    and the first collectives block in C++, where a Python handler would run only once they
+    return (up to dist.timeout_s), while the kill ends them at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if held:
         if os.environ.get("RANK", "0") == "0":
             print(
                 f"preempted (SIGTERM) while starting, before the first step: nothing to save; "
@@ -301,11 +302,7 @@ def release_sigterm(held: list[int], advice: str) -> None:
                 file=sys.stderr,
             )
             sys.stderr.flush()
-        os._exit(PREEMPTED_EXIT_CODE)  # no traceback from whatever wait it arrived in
-
-    signal.signal(signal.SIGTERM, preempted_while_starting)
-    if held:
-        signal.raise_signal(signal.SIGTERM)
+        os._exit(PREEMPTED_EXIT_CODE)
 
 
 def clipped(line: str, longest: int = 300) -> str:
