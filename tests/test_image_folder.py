@@ -599,10 +599,10 @@ def test_a_folder_whose_images_changed_since_the_checkpoint_is_refused_with_the_
     nothing written to the run directory: an image removed (as the unreadable-file stop tells
     a user to) changes the training set, and the line says what changed and that an unreadable
     one is kept and replaced with data.bad_files=skip; an image renamed keeps the count, but the
-    holdout then takes an image the run trained on; a class folder renamed keeps the model's
-    shapes, but not what its labels mean."""
+    holdout then takes an image the run trained on; a class folder renamed, or the classes
+    given in another order, keeps the model's shapes, but not what its labels mean."""
     root, args, _ = folder_run
-    for case in ("removed", "renamed", "class"):
+    for case in ("removed", "renamed", "class", "order"):
         shutil.copytree(root / "train", tmp_path / case / "train")
         shutil.copytree(root / "a", tmp_path / case / "a")
         ant = tmp_path / case / "train" / "ant"
@@ -610,10 +610,13 @@ def test_a_folder_whose_images_changed_since_the_checkpoint_is_refused_with_the_
             (ant / "img05.png").unlink()
         elif case == "renamed":
             (ant / "img00.jpg").rename(ant / "zzz.jpg")
-        else:
+        elif case == "class":
             ant.rename(ant.parent / "gnu")
         written = sorted(p.name for p in (tmp_path / case / "a").rglob("*"))
-        again = train_on_cpu([*args, f"hydra.run.dir={tmp_path / case / 'a'}"], tmp_path / case)
+        # a setting that does not change the samples, changed too: not named as the cause
+        more = {"removed": ["data.num_workers=0"], "order": ["data.classes=[cow,bee,ant]"]}
+        run = [*args, *more.get(case, []), f"hydra.run.dir={tmp_path / case / 'a'}"]
+        again = train_on_cpu(run, tmp_path / case)
         assert again.returncode == 2, again.stderr[-3000:]
         said = again.stdout + again.stderr
         lines = [x for x in said.splitlines() if "hydra.run.dir=..." in x]
@@ -624,6 +627,8 @@ def test_a_folder_whose_images_changed_since_the_checkpoint_is_refused_with_the_
             assert "data.bad_files=skip" in lines[0], lines[0]
         elif case == "renamed":
             assert "the images data.path holds out now are not those" in lines[0], lines[0]
+        elif case == "order":
+            assert "the same 3 classes in another order (data.classes)" in lines[0], lines[0]
         else:
             changed = "trained on other classes: the class folders changed (3 -> 3 classes; "
             changed += "added: gnu; gone: ant): put the missing folders back; and move the added"

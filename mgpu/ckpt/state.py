@@ -194,15 +194,22 @@ def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str)
 
 
 def _changed_settings(
-    saved: str | None, current: str, group: str, limit: int = 4, skip: tuple[str, ...] = ()
+    saved: str | None,
+    current: str,
+    group: str,
+    limit: int = 4,
+    skip: tuple[str, ...] = (),
+    both: bool = False,
 ) -> str:
     """`group.key old -> new` for each setting of a config group that differs between two
-    resolved configs (YAML), at most `limit` of them; "" without a saved config."""
+    resolved configs (YAML), at most `limit` of them, but those in `skip` (and with `both`,
+    keys one of them lacks: added since); "" without a saved config."""
     if not saved:
         return ""
     old = OmegaConf.to_container(OmegaConf.create(saved)).get(group, {})
     new = OmegaConf.to_container(OmegaConf.create(current)).get(group, {})
     keys = [k for k in {**old, **new} if old.get(k) != new.get(k) and k not in skip]
+    keys = [k for k in keys if k in old and k in new] if both else keys
     said = [f"{group}.{k} {old.get(k)} -> {new.get(k)}" for k in keys[:limit]]
     return ", ".join(said) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
@@ -216,6 +223,11 @@ def _changed_classes(saved: str | None, current: str, shown: int = 3) -> str:
     new = OmegaConf.to_container(OmegaConf.create(current)).get("data", {}).get("classes")
     if not old or not new or old == new:
         return ""
+    if sorted(old) == sorted(new):  # data.classes given in another order: other labels
+        return (
+            f"; the same {len(old)} classes in another order (data.classes): set data.classes "
+            "to the checkpoint's list (data.classes in its run's config.yaml)"
+        )
     added, gone = [c for c in new if c not in old], [c for c in old if c not in new]
     said = [f"{what}: {', '.join(names[:shown])}{' ...' * (len(names) > shown)}"
             for what, names in (("added", added), ("gone", gone)) if names]  # fmt: skip
@@ -265,6 +277,16 @@ def restore_optimizer(
     if problems:
         raise CheckpointMismatch(f"the optimizer does not match {source}:" + _listed("", problems))
     optimizer.load_state_dict(state_dict)
+
+
+# Data settings that read, decode, batch or augment the samples without changing which they are
+# (a resume takes their new values: mgpu.ckpt.resume.check_settings logs them).
+SAMPLE_NEUTRAL = (
+    "batch_size", "num_workers", "pin_memory", "prefetch_factor", "prefetch_depth",
+    "device_transform", "worker_nice", "decode", "cpu_decode_share",
+    "reduced_decode", "bad_files", "image_size", "scale", "ratio", "eval_crop",
+    "keep_trainer_cores", "tokenizer", "tokenizer_sha256",
+)  # fmt: skip
 
 
 def check_same_data(
@@ -324,14 +346,22 @@ def _what_changed(saved_config: str, config_text: str, afresh: str) -> str:
     other data settings, or else the data themselves; and how to go on."""
     saved = OmegaConf.create(saved_config or "{}").get("data", {})
     now = OmegaConf.create(config_text or "{}").get("data", {})
+    if bool(saved.get("eval_path")) != bool(now.get("eval_path")):  # a holdout, or none
+        was = f"data.eval_path={saved.get('eval_path')}" if saved.get("eval_path") else "none"
+        return (
+            f"data.eval_path decides whether data.path holds images out (the checkpoint's run: "
+            f"{was}); resume with the checkpoint's, or train afresh {afresh}"
+        )
     held = saved.get("eval_samples") if not saved.get("eval_path") else None
     if isinstance(held, int) and "path" in saved and now.get("eval_samples") != held:
         return (
             f"the checkpoint's run held out data.eval_samples={held} of data.path, this one "
             f"{now.get('eval_samples')}: give data.eval_samples={held}"
         )
-    # Paths aside: a folder or file moved since holds the same data.
-    changed = _changed_settings(saved_config, config_text, "data", skip=("path", "eval_path"))
+    # Settings that can change the samples, as both configs have them: paths aside (a folder
+    # or file moved since holds the same data), and what only reads or shapes them.
+    skip = ("path", "eval_path", *SAMPLE_NEUTRAL)
+    changed = _changed_settings(saved_config, config_text, "data", skip=skip, both=True)
     if changed:
         return f"changed since: {changed}; resume with those settings, or train afresh {afresh}"
     if saved.get("classes") is not None:  # an image folder
