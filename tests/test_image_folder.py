@@ -33,7 +33,7 @@ from PIL import Image
 from mgpu.config.checks import ConfigError
 from mgpu.data.check_images import main as check_images
 from mgpu.data.config import ImageFolderDataConfig, ImageShardsDataConfig
-from mgpu.data.folder_files import auto_eval_samples
+from mgpu.data.folder_files import auto_eval_samples, count_images
 from mgpu.data.image_folder import BadImageFile, ImageFolder
 from mgpu.data.loader import build_dataloader, build_loader
 from mgpu.data.sampler import SampleKey
@@ -893,6 +893,7 @@ def test_what_the_folder_holds_but_does_not_read_is_said_by_training_and_check_i
     write_tree(tmp_path / "train", per_class=2)
     (tmp_path / "train" / "ant" / "nested").mkdir()
     (tmp_path / "train" / "cow" / "odd.jpg").mkdir()
+    (tmp_path / "train" / "notes.txt").symlink_to(tmp_path / "gone.txt")  # a file's dead link
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "ant" / "nested" / "n.jpg")
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "bee" / "b.webp")
     Image.new("RGB", (8, 8)).save(tmp_path / "train" / "stray.jpg")
@@ -907,8 +908,9 @@ def test_what_the_folder_holds_but_does_not_read_is_said_by_training_and_check_i
     assert sorted(listed) == sorted({*listed}), listed  # no folder listed twice
     assert len(dataset) == 5 and not any("nested" in f or "webp" in f for f in dataset.files)
     assert not any("odd" in f for f in dataset.files)
+    assert count_images(str(tmp_path / "train"), CLASSES) == len(dataset.files) + 1  # 1 held
     (said,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    for words in ("1 file(s) beside the class folders", "stray.jpg", "2 sub-folder(s)",
+    for words in ("2 file(s) beside the class folders", "notes.txt", "stray.jpg", "2 sub-folder(s)",
                   "ant/nested/", "cow/odd.jpg/", "1 file(s) not .jpg, .jpeg or .png",
                   "bee/b.webp"):  # fmt: skip
         assert words in said, said

@@ -32,8 +32,8 @@ def class_folders(root: str) -> list[str]:
 
 
 def check_root(key: str, root: str) -> list[str]:
-    """`root` is a folder, and none of its entries is a link to nothing: a class folder linked
-    from a share that is not mounted would be neither read nor said (its class left out).
+    """`root` is a folder, and none of its entries named like a folder is a link to nothing: a
+    class folder linked from a share that is not mounted would be neither read nor said.
     Returns the files beside its class folders (hidden ones aside), which training leaves out."""
     if not os.path.isdir(root):
         what = "is not a folder" if os.path.exists(root) else "does not exist"
@@ -48,14 +48,17 @@ def check_root(key: str, root: str) -> list[str]:
         for e in entries:
             if e.name.startswith("."):
                 continue
-            if e.is_symlink() and not os.path.exists(e.path):
+            # A link to nothing named like a folder (no extension) was meant for a class; one
+            # named like a file is a file beside the class folders, left out as any is.
+            dangling = e.is_symlink() and not os.path.exists(e.path)
+            if dangling and not os.path.splitext(e.name)[1]:
                 raise FolderError(
                     key,
                     root,
                     f"{e.name} is a link to {os.readlink(e.path)}, which does not exist (a share "
                     "not mounted?); mount it, or remove the link",
                 )
-            if e.is_file():
+            if e.is_file() or dangling:
                 beside.append(e.name)
     return beside
 
@@ -224,8 +227,13 @@ def auto_eval_samples(n: int) -> int:
 
 
 def count_images(root: str, classes: list[str]) -> int:
-    """How many images the classes' folders under `root` hold (a listing per class)."""
-    return sum(sum(map(_is_image, os.listdir(os.path.join(root, name)))) for name in classes)
+    """How many images the classes' folders under `root` hold (a listing per class), as
+    list_class finds them (a sub-folder named like an image is none)."""
+    total = 0
+    for name in classes:
+        with os.scandir(os.path.join(root, name)) as entries:
+            total += sum(_is_image(e.name) and not e.is_dir() for e in entries)
+    return total
 
 
 def holdout(n: int, eval_samples: int) -> list[int]:
