@@ -252,3 +252,25 @@ def test_check_images_refuses_one_class_as_training_does(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert stop.value.code == 2 and f"{root}: all 4 images readable" in out, (out, err)
     assert err == f"{CHECK}: {training.value}\n"
+
+
+def test_a_prepare_into_a_dst_another_run_is_writing_is_refused(tmp_path, capsys):
+    """Another run's lock on DST (here this process's own, on the folder as the tool takes it):
+    exit 2 in one line, the other run's temporary set and DST left to it (two runs into one
+    DST used to remove each other's temporary set and end in tracebacks)."""
+    import fcntl
+
+    src, dst = write_folder(tmp_path / "src"), tmp_path / "dst"
+    run_prepare(src, dst)
+    (dst / ".prepare.tmp").mkdir()  # the other run's set, being written
+    held = tree(dst)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        with pytest.raises(SystemExit) as stop:
+            run_prepare(src, dst, "--overwrite")
+    finally:
+        os.close(fd)
+    said = f"{PREPARE}: DST={str(dst)!r}: another prepare_images is writing it; wait for it\n"
+    assert stop.value.code == 2 and capsys.readouterr().err == said
+    assert tree(dst) == held

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
-import re
 import shutil
 import signal
 import sys
 import tarfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial
 
 from PIL import Image
@@ -32,12 +30,9 @@ from mgpu.data.image_folder import UNREADABLE, eight_bits, unreadable_line
 from mgpu.data.image_shards import FORMAT, INDEX_NAME, SAMPLE_FIELDS, VERSION, shard_name
 from mgpu.data.progress import Progress
 from mgpu.data.quiet_pool import quiet_pool
+from mgpu.data.set_swap import OURS, TEMP, held, swap, tidy, write_index, writing
 
 PROG = "python -m mgpu.data.prepare_images"
-# What a run writes into DST, finished or not (the last two by runs before .prepare.tmp):
-# replaced by a new set, and nothing else in DST is touched.
-OURS = re.compile(r"(shard-\d{6}\.tar|\.shard-\d{6}\.tar\.tmp|\.index\.json\.tmp)")
-TEMP = ".prepare.tmp"  # in DST: the set being written; complete once its index.json is there
 
 
 class PrepareError(Exception):
@@ -55,18 +50,6 @@ class Stopped(KeyboardInterrupt):
 
 def on_sigterm(_signum, _frame) -> None:
     raise Stopped
-
-
-@contextmanager
-def held():
-    """SIGINT and SIGTERM blocked until the block ends, then acted on: a swap or a clean-up cut
-    in two would leave DST half-replaced. (The pool's threads, which could take them, are gone.)"""
-    signals = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def target_size(width: int, height: int, max_side: int) -> tuple[int, int]:
@@ -156,65 +139,22 @@ class ShardWriter:
         return name
 
 
-def write_index(dst: str, header: dict, shards: list[dict], rows: list[list]) -> None:
-    """index.json, atomically: a shard or a sample a line, so that it reads as a table."""
-    lines = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in header.items()]
-    for name, items in (("shards", shards), ("samples", rows)):
-        body = ",\n".join(f"  {json.dumps(item)}" for item in items)
-        lines.append(f' "{name}": [\n{body}\n ]')
-    text = "{\n" + ",\n".join(lines) + "\n}\n"
-    temp = os.path.join(dst, f".{INDEX_NAME}.tmp")
-    with open(temp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, os.path.join(dst, INDEX_NAME))
-
-
-def swap(dst: str, temp: str, shards: list[str]) -> None:
-    """Put the complete set in `temp` in place of whatever set DST holds. DST's index goes
-    first: from then on DST is no set until the new index lands, never an index over another
-    set's shards. A run killed on the way leaves temp's index, and tidy() finishes the swap."""
-    index = os.path.join(dst, INDEX_NAME)
-    if os.path.exists(index):
-        os.remove(index)
-    for name in shards:
-        if os.path.exists(os.path.join(temp, name)):  # not yet moved by a swap cut short
-            os.replace(os.path.join(temp, name), os.path.join(dst, name))
-    for name in os.listdir(dst):  # the old set's other shards, and older runs' leftovers
-        if OURS.fullmatch(name) and name not in shards:
-            os.remove(os.path.join(dst, name))
-    fd = os.open(dst, os.O_RDONLY)
-    os.fsync(fd)  # the shards' renames on disk before the index that names them
-    os.close(fd)
-    os.replace(os.path.join(temp, INDEX_NAME), index)
-    shutil.rmtree(temp)
-
-
-def tidy(dst: str) -> None:
-    """What a run killed outright (SIGKILL, power loss) left in DST: a set whose swap was cut
-    short is put in place; an unfinished one is removed."""
-    temp = os.path.join(dst, TEMP)
-    if os.path.isfile(os.path.join(temp, INDEX_NAME)):
-        with open(os.path.join(temp, INDEX_NAME), encoding="utf-8") as f:
-            shards = [shard["name"] for shard in json.load(f)["shards"]]
-        swap(dst, temp, shards)
-        print(f"{PROG}: put in place the set that a killed run had written into {dst}")
-    elif os.path.isdir(temp):
-        shutil.rmtree(temp)
-
-
-def ready(src: str, dst: str, overwrite: bool) -> bool:
-    """Refuse a DST that cannot take a set: inside SRC, a file, a prepared set without
-    --overwrite, a folder holding anything else. Whether DST is still to be created."""
+def dst_path(src: str, dst: str) -> bool:
+    """Refuse a DST that cannot be a set's folder: inside SRC, a file. Whether it is still to
+    be created."""
     inside = os.path.realpath(dst) + os.sep
     if inside.startswith(os.path.realpath(src) + os.sep):
         raise UsageError(f"DST={dst!r} is inside SRC={src!r}; write it somewhere else")
-    if not os.path.exists(dst):
-        return True
-    if not os.path.isdir(dst):
+    if os.path.exists(dst) and not os.path.isdir(dst):
         raise UsageError(f"DST={dst!r} is a file; name a folder (created if missing)")
-    tidy(dst)
+    return not os.path.exists(dst)
+
+
+def dst_contents(dst: str, overwrite: bool) -> None:
+    """Refuse a DST that holds a prepared set without --overwrite, or anything else; first what
+    a killed run left is tidied (under the lock: no other run is writing)."""
+    if tidy(dst):
+        print(f"{PROG}: put in place the set that a killed run had written into {dst}")
     prepared = os.path.exists(os.path.join(dst, INDEX_NAME))
     if prepared and not overwrite:
         raise UsageError(
@@ -230,7 +170,6 @@ def ready(src: str, dst: str, overwrite: bool) -> bool:
             f"{', '.join(other[:5])}{', ...' * (len(other) > 5)}; name an empty or new folder, "
             "or an existing prepared set with --overwrite"
         )
-    return False
 
 
 def write_set(args: argparse.Namespace, listing, classes: list[str], temp: str):
@@ -291,22 +230,27 @@ def prepare(args: argparse.Namespace) -> None:
         listing = scan("SRC", src, classes)
     except FolderError as err:
         raise UsageError(str(err)) from None
-    created = ready(src, dst, args.overwrite)
-    print(f"{PROG}: {len(listing.files):,} images of {len(classes)} classes in {src}", flush=True)
-    if listing.skipped:
-        print(f"{PROG}: {left_out_line('SRC', src, listing.skipped)}", flush=True)
-    temp = os.path.join(dst, TEMP)
-    try:
-        os.makedirs(temp)
-        writer, bad, kept = write_set(args, listing, classes, temp)
-    except BaseException:  # a bad file under error, Ctrl-C, a full disk: DST as it was
+    created = dst_path(src, dst)
+    os.makedirs(dst, exist_ok=True)
+    with writing(dst) as ours:
+        if not ours:  # another run's DST, which it may have made: left to it
+            raise UsageError(f"DST={dst!r}: another prepare_images is writing it; wait for it")
+        temp = os.path.join(dst, TEMP)
+        try:
+            dst_contents(dst, args.overwrite)
+            print(f"{PROG}: {len(listing.files):,} images of {len(classes)} classes in {src}")
+            if listing.skipped:
+                print(f"{PROG}: {left_out_line('SRC', src, listing.skipped)}", flush=True)
+            os.makedirs(temp)
+            writer, bad, kept = write_set(args, listing, classes, temp)
+        except BaseException:  # a bad file under error, Ctrl-C, a full disk: DST as it was
+            with held():
+                shutil.rmtree(temp, ignore_errors=True)
+                if created:
+                    shutil.rmtree(dst, ignore_errors=True)
+            raise
         with held():
-            shutil.rmtree(temp, ignore_errors=True)
-            if created:
-                shutil.rmtree(dst, ignore_errors=True)
-        raise
-    with held():
-        swap(dst, temp, [shard["name"] for shard in writer.shards])
+            swap(dst, temp, [shard["name"] for shard in writer.shards])
     if bad:
         print(f"skipped {len(bad)} unreadable image(s) (--bad-files skip):")
         print("\n".join(f"  {why}" for _, why in bad))
