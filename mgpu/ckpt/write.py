@@ -34,6 +34,7 @@ from mgpu.ckpt.checkpoint import (
     verify,
 )
 from mgpu.runtime.ctrl_c import ctrl_c_held
+from mgpu.runtime.durable import sync_folder
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +100,6 @@ def _write_torch(path: Path, obj: Any) -> dict:
     return {"name": path.name, "size": writer.size, "sha256": writer.sha.hexdigest()}
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a created or renamed child) durable, not only its files."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save_failed(root: Path, file: Path, err: BaseException) -> CheckpointError:
     previous = newest_kept(root)
     kept = f"previous checkpoint {previous} is intact" if previous else "none before it"
@@ -150,7 +142,7 @@ def finalize(root: Path, step: int, world_size: int, shared: dict, *, token: str
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(staging)
+        sync_folder(staging)
         _publish(staging, final, token)
     except Exception as err:
         shutil.rmtree(staging, ignore_errors=True)
@@ -192,8 +184,8 @@ def _publish(staging: Path, final: Path, token: str) -> None:
         os.replace(final, aside)
     try:
         os.replace(staging, final)
-        _fsync_dir(final.parent)
-        _fsync_dir(final.parent.parent)  # the first save also created checkpoints/ itself
+        sync_folder(final.parent)
+        sync_folder(final.parent.parent)  # the first save also created checkpoints/ itself
         verify(final)
     except Exception:
         if final.exists() and not staging.exists():
@@ -226,7 +218,7 @@ def keep_as_evidence(path: Path, token: str) -> Path | None:
     aside = evidence_name(path, token)
     try:
         os.replace(path, aside)
-        _fsync_dir(path.parent)
+        sync_folder(path.parent)
     except OSError as err:
         log.warning("could not move invalid checkpoint %s aside (%s)", path, err)
         return None

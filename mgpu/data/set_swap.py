@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mgpu.data.image_shards import INDEX_NAME
+from mgpu.runtime.durable import sync_folder
 
 # What a run writes into DST, finished or not (the last two by runs before .prepare.tmp):
 # replaced by a new set, and nothing else in DST is touched.
@@ -49,15 +50,6 @@ def held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-
-
-def sync_folder(folder: str) -> None:
-    """The renames in `folder` on disk (a file's fsync does not make its name durable)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_index(dst: str, header: dict, shards: list[dict], rows: list[list]) -> None:
