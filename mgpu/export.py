@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mgpu.data.config import CustomDataConfig
 from mgpu.restore import Restored, UsageError, command_parser, one_line_errors, restore
 
 PROG = "mgpu.export"
@@ -59,6 +60,11 @@ def _plain(value: object) -> object:
 def inputs(data) -> str:
     """What the exported model takes, in words: for images the pixels' scaling, which mgpu does
     on the device (mgpu.data.images.normalize_uint8), not the model."""
+    if isinstance(data, CustomDataConfig):  # a user's data set: its items are theirs to say
+        return (
+            f"the inputs {data._target_}'s items hold (after its device_transform, if it has "
+            "one); outputs: the model's own"
+        )
     if hasattr(data, "image_size"):
         return (
             f"float32 [N, C, {data.image_size}, {data.image_size}] images (RGB for an image "

@@ -262,6 +262,13 @@ def test_a_data_set_smaller_than_a_batch_per_process_is_one_config_line():
     with pytest.raises(ConfigError, match="only 0 training samples, less than one batch; run"):
         loader(1, 64)  # fewer samples than processes: no batch size fits
     assert len(next(iter(loader(25, 2)))[0]) == 25
+    # a user's data set with an empty eval split: said when its loader is built, before any
+    # step, where the first evaluation divided by zero
+    cfg = DataConfig(_target_="mypkg.Data", batch_size=4, num_workers=0)
+    rt = Runtime(0, 0, 1, "gloo", torch.device("cpu"), has_process_group=False)
+    with pytest.raises(ConfigError) as err:
+        build_dataloader(cfg, TensorDataset(torch.arange(0)), rt, seed=0, train=False)
+    assert str(err.value).startswith("data._target_='mypkg.Data': its split='eval' holds no ")
 
 
 # A process that ends through mgpu's exit_process (train.py's end) while a multiprocessing

@@ -4,9 +4,13 @@ elsewhere, the dataset read by a DataLoader worker. Both record the state of Pyt
 collector in the process they run in: train.py holds collection back while the run starts and
 turns it on (start-up's objects frozen) before the first step, never in a worker."""
 
+import json
+
 import pytest
 import torch
 from conftest import run_train
+
+from mgpu.export import main as export_main
 
 NETS = """
 import gc
@@ -52,7 +56,7 @@ class Pixels(torch.utils.data.Dataset):
 """
 
 
-def test_a_model_and_dataset_from_the_working_directory_train(tmp_path):
+def test_a_model_and_dataset_from_the_working_directory_train(tmp_path, monkeypatch):
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "nets.py").write_text(NETS)
@@ -75,6 +79,11 @@ def test_a_model_and_dataset_from_the_working_directory_train(tmp_path):
     # thousands of objects).
     assert enabled == "True" and int(frozen) > 10_000, said
     assert said["worker"] == "True"
+    # exported from the same folder: its inputs are the data set's own, not token ids
+    monkeypatch.syspath_prepend(str(tmp_path))
+    export_main([str(run_dir), str(tmp_path / "m.safetensors")])
+    inputs = json.loads((tmp_path / "m.json").read_text())["inputs"]
+    assert inputs.startswith("the inputs mypkg.data.Pixels's items hold"), inputs
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,10 @@ def build_dataloader(
     per_rank = len(dataset) // rt.world_size  # a training shard's samples an epoch
     if train and per_rank < cfg.batch_size:  # the data set is known only now: one line, exit 2
         raise short_of_a_batch(cfg.batch_size, rt.world_size, per_rank)
+    if not train and len(dataset) == 0:  # a user's data set: an evaluation averages over none
+        why = "its split='eval' holds no samples, and every evaluation (each trainer.eval_every "
+        why += "steps, and at the end) averages the loss over them; give it some"
+        raise ConfigError("data._target_", cfg._target_, why)
     sampler = ShardedSampler(
         len(dataset), rt.rank, rt.world_size, shuffle=train, seed=seed, even=train, keyed=keyed,
         stream_batch=cfg.batch_size if stream else 0,
