@@ -16,7 +16,8 @@ from mgpu.models import GPT, ResNet, compile_mode, compile_model
 from mgpu.optim.optimizer import build_optimizer, build_schedule, param_groups
 from mgpu.run.config import to_config
 from mgpu.runtime.dist import Runtime
-from mgpu.train.graphs import ModelLoss, reduction_in_graphs, unreplayed_hooks, use_graphs
+from mgpu.train.graphs import reduction_in_graphs, unreplayed_hooks, use_graphs
+from mgpu.train.model_loss import ModelLoss
 from mgpu.train.numerics import set_math_modes
 from mgpu.train.replay_checks import Signature, difference
 from mgpu.train.trainer import Trainer

@@ -15,7 +15,8 @@ from mgpu.config.schema import OptimConfig, OptimizerName, Precision, TrainerCon
 from mgpu.models import GPT, ResNet
 from mgpu.optim.optimizer import build_optimizer, build_schedule
 from mgpu.runtime.dist import Runtime
-from mgpu.train.graphs import CaptureError, GraphedLoss, ModelLoss
+from mgpu.train.graphs import CaptureError, GraphedLoss
+from mgpu.train.model_loss import ModelLoss
 from mgpu.train.numerics import set_math_modes
 from mgpu.train.trainer import Trainer
 

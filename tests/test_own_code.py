@@ -116,3 +116,38 @@ def test_arguments_that_do_not_fit_a_users_class_are_one_line_before_any_run(tmp
     (line,) = [line for line in proc.stderr.splitlines() if line.strip()]
     assert said in line and "+" in line and "kwargs" in line, line
     assert not (tmp_path / "outputs").exists()
+
+
+class _DictOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return {"logits": self.linear(x)}
+
+
+class _LogitsAndLoss(_DictOut):
+    computes_loss = True  # nanoGPT's pattern: forward(x, y) returns (logits, loss)
+
+    def forward(self, x, y):
+        logits = self.linear(x)
+        return logits, torch.nn.functional.cross_entropy(logits, y)
+
+
+def test_a_model_that_breaks_the_forward_contract_is_one_line_naming_it():
+    """A model whose forward returns a dict (or a tuple) of logits, or one that computes its
+    own loss and returns (logits, loss): a config error naming the class and what to return,
+    where the loss or the division by the micro-batches failed deep in the step."""
+    from mgpu.config.checks import ConfigError
+    from mgpu.models.loss import cross_entropy
+    from mgpu.train.model_loss import ModelLoss
+
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    with pytest.raises(ConfigError) as err:
+        ModelLoss(_DictOut(), cross_entropy)(x, y)
+    assert str(err.value).startswith("model='_DictOut': its forward returned a dict, not a tensor")
+    with pytest.raises(ConfigError) as err:
+        ModelLoss(_LogitsAndLoss(), None)(x, y)
+    said = str(err.value)
+    assert "forward(inputs, targets) returned a tuple, not the loss: return the loss alone" in said

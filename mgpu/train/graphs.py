@@ -32,6 +32,7 @@ from torch import nn
 from mgpu.comm.engine import MgpuDataParallel
 from mgpu.config.checks import ConfigError
 from mgpu.runtime.dist import RunStopped, release_before_leaving
+from mgpu.train.model_loss import ModelLoss
 from mgpu.train.replay_checks import Signature, difference, unreplayed_hooks
 
 log = logging.getLogger(__name__)
@@ -111,20 +112,6 @@ def use_graphs(
             "not record); set model.activation_checkpointing=none or trainer.cuda_graphs=auto",
         )
     return True
-
-
-class ModelLoss(nn.Module):
-    """The model and its loss as one call: model(inputs, targets) for a model that computes its
-    own loss (GPT's head fused with the cross-entropy), else loss_fn(model(inputs), targets)."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable | None):
-        super().__init__()
-        self.model, self.loss_fn = model, loss_fn
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        if self.loss_fn is None:
-            return self.model(inputs, targets)
-        return self.loss_fn(self.model(inputs), targets)
 
 
 WARMUP_STEPS = 3  # uncaptured steps before capturing, on a side stream (see _capture)

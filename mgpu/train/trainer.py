@@ -44,8 +44,9 @@ from mgpu.train import watchdog
 from mgpu.train.evaluation import Evaluation
 from mgpu.train.feed import Feed, first_batch_everywhere
 from mgpu.train.fp8 import check_fp8
-from mgpu.train.graphs import GraphedLoss, ModelLoss, reduction_in_graphs, use_graphs
+from mgpu.train.graphs import GraphedLoss, reduction_in_graphs, use_graphs
 from mgpu.train.guard import CTRL_C, PREEMPTION, NonFiniteGuard
+from mgpu.train.model_loss import ModelLoss
 from mgpu.train.numerics import autocast, autocast_dtype, training_loss
 from mgpu.train.update import Update, build_scaler
 
