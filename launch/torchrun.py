@@ -239,8 +239,33 @@ def waits_for_nodes(args: argparse.Namespace) -> tuple[int, int, str, str] | Non
     return low, high, args.rdzv_endpoint, rdzv_conf(args).get("join_timeout", JOIN_TIMEOUT_S)
 
 
+def unresolved_host(args: argparse.Namespace) -> str | None:
+    """One line for a c10d rendezvous endpoint whose host name does not resolve: known at once,
+    where the agent would wait out read_timeout and call it a timeout (advice for a node not yet
+    started, not for a wrong name)."""
+    conf = rdzv_conf(args)
+    if args.standalone or args.rdzv_backend != "c10d" or conf.get("store_type") == "file":
+        return None
+    host = (args.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as err:
+        return (
+            f"launch: the rendezvous endpoint {args.rdzv_endpoint}: its host {host!r} does not "
+            f"resolve ({err.strerror}); give RDZV_ENDPOINT=HOST:PORT of the node that hosts "
+            "the rendezvous (under SLURM, its first node's)"
+        )
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)  # torchrun's own parser: its flags, its usage errors
+    unresolved = unresolved_host(args)
+    if unresolved is not None:
+        print(unresolved, file=sys.stderr)
+        return 1
     try:
         several = determine_local_world_size(args.nproc_per_node) > 1
     except ValueError:

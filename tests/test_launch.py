@@ -523,6 +523,22 @@ def test_a_rendezvous_on_a_port_in_use_names_the_endpoint_in_one_line(tmp_path):
     assert "RDZV_ENDPOINT=HOST:PORT" in said[0] and proc.returncode == 1
 
 
+def test_a_rendezvous_host_that_does_not_resolve_is_said_at_once(tmp_path):
+    """A misspelt RDZV_ENDPOINT host: one line naming it, at once, where the agent waited out
+    read_timeout (60 s) and advised starting the node at that address first."""
+    script = tmp_path / "worker.py"
+    script.write_text("pass\n")
+    proc = subprocess.run(
+        [sys.executable, str(LAUNCH / "torchrun.py"), "--nproc-per-node=1", "--nnodes=1"]
+        + ["--rdzv-backend=c10d", "--rdzv-endpoint=nosuchhost.invalid:29412", str(script)],
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(said) == 1 and proc.returncode == 1, proc.stderr
+    assert said[0].startswith("launch: the rendezvous endpoint nosuchhost.invalid:29412: its ")
+    assert "host 'nosuchhost.invalid' does not resolve" in said[0], said[0]
+
+
 def test_a_rendezvous_that_never_gathers_its_nodes_says_so_in_one_line(tmp_path):
     """One node of two: it says that it waits, then, at its join timeout, what it waited for."""
     port = free_port()
