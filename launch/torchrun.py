@@ -153,7 +153,19 @@ def failure_line(rank: int, failure: ProcessFailure, args: argparse.Namespace) -
     where = f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()})"
     if failure.exitcode < 0:
         return f"launch: {where} was killed by {failure.signal_name()}"
-    return f"launch: {where} exited with code {failure.exitcode}; its output above says why"
+    logs = rank_logs(args, failure.local_rank)
+    if on_console(args, failure.local_rank) or logs is None:
+        return f"launch: {where} exited with code {failure.exitcode}; its output above says why"
+    return f"launch: {where} exited with code {failure.exitcode}; its output, in {logs}, says why"
+
+
+def rank_logs(args: argparse.Namespace, local_rank: int) -> str | None:
+    """The folder of torchrun's files for a local rank's output (--redirects, --tee) in this
+    launch's log dir, <log dir>/<run>_<random>/attempt_N/<local rank>/: the newest attempt's."""
+    if not args.log_dir:
+        return None
+    found = glob.glob(os.path.join(args.log_dir, "*", "attempt_*", str(local_rank)))
+    return max(found, key=os.path.getmtime) if found else None
 
 
 def exit_code(failure: ProcessFailure) -> int:

@@ -539,6 +539,24 @@ def test_a_rendezvous_host_that_does_not_resolve_is_said_at_once(tmp_path):
     assert "host 'nosuchhost.invalid' does not resolve" in said[0], said[0]
 
 
+def test_a_failed_worker_whose_output_went_to_files_is_pointed_at_them(tmp_path):
+    """--redirects sends a worker's output to torchrun's files: the launch's one line names
+    their folder, where it said "its output above" with nothing above it."""
+    script = tmp_path / "worker.py"
+    script.write_text("import sys\nprint('boom', file=sys.stderr)\nsys.exit(3)\n")
+    proc = subprocess.run(
+        [sys.executable, str(LAUNCH / "torchrun.py"), "--standalone", "--nproc-per-node=1"]
+        + ["--redirects=3", "--log-dir=logs", str(script)],
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    said = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(said) == 1 and proc.returncode == 3, proc.stderr
+    (logs,) = (tmp_path / "logs").glob("*/attempt_0/0")
+    assert (logs / "stderr.log").read_text() == "boom\n"
+    where = logs.relative_to(tmp_path)
+    assert said[0].endswith(f"exited with code 3; its output, in {where}, says why"), said[0]
+
+
 def test_a_rendezvous_that_never_gathers_its_nodes_says_so_in_one_line(tmp_path):
     """One node of two: it says that it waits, then, at its join timeout, what it waited for."""
     port = free_port()
