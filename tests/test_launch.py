@@ -523,16 +523,22 @@ def test_a_rendezvous_on_a_port_in_use_names_the_endpoint_in_one_line(tmp_path):
     assert "RDZV_ENDPOINT=HOST:PORT" in said[0] and proc.returncode == 1
 
 
+def launched(tmp_path, worker: str, *flags: str, timeout: float = 60):
+    """launch/torchrun.py with one worker running the Python `worker`, and `flags`."""
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    command = [sys.executable, str(LAUNCH / "torchrun.py"), "--nproc-per-node=1", *flags]
+    return subprocess.run(
+        [*command, str(script)], cwd=tmp_path, env=script_env(), capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
 def test_a_rendezvous_host_that_does_not_resolve_is_said_at_once(tmp_path):
     """A misspelt RDZV_ENDPOINT host: one line naming it, at once, where the agent waited out
     read_timeout (60 s) and advised starting the node at that address first."""
-    script = tmp_path / "worker.py"
-    script.write_text("pass\n")
-    proc = subprocess.run(
-        [sys.executable, str(LAUNCH / "torchrun.py"), "--nproc-per-node=1", "--nnodes=1"]
-        + ["--rdzv-backend=c10d", "--rdzv-endpoint=nosuchhost.invalid:29412", str(script)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    flags = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=nosuchhost.invalid:29412"]
+    proc = launched(tmp_path, "pass\n", *flags, timeout=30)
     said = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(said) == 1 and proc.returncode == 1, proc.stderr
     assert said[0].startswith("launch: the rendezvous endpoint nosuchhost.invalid:29412: its ")
@@ -542,13 +548,8 @@ def test_a_rendezvous_host_that_does_not_resolve_is_said_at_once(tmp_path):
 def test_a_failed_worker_whose_output_went_to_files_is_pointed_at_them(tmp_path):
     """--redirects sends a worker's output to torchrun's files: the launch's one line names
     their folder, where it said "its output above" with nothing above it."""
-    script = tmp_path / "worker.py"
-    script.write_text("import sys\nprint('boom', file=sys.stderr)\nsys.exit(3)\n")
-    proc = subprocess.run(
-        [sys.executable, str(LAUNCH / "torchrun.py"), "--standalone", "--nproc-per-node=1"]
-        + ["--redirects=3", "--log-dir=logs", str(script)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    worker = "import sys\nprint('boom', file=sys.stderr)\nsys.exit(3)\n"
+    proc = launched(tmp_path, worker, "--standalone", "--redirects=3", "--log-dir=logs")
     said = (proc.stdout + proc.stderr).strip().splitlines()
     assert len(said) == 1 and proc.returncode == 3, proc.stderr
     (logs,) = (tmp_path / "logs").glob("*/attempt_0/0")
