@@ -270,6 +270,13 @@ def test_a_data_set_smaller_than_a_batch_per_process_is_one_config_line():
         build_dataloader(cfg, TensorDataset(torch.arange(0)), rt, seed=0, train=False)
     assert str(err.value).startswith("data._target_='mypkg.Data': its split='eval' holds no ")
 
+    class Stream(torch.utils.data.IterableDataset):  # a user's iterable data set
+        def __iter__(self):
+            yield from range(8)
+
+    with pytest.raises(ConfigError, match="'mypkg.Data': is an iterable data set; mgpu shards"):
+        build_dataloader(cfg, Stream(), rt, seed=0, train=True)
+
 
 # A process that ends through mgpu's exit_process (train.py's end) while a multiprocessing
 # queue's feeder thread is still sending: the item's pickling, which the feeder does, takes

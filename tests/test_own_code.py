@@ -151,3 +151,18 @@ def test_a_model_that_breaks_the_forward_contract_is_one_line_naming_it():
         ModelLoss(_LogitsAndLoss(), None)(x, y)
     said = str(err.value)
     assert "forward(inputs, targets) returned a tuple, not the loss: return the loss alone" in said
+
+
+def test_a_model_with_nothing_to_train_is_one_line_naming_it():
+    """No parameter that requires grad (none at all, or all frozen): the optimizer's build says
+    so, where autograd's "element 0 of tensors does not require grad" came at the first step."""
+    from mgpu.config.checks import ConfigError
+    from mgpu.config.schema import OptimConfig
+    from mgpu.optim.optimizer import build_optimizer
+
+    frozen = _DictOut().requires_grad_(False)
+    for model in (torch.nn.Identity(), frozen):
+        with pytest.raises(ConfigError) as err:
+            build_optimizer(OptimConfig(), model, torch.device("cpu"))
+        said = str(err.value)
+        assert said.startswith(f"model='{type(model).__name__}': has no parameters that require")

@@ -23,7 +23,7 @@ from multiprocessing.context import BaseContext
 from types import ModuleType
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from mgpu.config.checks import ConfigError
 from mgpu.config.targets import build_from_target
@@ -58,6 +58,10 @@ def build_dataloader(
     """A DataLoader over this rank's shard; train loaders drop ragged last batches and, unless
     `stream=False`, iterate epoch after epoch without end (ShardedSampler's stream_batch: the
     workers run on into the next epoch; set_epoch before iterating says where to start)."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        why = "is an iterable data set; mgpu shards a map-style one across the processes by "
+        why += "index: give the class __len__ and __getitem__ (torch.utils.data.Dataset)"
+        raise ConfigError("data._target_", cfg._target_, why)
     # A dataset that augments per epoch (`sample_keys`) gets SampleKeys from the train sampler.
     keyed = train and getattr(dataset, "sample_keys", False)
     stream = train if stream is None else stream and train

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from mgpu.config.checks import ConfigError
 from mgpu.config.schema import OptimConfig, OptimizerName
 
 
@@ -25,6 +26,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(cfg: OptimConfig, model: nn.Module, device: torch.device):
     groups = param_groups(model, cfg.weight_decay)
+    if not any(group["params"] for group in groups):  # else autograd's words at the first step
+        why = "has no parameters that require grad, so nothing to train; give it some, or "
+        raise ConfigError("model", type(model).__name__, why + "unfreeze those it has")
     # Fused kernels update all parameters in a few launches and can skip an update on a device
     # flag (mgpu.train.guard): a non-finite step costs no host sync. CPU and CUDA run the same path.
     if cfg.name is OptimizerName.adamw:
