@@ -166,3 +166,37 @@ def test_a_model_with_nothing_to_train_is_one_line_naming_it():
             build_optimizer(OptimConfig(), model, torch.device("cpu"))
         said = str(err.value)
         assert said.startswith(f"model='{type(model).__name__}': has no parameters that require")
+
+
+DICT_DATA = """
+import torch
+
+
+class Named(torch.utils.data.Dataset):
+    def __init__(self, split: str):
+        pass
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        return {"inputs": torch.rand(3, 8, 8), "targets": index % 10}
+"""
+
+
+def test_a_data_set_of_dict_items_stops_at_its_first_batch_in_one_line(tmp_path):
+    """Items as dicts: the default collate makes dict batches, whose keys an (inputs, targets)
+    unpacking handed the model as its inputs (a str, failing in the user's own layers). The
+    first batch, which every rank reads before the first step, says it: one line, exit 2."""
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "nets.py").write_text(NETS)
+    (tmp_path / "mypkg" / "data.py").write_text(DICT_DATA)
+    args = ["model=custom", "model._target_=mypkg.nets.TwoLayer", "+model.kwargs.width=16"]
+    args += [f"+model.kwargs.record={tmp_path}", "data=custom", "data._target_=mypkg.data.Named"]
+    args += ["data.batch_size=8", "data.num_workers=0", "optim=sgd", "trainer.max_steps=2"]
+    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=None)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "are dicts" in line]
+    assert len(said) == 1 and "data=['inputs', 'targets']: the data set's batches" in said[0]
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -6,12 +6,13 @@ bad input found there stops them all alike."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from mgpu.config.checks import ConfigError
 from mgpu.data.batches import to_device
 from mgpu.data.prefetch import DeviceLoader
 from mgpu.runtime.dist import BAD_INPUT, RunStopped, Runtime, all_ok, waiting
@@ -80,6 +81,10 @@ def first_batch_everywhere(
     watch.beat(step, watchdog.DATA)
     try:
         first = [next(batches)]
+        if isinstance(first[0], Mapping):  # unpacked as (inputs, targets), its keys would be
+            why = "the data set's batches are dicts, not (inputs, targets) pairs: return a tuple "
+            why += "(inputs, target) from its __getitem__, or give it a collate attribute that "
+            raise ConfigError("data", sorted(first[0]), why + "makes such batches")
     except StopIteration:
         first = []
     except RunStopped as err:
