@@ -55,9 +55,10 @@ def test_builtin_choices_compose_and_validate(overrides, token_file):
 
 
 def test_the_saved_config_names_the_datas_files_from_anywhere(token_file):
-    """config.yaml and the checkpoints hold a relative data.path made absolute (mgpu.evaluate
-    run from another directory finds the file); the ranks compare the config as given (nodes
-    may start in other directories of one layout); a path that names nothing is left alone."""
+    """config.yaml and the checkpoints hold a relative data.path (and data.tokenizer) made
+    absolute (mgpu.evaluate run from another directory finds the file); the ranks compare the
+    config as given (nodes may start in other directories of one layout); a path that names
+    nothing is left alone."""
     folder = Path(token_file).parent
     cfg = compose_config("data=tokens", "data.path=train.bin")
     assert OmegaConf.create(resolved_yaml(cfg)).data.path == "train.bin"
@@ -70,6 +71,13 @@ def test_the_saved_config_names_the_datas_files_from_anywhere(token_file):
     rest = OmegaConf.create(resolved_yaml(cfg, files_from=folder))
     rest.data.path = "train.bin"
     assert rest == OmegaConf.create(resolved_yaml(cfg))
+    # a tokenizer.json named from the start directory too; bytes, none and auto name no file,
+    # even where the directory holds one of that name
+    (folder / "t.json").write_text("{}")
+    (folder / "bytes").write_text("")
+    for tokenizer, saved in (("t.json", str(folder / "t.json")), ("bytes", "bytes")):
+        named = compose_config("data=tokens", "data.path=train.bin", f"data.tokenizer={tokenizer}")
+        assert OmegaConf.create(resolved_yaml(named, files_from=folder)).data.tokenizer == saved
 
 
 def test_gpt2_small_is_the_124m_shape():

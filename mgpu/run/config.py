@@ -153,23 +153,25 @@ def _image_shape(data: DataConfig) -> tuple[int | None, int | None]:
 
 
 # The data keys that name the user's files (mgpu's token and image data sets)
-DATA_FILES = ("path", "eval_path")
+DATA_FILES = ("path", "eval_path", "tokenizer")  # a tokenizer.json's path (not auto/bytes/none)
+TOKENIZER_WORDS = ("auto", "bytes", "none")  # data.tokenizer's values that name no file
 
 
 def resolved_yaml(cfg: DictConfig, files_from: Path | None = None) -> str:
     """The composed config without Hydra's own node, resolved, as YAML: what the ranks compare at
     start-up (as given: nodes may start in other directories of one layout) and, with
     `files_from` (the working directory), what the run directory's config.yaml and every
-    checkpoint hold: there a relative data.path or data.eval_path that names a file or folder
-    from `files_from` is made absolute, so mgpu.evaluate, a resume or a look at the config from
-    another directory finds the same data."""
+    checkpoint hold: there a relative data.path, data.eval_path or data.tokenizer that names a
+    file or folder from `files_from` is made absolute, so mgpu.evaluate, a resume or a look at
+    the config from another directory finds the same data."""
     resolved = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
     if files_from is not None and isinstance(resolved.get("data"), DictConfig):
         resolved = OmegaConf.create(OmegaConf.to_container(resolved, resolve=True))
         for key in DATA_FILES:
             value = resolved.data.get(key)
             # "" (no eval folder) and absolute paths stay; a relative one that names nothing too
-            if isinstance(value, str) and value and os.path.exists(files_from / value):
+            named = isinstance(value, str) and value and value not in TOKENIZER_WORDS
+            if named and os.path.exists(files_from / value):
                 resolved.data[key] = os.path.abspath(files_from / value)
     return OmegaConf.to_yaml(resolved, resolve=True)
 
