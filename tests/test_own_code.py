@@ -94,18 +94,20 @@ def test_a_model_and_dataset_from_the_working_directory_train(tmp_path, monkeypa
             "takes no argument 'widht' (did you mean width?) and needs 'width'",
         ),
         ("+data.kwargs.bogus=1", "Pixels takes no argument 'bogus'; it takes ['record']"),
+        # a value that does not fit the parameter's annotation (width: int)
+        ("+model.kwargs.width=abc", "TwoLayer takes width: int, and str is not one; give +"),
     ],
 )
 def test_arguments_that_do_not_fit_a_users_class_are_one_line_before_any_run(tmp_path, wrong, said):
-    """A misspelt, unknown or missing argument of the user's model or dataset: one line naming
-    the key and what the class takes, exit 2, no run directory (not a TypeError traceback from
-    every rank after the run started)."""
+    """A misspelt, unknown, missing or mistyped argument of the user's model or dataset: one
+    line naming the key and what the class takes, exit 2, no run directory (not a TypeError
+    traceback from every rank after the run started)."""
     (tmp_path / "mypkg").mkdir()
     (tmp_path / "mypkg" / "__init__.py").write_text("")
     (tmp_path / "mypkg" / "nets.py").write_text(NETS)
     (tmp_path / "mypkg" / "data.py").write_text(DATA)
     given = {"+model.kwargs.width=16", f"+model.kwargs.record={tmp_path}"}
-    if wrong.startswith("+model.kwargs.widht"):
+    if wrong.startswith("+model.kwargs.wid"):
         given = {wrong if a.startswith("+model.kwargs.width") else a for a in given}
     else:
         given.add(wrong)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import typing
 from typing import Any
 
 from hydra.utils import get_object
@@ -41,6 +42,28 @@ def check_arguments(key: str, target: str, factory: Any, kwargs: dict[str, Any],
         what = " and ".join(said) if said else f"cannot be called so: {err}"
         why = f"{target} {what}; it takes {takes}, each set as +{key}.kwargs.NAME=VALUE"
         raise ConfigError(f"{key}.kwargs", kwargs, why) from None
+    _check_types(key, target, factory, kwargs)
+
+
+# The annotations a value from the command line is checked against, and the Python types that
+# fit each (Hydra reads 16 as int, 1e-3 as float, true as bool, abc as str).
+_FITS = {int: (int,), float: (int, float), bool: (bool,)}
+
+
+def _check_types(key: str, target: str, factory: Any, kwargs: dict[str, Any]) -> None:
+    """A value whose parameter is annotated int, float or bool and that is not one (width=abc):
+    said as the key's config error, not as the TypeError deep in the user's layers."""
+    try:
+        hints = typing.get_type_hints(factory.__init__ if inspect.isclass(factory) else factory)
+    except Exception:  # noqa: BLE001 - a forward reference it cannot resolve: nothing checked
+        return
+    for name, value in kwargs.items():
+        fits = _FITS.get(hints.get(name))
+        if fits and (not isinstance(value, fits) or (bool not in fits and isinstance(value, bool))):
+            kind = hints[name].__name__
+            why = f"{target} takes {name}: {kind}, and {type(value).__name__} is not one; "
+            why += f"give +{key}.kwargs.{name}=<{kind}>"
+            raise ConfigError(f"{key}.kwargs.{name}", value, why)
 
 
 def build_from_target(key: str, target: str, kwargs: dict[str, Any], **extra: Any) -> Any:
