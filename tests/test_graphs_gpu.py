@@ -224,3 +224,25 @@ def test_auto_replays_an_uncompiled_model_on_one_gpu():
     assert isinstance(auto.forward_loss, GraphedLoss)
     off = Trainer(TrainerConfig(compile=False, cuda_graphs=False), model, optimizer, schedule, rt)
     assert isinstance(off.forward_loss, ModelLoss)
+
+
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return {"logits": self.linear(x)}
+
+
+def test_a_model_that_breaks_the_forward_contract_is_said_as_such_not_as_a_capture():
+    """The capture's warm-up runs the eager step, which finds the model's dict output: the
+    config error naming the model goes out as it is (exit 2), not as a failed capture that
+    advises trainer.cuda_graphs=false."""
+    from mgpu.config.checks import ConfigError
+    from mgpu.models.loss import cross_entropy
+
+    graphed = GraphedLoss(DictOut().cuda(), cross_entropy, None, required=True)
+    x, y = torch.randn(4, 8, device="cuda"), torch.randint(0, 4, (4,), device="cuda")
+    with pytest.raises(ConfigError, match="model='DictOut': its forward returned a dict"):
+        graphed(x, y)

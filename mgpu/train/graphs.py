@@ -261,6 +261,8 @@ class GraphedLoss:
         rng = torch.cuda.get_rng_state(inputs.device)
         try:
             self._record(inputs, targets)
+        except ConfigError:  # the model breaks mgpu's contract (ModelLoss): said as it is
+            raise
         except Exception as err:
             raise CaptureError(
                 f"trainer.cuda_graphs: capturing {type(self.model).__name__} and its loss as CUDA "

@@ -22,7 +22,8 @@ class ModelLoss(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # A user's model that breaks the contract is said here in one line (exit 2), where the
-        # loss or the backward would fail deep in the step. Compiled, the checks are the trace's.
+        # loss or the backward would fail deep in the step. Host checks of what the (possibly
+        # compiled) model returned; under CUDA graphs they run in the capture's warm-up.
         if self.loss_fn is None:
             loss = self.model(inputs, targets)
             if not isinstance(loss, torch.Tensor):
