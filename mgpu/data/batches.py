@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from mgpu.config.checks import ConfigError
+
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -67,7 +69,7 @@ def transform_inputs(batch: Any, fn: Transform) -> Any:
     """`fn` applied to the inputs of an (inputs, targets, ...) batch; the rest is untouched."""
     if isinstance(batch, (list, tuple)) and len(batch) > 0:
         return _rebuild(batch, [fn(batch[0]), *batch[1:]])
-    raise TypeError(
-        f"a device transform applies to the inputs of an (inputs, targets) batch, but this batch "
-        f"is a {type(batch).__name__}; set data.device_transform=none or yield (inputs, targets)"
-    )
+    # A config error (exit 2, one line on every rank, at the first batch they agree on)
+    why = "a device transform applies to the inputs of an (inputs, targets) batch, but this "
+    why += f"batch is a {type(batch).__name__}; set data.device_transform=none or yield "
+    raise ConfigError("data.device_transform", "auto", why + "(inputs, targets)")
