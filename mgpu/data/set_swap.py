@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,6 +36,13 @@ def writing(dst: str) -> Iterator[bool]:
         except BlockingIOError:
             yield False
             return
+        except OSError as err:  # NFS, Lustre without flock: no lock on a folder there
+            print(
+                f"warning: DST={dst!r}: its file system takes no lock on a folder "
+                f"({err.strerror}), so another prepare_images writing it at the same time "
+                "would not be refused; run one at a time",
+                file=sys.stderr,
+            )
         yield True
     finally:
         os.close(fd)
