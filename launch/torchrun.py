@@ -67,6 +67,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousConnectionError,
     RendezvousTimeoutError,
 )
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint  # noqa: E402
 from torch.distributed.run import (  # noqa: E402
     determine_local_world_size,
     parse_args,
@@ -153,19 +154,23 @@ def failure_line(rank: int, failure: ProcessFailure, args: argparse.Namespace) -
     where = f"rank {rank} (local rank {failure.local_rank} on {socket.gethostname()})"
     if failure.exitcode < 0:
         return f"launch: {where} was killed by {failure.signal_name()}"
-    logs = rank_logs(args, failure.local_rank)
+    logs = rank_logs(args, failure)
     if on_console(args, failure.local_rank) or logs is None:
         return f"launch: {where} exited with code {failure.exitcode}; its output above says why"
     return f"launch: {where} exited with code {failure.exitcode}; its output, in {logs}, says why"
 
 
-def rank_logs(args: argparse.Namespace, local_rank: int) -> str | None:
-    """The folder of torchrun's files for a local rank's output (--redirects, --tee) in this
-    launch's log dir, <log dir>/<run>_<random>/attempt_N/<local rank>/: the newest attempt's."""
+def rank_logs(args: argparse.Namespace, failure: ProcessFailure) -> str | None:
+    """The folder of torchrun's files for a failed rank's output (--redirects, --tee):
+    <log dir>/<run>_<random>/attempt_N/<local rank>/, where its error file is (a worker that
+    wrote one); else the one such folder of the log dir, or the log dir where several nodes or
+    attempts share it."""
+    if os.path.isdir(os.path.dirname(failure.error_file or "")):
+        return os.path.dirname(failure.error_file)
     if not args.log_dir:
         return None
-    found = glob.glob(os.path.join(args.log_dir, "*", "attempt_*", str(local_rank)))
-    return max(found, key=os.path.getmtime) if found else None
+    found = glob.glob(os.path.join(args.log_dir, "*", "attempt_*", str(failure.local_rank)))
+    return found[0] if len(found) == 1 else f"{args.log_dir} (<run>/attempt_N/{failure.local_rank})"
 
 
 def exit_code(failure: ProcessFailure) -> int:
@@ -258,16 +263,17 @@ def unresolved_host(args: argparse.Namespace) -> str | None:
     conf = rdzv_conf(args)
     if args.standalone or args.rdzv_backend != "c10d" or conf.get("store_type") == "file":
         return None
-    host = (args.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
-    if not host:
-        return None
+    try:  # torch's own reading of HOST[:PORT] ([::1]:29400 too)
+        host, _ = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    except ValueError:
+        return None  # torch says what is wrong with it
     try:
         socket.getaddrinfo(host, None)
-    except socket.gaierror as err:
+    except (socket.gaierror, UnicodeError) as err:  # UnicodeError: a label over 63 characters
         return (
             f"launch: the rendezvous endpoint {args.rdzv_endpoint}: its host {host!r} does not "
-            f"resolve ({err.strerror}); give RDZV_ENDPOINT=HOST:PORT of the node that hosts "
-            "the rendezvous (under SLURM, its first node's)"
+            f"resolve ({getattr(err, 'strerror', None) or err}); give RDZV_ENDPOINT=HOST:PORT "
+            "of the node that hosts the rendezvous (under SLURM, its first node's)"
         )
     return None
 
@@ -275,9 +281,9 @@ def unresolved_host(args: argparse.Namespace) -> str | None:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)  # torchrun's own parser: its flags, its usage errors
     unresolved = unresolved_host(args)
-    if unresolved is not None:
+    if unresolved is not None:  # input that cannot work: exit 2, as a config error's
         print(unresolved, file=sys.stderr)
-        return 1
+        return 2
     try:
         several = determine_local_world_size(args.nproc_per_node) > 1
     except ValueError:

@@ -540,7 +540,7 @@ def test_a_rendezvous_host_that_does_not_resolve_is_said_at_once(tmp_path):
     flags = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=nosuchhost.invalid:29412"]
     proc = launched(tmp_path, "pass\n", *flags, timeout=30)
     said = (proc.stdout + proc.stderr).strip().splitlines()
-    assert len(said) == 1 and proc.returncode == 1, proc.stderr
+    assert len(said) == 1 and proc.returncode == 2, proc.stderr
     assert said[0].startswith("launch: the rendezvous endpoint nosuchhost.invalid:29412: its ")
     assert "host 'nosuchhost.invalid' does not resolve" in said[0], said[0]
 
