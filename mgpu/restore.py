@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -175,8 +176,9 @@ def _refuse_tokenizer_change(item: str, tree: DictConfig, run_dir: Path | str) -
     data = tree.get("data") or {}
     if key not in ("data.tokenizer", "data.tokenizer_sha256") or "tokenizer" not in data:
         return
-    if str(data.get(key.split(".")[1], "")) == value:
-        return  # the run's own: nothing changes
+    saved = str(data.get(key.split(".")[1], ""))
+    if value == saved or os.path.abspath(value) == os.path.abspath(saved):
+        return  # the run's own (config.yaml saves a tokenizer.json's path absolute)
     run = describe_tokenizer(data.tokenizer, data.get("tokenizer_sha256", ""))
     raise ConfigError(
         key,

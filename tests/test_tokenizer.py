@@ -517,6 +517,10 @@ def test_evaluate_refuses_tokens_of_another_tokenizer_and_says_how_to_fix(
         said = f"data.tokenizer='{tokenizer}': a trained checkpoint's tokenizer cannot be changed"
         assert said in line and fix in line and "copy" not in line, line
     assert kept.read_bytes() == before
+    # the run's own tokenizer named again, as a relative path (config.yaml saves it absolute)
+    text = (run_dir / "config.yaml").read_text()
+    own_path = os.path.relpath(yaml.safe_load(text)["data"]["tokenizer"])
+    assert saved_config(text, [f"data.tokenizer={own_path}"]).data.tokenizer.endswith(".json")
     # The fix: the same text prepared with the run's tokenizer is the run's own token file.
     fixed = tmp_path / "fixed.bin"
     prepare_main([str(bpe_run / "text.txt"), str(fixed), "--tokenizer", str(kept)])
