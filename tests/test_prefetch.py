@@ -287,8 +287,9 @@ def test_inputs_leave_in_the_memory_format_asked_for():
 
 
 def test_a_transform_needs_an_inputs_targets_batch():
+    # a config error: at the first batch, every rank stops in one line (mgpu.train.feed)
     loader = DataLoader(Batches("dict", n=2), batch_size=None)
-    with pytest.raises(TypeError, match="data.device_transform=none"):
+    with pytest.raises(ConfigError, match="data.device_transform=none"):
         next(iter(DeviceLoader(loader, "cpu", transform=torch.neg)))
 
 
