@@ -186,7 +186,8 @@ def check_same_model(loaded: Loaded, model: nn.Module, config: str, resume: str)
     more = f" (and {len(differ) - 1} more parameters differ)" if len(differ) > 1 else ""
     changed = _changed_settings(loaded.shared.get("config"), config, "model")
     since = f"; changed since: {changed}" if changed else ""
-    since += _changed_classes(loaded.shared.get("config"), config)
+    classes = _changed_classes(loaded.shared.get("config"), config)
+    since += f"; {classes}" if classes else ""
     raise CheckpointMismatch(
         f"the model does not match {source}: {differ[0]}{more}{since}. Resume with the model "
         f"settings it was trained with, or train this model afresh {_afresh(resume)}"
@@ -225,7 +226,7 @@ def _changed_classes(saved: str | None, current: str, shown: int = 3) -> str:
         return ""
     if sorted(old) == sorted(new):  # data.classes given in another order: other labels
         return (
-            f"; the same {len(old)} classes in another order (data.classes): set data.classes "
+            f"the same {len(old)} classes in another order (data.classes): set data.classes "
             "to the checkpoint's list (data.classes in its run's config.yaml)"
         )
     added, gone = [c for c in new if c not in old], [c for c in old if c not in new]
@@ -238,7 +239,7 @@ def _changed_classes(saved: str | None, current: str, shown: int = 3) -> str:
             "list (data.classes in its run's config.yaml)"
         )
     return (
-        f"; the class folders changed ({len(old)} -> {len(new)} classes; {'; '.join(said)}): "
+        f"the class folders changed ({len(old)} -> {len(new)} classes; {'; '.join(said)}): "
         + "; and ".join(fixes)
     )
 
@@ -307,8 +308,7 @@ def check_same_data(
     classes = _changed_classes(loaded.shared.get("config"), config_text)
     if classes:
         raise CheckpointMismatch(
-            f"{loaded.path} trained on other classes: {classes[2:]}; or train afresh "
-            + _afresh(resume)
+            f"{loaded.path} trained on other classes: {classes}; or train afresh " + _afresh(resume)
         )
     cursor = DataCursor.from_dict(loaded.shared["data"])
     if cursor.seed != sampler.seed:
